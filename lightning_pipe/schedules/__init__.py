@@ -1,0 +1,52 @@
+"""Pipeline schedules as data: generators of per-device action lists, and their validator."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from functools import lru_cache
+
+from lightning_pipe.schedules.communication import with_communication
+from lightning_pipe.schedules.gpipe import gpipe
+from lightning_pipe.schedules.interleaved import interleaved_1f1b
+from lightning_pipe.schedules.ir import STEP, Action, B, F, Kind, Schedule
+from lightning_pipe.schedules.one_f_one_b import one_f_one_b
+from lightning_pipe.schedules.validate import ScheduleError, dry_run, validate
+
+#: Synchronous (flushing) schedules: one optimizer step per training step, equal to one device.
+SYNC_SCHEDULES: dict[str, Callable[..., Iterator[Action]]] = {
+    "gpipe": gpipe,
+    "1f1b": one_f_one_b,
+    "interleaved_1f1b": interleaved_1f1b,
+}
+
+
+@lru_cache(maxsize=64)
+def build_schedule(name: str, stages: int, micro_batches: int, chunks: int = 1) -> Schedule:
+    """Generate, add communication to and validate the named schedule.
+
+    Args:
+        name: one of :data:`SYNC_SCHEDULES`.
+        stages: devices per pipeline.
+        micro_batches: micro-batches per training step.
+        chunks: chunks per device (only ``interleaved_1f1b`` uses more than one).
+    """
+    if name not in SYNC_SCHEDULES:
+        raise ValueError(f"unknown schedule {name!r}; choose one of {sorted(SYNC_SCHEDULES)}.")
+    generator = SYNC_SCHEDULES[name]
+    if name == "interleaved_1f1b":
+        compute = [list(generator(d, stages, micro_batches, chunks)) for d in range(stages)]
+    else:
+        if chunks != 1:
+            raise ValueError(f"schedule {name!r} runs one chunk per device; got chunks={chunks}.")
+        compute = [list(generator(d, stages, micro_batches)) for d in range(stages)]
+    actions = tuple(with_communication(c, d, stages, chunks) for d, c in enumerate(compute))
+    schedule = Schedule(name, stages, micro_batches, chunks, actions)
+    validate(schedule)
+    return schedule
+
+
+__all__ = [
+    "STEP", "Action", "B", "F", "Kind", "Schedule", "ScheduleError", "SYNC_SCHEDULES",
+    "build_schedule", "dry_run", "gpipe", "interleaved_1f1b", "one_f_one_b", "validate",
+    "with_communication",
+]

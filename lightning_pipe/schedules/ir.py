@@ -1,0 +1,112 @@
+"""The schedule IR: per-device ordered action lists.
+
+A schedule is data. The executor runs it, the validator proves it sound, and later the simulator and
+the timeline renderer read the very same lists, so a new schedule is one generator function.
+
+Vocabulary (ALGORITHMS.md section 0): ``P`` devices ("stages") per pipeline, each holding ``v``
+chunks; chunk ``c`` on device ``d`` is virtual stage ``c * P + d``; ``M`` micro-batches per step.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+
+class Kind(enum.Enum):
+    """What an :class:`Action` does."""
+
+    FORWARD = "F"
+    BACKWARD = "B"
+    STEP = "STEP"
+    RECV_ACTIVATION = "RECV_ACT"
+    SEND_ACTIVATION = "SEND_ACT"
+    RECV_GRADIENT = "RECV_GRAD"
+    SEND_GRADIENT = "SEND_GRAD"
+
+    @property
+    def is_compute(self) -> bool:
+        return self in (Kind.FORWARD, Kind.BACKWARD)
+
+    @property
+    def is_recv(self) -> bool:
+        return self in (Kind.RECV_ACTIVATION, Kind.RECV_GRADIENT)
+
+    @property
+    def is_send(self) -> bool:
+        return self in (Kind.SEND_ACTIVATION, Kind.SEND_GRADIENT)
+
+
+@dataclass(frozen=True)
+class Action:
+    """One instruction of a device's action list.
+
+    Args:
+        kind: what to do.
+        micro_batch: the micro-batch index (``None`` for STEP).
+        chunk: which of the device's chunks (virtual stages) the action belongs to.
+    """
+
+    kind: Kind
+    micro_batch: int | None = None
+    chunk: int = 0
+
+    def __str__(self) -> str:
+        if self.kind is Kind.STEP:
+            return "STEP"
+        chunk = f"c{self.chunk}" if self.chunk else ""
+        return f"{self.kind.value}{self.micro_batch}{chunk}"
+
+
+def F(micro_batch: int, chunk: int = 0) -> Action:
+    """Forward of ``micro_batch`` on ``chunk``."""
+    return Action(Kind.FORWARD, micro_batch, chunk)
+
+
+def B(micro_batch: int, chunk: int = 0) -> Action:
+    """Backward of ``micro_batch`` on ``chunk``."""
+    return Action(Kind.BACKWARD, micro_batch, chunk)
+
+
+STEP = Action(Kind.STEP)
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """Action lists of every device of one pipeline for one training step.
+
+    Args:
+        name: the generator that made it (``"gpipe"``, ``"1f1b"``, ...).
+        stages: devices per pipeline ``P``.
+        micro_batches: micro-batches per step ``M``.
+        chunks: chunks (virtual stages) per device ``v``.
+        actions: ``actions[d]`` is the ordered list device ``d`` executes.
+    """
+
+    name: str
+    stages: int
+    micro_batches: int
+    chunks: int
+    actions: tuple[tuple[Action, ...], ...] = field(repr=False)
+
+    @property
+    def virtual_stages(self) -> int:
+        return self.stages * self.chunks
+
+    def virtual_stage(self, device: int, chunk: int) -> int:
+        """Global index of ``chunk`` on ``device``."""
+        return chunk * self.stages + device
+
+    def locate(self, virtual_stage: int) -> tuple[int, int]:
+        """``(device, chunk)`` holding ``virtual_stage``."""
+        return virtual_stage % self.stages, virtual_stage // self.stages
+
+    def compute_actions(self, device: int) -> list[Action]:
+        """The device's actions without communication (what a picture or a table shows)."""
+        return [a for a in self.actions[device] if not (a.kind.is_send or a.kind.is_recv)]
+
+    def describe(self) -> str:
+        """One line per device, e.g. ``stage 0: F0 F1 B0 B1 STEP``."""
+        return "\n".join(
+            f"stage {d}: " + " ".join(map(str, self.compute_actions(d))) for d in range(self.stages)
+        )

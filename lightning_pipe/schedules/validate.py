@@ -1,0 +1,126 @@
+"""Prove a schedule sound before anything runs it.
+
+Checks, with one sentence per failure:
+
+* every micro-batch is forwarded and backwarded exactly once on every virtual stage, forward first;
+* compute actions are bracketed by the communication they need;
+* every send has its receive, in the same order on every channel (so NCCL, which ignores tags,
+  matches messages correctly);
+* a dry run, where sends never block and receives wait for their message, finishes: no deadlock.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, deque
+
+from lightning_pipe.schedules.communication import peer
+from lightning_pipe.schedules.ir import Action, Kind, Schedule
+
+
+class ScheduleError(ValueError):
+    """A schedule violates one of the IR's rules."""
+
+
+def _check_compute(schedule: Schedule) -> None:
+    expected = {(c, mb) for c in range(schedule.chunks) for mb in range(schedule.micro_batches)}
+    for device, actions in enumerate(schedule.actions):
+        seen_forward: set[tuple[int, int]] = set()
+        counts: Counter[tuple[Kind, int, int]] = Counter()
+        for action in actions:
+            if action.kind is Kind.STEP:
+                continue
+            key = (action.chunk, action.micro_batch)
+            if action.kind.is_compute:
+                counts[(action.kind, *key)] += 1
+            if action.kind is Kind.FORWARD:
+                seen_forward.add(key)
+            elif action.kind is Kind.BACKWARD and key not in seen_forward:
+                raise ScheduleError(f"stage {device}: {action} runs before its forward.")
+        for kind in (Kind.FORWARD, Kind.BACKWARD):
+            for chunk, mb in expected:
+                n = counts[(kind, chunk, mb)]
+                if n != 1:
+                    raise ScheduleError(
+                        f"stage {device}: {kind.value}{mb} of chunk {chunk} runs {n} times, expected once."
+                    )
+        extra = {(c, mb) for (_, c, mb) in counts} - expected
+        if extra:
+            raise ScheduleError(f"stage {device}: actions for unknown (chunk, micro-batch) {sorted(extra)}.")
+
+
+def dry_run(schedule: Schedule) -> list[tuple[int, Action]]:
+    """Execute the schedule symbolically and return the global order ``[(device, action), ...]``.
+
+    Sends never block (the executor only waits on sends at the end of a step); a receive blocks
+    until its message is at the head of its channel and must match it exactly.
+    """
+    P = schedule.stages
+    channels: dict[tuple[int, int, Kind], deque[tuple[int, int]]] = {}
+    position = [0] * P
+    order: list[tuple[int, Action]] = []
+    progress = True
+    while progress:
+        progress = False
+        for device in range(P):
+            actions = schedule.actions[device]
+            while position[device] < len(actions):
+                action = actions[position[device]]
+                if action.kind.is_send or action.kind.is_recv:
+                    other, other_chunk = peer(action.kind, device, action.chunk, P)
+                    payload = Kind.SEND_ACTIVATION if action.kind in (Kind.SEND_ACTIVATION, Kind.RECV_ACTIVATION) else Kind.SEND_GRADIENT
+                    if action.kind.is_send:
+                        key = (device, other, payload)
+                        channels.setdefault(key, deque()).append((other_chunk, action.micro_batch))
+                    else:
+                        queue = channels.get((other, device, payload))
+                        if not queue:
+                            break  # blocked: wait for the peer
+                        got = queue.popleft()
+                        if got != (action.chunk, action.micro_batch):
+                            raise ScheduleError(
+                                f"stage {device}: {action} would receive the message meant for "
+                                f"chunk {got[0]} micro-batch {got[1]}; sends and receives on a channel must be in the same order."
+                            )
+                order.append((device, action))
+                position[device] += 1
+                progress = True
+    stuck = [d for d in range(P) if position[d] < len(schedule.actions[d])]
+    if stuck:
+        where = ", ".join(f"stage {d} at {schedule.actions[d][position[d]]}" for d in stuck)
+        raise ScheduleError(f"schedule {schedule.name!r} deadlocks: {where} wait forever.")
+    leftover = {k: len(q) for k, q in channels.items() if q}
+    if leftover:
+        raise ScheduleError(f"schedule {schedule.name!r} sends messages nobody receives: {leftover}.")
+    return order
+
+
+def validate(schedule: Schedule) -> list[tuple[int, Action]]:
+    """Raise :class:`ScheduleError` unless ``schedule`` is sound; return the dry-run order."""
+    if len(schedule.actions) != schedule.stages:
+        raise ScheduleError(f"expected {schedule.stages} action lists, got {len(schedule.actions)}.")
+    _check_compute(schedule)
+    for device, actions in enumerate(schedule.actions):
+        _check_brackets(schedule, device, actions)
+    return dry_run(schedule)
+
+
+def _check_brackets(schedule: Schedule, device: int, actions: tuple[Action, ...]) -> None:
+    """Each compute action has the receive it needs before it and its send after it."""
+    last = schedule.virtual_stages - 1
+    received: set[tuple[Kind, int | None, int]] = set()
+    computed: set[tuple[Kind, int | None, int]] = set()
+    for action in actions:
+        vs = schedule.virtual_stage(device, action.chunk)
+        key = (action.micro_batch, action.chunk)
+        if action.kind.is_recv:
+            received.add((action.kind, *key))
+        elif action.kind is Kind.FORWARD and vs > 0 and (Kind.RECV_ACTIVATION, *key) not in received:
+            raise ScheduleError(f"stage {device}: {action} has no RECV_ACT before it.")
+        elif action.kind is Kind.BACKWARD and vs < last and (Kind.RECV_GRADIENT, *key) not in received:
+            raise ScheduleError(f"stage {device}: {action} has no RECV_GRAD before it.")
+        if action.kind.is_compute:
+            computed.add((action.kind, *key))
+        elif action.kind is Kind.SEND_ACTIVATION and (Kind.FORWARD, *key) not in computed:
+            raise ScheduleError(f"stage {device}: {action} sends before its forward ran.")
+        elif action.kind is Kind.SEND_GRADIENT and (Kind.BACKWARD, *key) not in computed:
+            raise ScheduleError(f"stage {device}: {action} sends before its backward ran.")
