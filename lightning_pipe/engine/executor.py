@@ -1,0 +1,279 @@
+"""Run one device's action list.
+
+The executor is the only place where compute and communication meet. It knows nothing about
+Lightning: a chunk is any callable ``fn(inputs, micro_batch)`` (see :mod:`.stage`), the first
+virtual stage receives ``inputs=None`` and reads its micro-batch, the last one returns a scalar
+loss. Tests and benchmarks drive it directly.
+
+Rules that keep it deadlock-free and overlapped:
+
+* sends are asynchronous and are only waited for at the end of :meth:`Executor.run` (gloo sends
+  complete when the peer receives, so waiting earlier can deadlock);
+* before each compute action, receives up to the next compute action are posted, so transfers run
+  while this rank computes (an activation's payload is posted once its header is read);
+* every wait goes through the :class:`~.watchdog.Watchdog`, so a failed peer ends this rank too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from lightning_pipe.engine.p2p import (
+    ACTIVATION_TAG, GRADIENT_TAG, Header, TensorMeta, Transport, is_differentiable,
+)
+from lightning_pipe.engine.watchdog import Watchdog
+from lightning_pipe.schedules.ir import Action, Kind, Schedule
+
+StageFn = Callable[[Any, Any], Any]
+Activation = Tensor | tuple[Tensor, ...]
+
+
+class StageOutputError(TypeError):
+    """A stage returned something that cannot cross a pipeline boundary."""
+
+
+@dataclass
+class _InFlight:
+    """What a forward leaves behind for its backward."""
+
+    inputs: tuple[Tensor, ...] = ()
+    output: Any = None
+    output_metas: tuple[TensorMeta, ...] = ()
+    input_grads: list[Tensor] = field(default_factory=list)
+
+
+@dataclass
+class _PendingReceive:
+    kind: Kind
+    src: int
+    header: tuple[Any, Tensor] | None = None
+    decoded: Header | None = None
+    payload: list[tuple[Any, Tensor]] | None = None
+
+
+def _as_tensors(value: Activation) -> tuple[Tensor, ...]:
+    return value if isinstance(value, tuple) else (value,)
+
+
+def _check_output(value: Any, where: str) -> Activation:
+    if isinstance(value, list):
+        value = tuple(value)
+    if isinstance(value, Tensor) or (isinstance(value, tuple) and value and all(isinstance(t, Tensor) for t in value)):
+        return value
+    raise StageOutputError(
+        f"{where} returned {type(value).__name__}; a pipeline stage must return a tensor or a tuple of "
+        "tensors. Move the layer that builds this value next to the layer that consumes it (change balance)."
+    )
+
+
+class Executor:
+    """Executes a :class:`~lightning_pipe.schedules.Schedule` on one device of one pipeline.
+
+    Args:
+        schedule_device: index of this device in the pipeline (``0 .. P-1``).
+        ranks: global rank of every device of this pipeline.
+        chunks: the callable of each chunk this device holds, indexed by chunk.
+        transport: point-to-point layer (``None`` only for single-device pipelines).
+        watchdog: bounds every wait; default: no error reports, 30 minutes.
+        names: human names of the chunks for error messages (e.g. ``"stage 1 (trunk layers 4-7)"``).
+    """
+
+    def __init__(
+        self,
+        schedule_device: int,
+        ranks: Sequence[int],
+        chunks: Sequence[StageFn],
+        transport: Transport | None = None,
+        watchdog: Watchdog | None = None,
+        names: Sequence[str] | None = None,
+    ) -> None:
+        self.device_index = schedule_device
+        self.ranks = list(ranks)
+        self.chunks = list(chunks)
+        self.transport = transport
+        self.watchdog = watchdog or Watchdog(timeout=1800.0)
+        self.names = list(names) if names else [f"stage {schedule_device} chunk {c}" for c in range(len(chunks))]
+        if len(self.ranks) > 1 and transport is None:
+            raise ValueError("a pipeline with more than one device needs a Transport.")
+
+    # ------------------------------------------------------------------ public
+    def run(
+        self,
+        schedule: Schedule,
+        micro_batches: Sequence[Any],
+        loss_weights: Sequence[float] | None = None,
+        step: Callable[[], None] | None = None,
+        scale_loss: Callable[[Tensor], Tensor] | None = None,
+    ) -> list[Tensor]:
+        """Run this device's actions for one step.
+
+        Args:
+            schedule: the schedule (all devices run the same one).
+            micro_batches: the ``M`` micro-batches (only the first and last stage read them).
+            loss_weights: each micro-batch loss is multiplied by its weight before backward
+                (default ``1/M``), so accumulated gradients are the mini-batch mean.
+            step: called at every STEP action (e.g. ``optimizer.step``); ``None`` skips it.
+            scale_loss: applied to the weighted loss before backward (fp16 loss scaling).
+
+        Returns:
+            The detached, unweighted loss of every micro-batch on the device holding the last
+            virtual stage; an empty list elsewhere.
+        """
+        if len(micro_batches) != schedule.micro_batches:
+            raise ValueError(f"schedule expects {schedule.micro_batches} micro-batches, got {len(micro_batches)}.")
+        self._schedule = schedule
+        self._micro_batches = micro_batches
+        self._weights = list(loss_weights) if loss_weights is not None else [1.0 / len(micro_batches)] * len(micro_batches)
+        self._scale_loss = scale_loss
+        self._in_flight: dict[tuple[int, int], _InFlight] = {}
+        self._received: dict[tuple[Kind, int, int], _PendingReceive] = {}
+        self._sends: list[tuple[Any, Tensor]] = []
+        self._losses: dict[int, Tensor] = {}
+        self._posted = 0
+        actions = schedule.actions[self.device_index]
+        try:
+            for index, action in enumerate(actions):
+                if action.kind.is_compute:
+                    self._post_receives(actions, index)
+                self._dispatch(action, step)
+            for work, _ in self._sends:
+                self.watchdog.wait(work, "a peer to receive this stage's last messages")
+        finally:
+            self._in_flight.clear()
+            self._received.clear()
+            self._sends = []
+        return [self._losses[j] for j in sorted(self._losses)]
+
+    # ------------------------------------------------------------------ actions
+    def _dispatch(self, action: Action, step: Callable[[], None] | None) -> None:
+        kind = action.kind
+        if kind is Kind.FORWARD:
+            self._forward(action)
+        elif kind is Kind.BACKWARD:
+            self._backward(action)
+        elif kind is Kind.SEND_ACTIVATION:
+            flight = self._in_flight[(action.chunk, action.micro_batch)]
+            self._sends += self.transport.send_activation(flight.output, self._peer_rank(action))
+        elif kind is Kind.SEND_GRADIENT:
+            flight = self._in_flight.pop((action.chunk, action.micro_batch))
+            self._sends += self.transport.send_gradients(flight.input_grads, self._peer_rank(action))
+        elif kind.is_recv:
+            pass  # consumed by the compute action that needs it (see _take)
+        elif kind is Kind.STEP:
+            if step is not None:
+                step()
+        else:  # pragma: no cover - new kinds must be handled explicitly
+            raise NotImplementedError(kind)
+
+    def _virtual_stage(self, chunk: int) -> int:
+        return self._schedule.virtual_stage(self.device_index, chunk)
+
+    def _forward(self, action: Action) -> None:
+        chunk, mb = action.chunk, action.micro_batch
+        vs = self._virtual_stage(chunk)
+        flight = _InFlight()
+        inputs = None
+        if vs > 0:
+            inputs = self._take_activation(action)
+            flight.inputs = tuple(t for t in _as_tensors(inputs) if t.requires_grad)
+        output = self.chunks[chunk](inputs, self._micro_batches[mb])
+        if vs == self._schedule.virtual_stages - 1:
+            if not isinstance(output, Tensor) or output.numel() != 1:
+                raise StageOutputError(f"{self.names[chunk]} must return a scalar loss, got {type(output).__name__}.")
+            self._losses[mb] = output.detach()
+        else:
+            output = _check_output(output, self.names[chunk])
+            flight.output_metas = Header.of(output).metas
+        flight.output = output
+        self._in_flight[(chunk, mb)] = flight
+
+    def _backward(self, action: Action) -> None:
+        chunk, mb = action.chunk, action.micro_batch
+        vs = self._virtual_stage(chunk)
+        flight = self._in_flight[(chunk, mb)]
+        if vs == self._schedule.virtual_stages - 1:
+            loss = flight.output * self._weights[mb]
+            if self._scale_loss is not None:
+                loss = self._scale_loss(loss)
+            if loss.requires_grad:
+                loss.backward()
+        else:
+            grads = self._take_gradients(action)
+            outputs = [t for t, m in zip(_as_tensors(flight.output), flight.output_metas) if is_differentiable(m)]
+            if outputs:
+                torch.autograd.backward(outputs, grads)
+        flight.output = None  # free the graph before anything else runs
+        if vs > 0:
+            flight.input_grads = [t.grad if t.grad is not None else torch.zeros_like(t) for t in flight.inputs]
+            flight.inputs = ()
+        else:
+            self._in_flight.pop((chunk, mb))
+
+    # ------------------------------------------------------------------ receives
+    def _peer_rank(self, action: Action) -> int:
+        vs = self._virtual_stage(action.chunk)
+        other = vs - 1 if action.kind in (Kind.RECV_ACTIVATION, Kind.SEND_GRADIENT) else vs + 1
+        return self.ranks[other % self._schedule.stages]
+
+    def _post_receives(self, actions: Sequence[Action], index: int) -> None:
+        """Post receives in list order up to the compute action after ``actions[index]``."""
+        if self.transport is None or not self.transport.tagged:
+            return  # untagged backends (NCCL) receive in strict order at the action itself
+        limit = next((k for k in range(index + 1, len(actions)) if actions[k].kind.is_compute), len(actions))
+        while self._posted <= limit and self._posted < len(actions):
+            action = actions[self._posted]
+            if action.kind.is_recv and not self._post(action):
+                break
+            self._posted += 1
+
+    def _post(self, action: Action) -> bool:
+        """Post one receive; ``False`` if it cannot be posted yet (gradient shapes unknown)."""
+        key = (action.kind, action.chunk, action.micro_batch)
+        if key in self._received:
+            return True
+        src = self._peer_rank(action)
+        pending = _PendingReceive(action.kind, src)
+        if action.kind is Kind.RECV_ACTIVATION:
+            pending.header = self.transport.post_header(src)
+        else:
+            flight = self._in_flight.get((action.chunk, action.micro_batch))
+            if flight is None:
+                return False
+            metas = [m for m in flight.output_metas if is_differentiable(m)]
+            pending.payload = self.transport.post_payload(metas, src, GRADIENT_TAG)
+        self._received[key] = pending
+        return True
+
+    def _post_payload(self, pending: _PendingReceive) -> None:
+        pending.decoded = Header.decode(pending.header[1])
+        pending.payload = self.transport.post_payload(pending.decoded.metas, pending.src, ACTIVATION_TAG)
+
+    def _take(self, action: Action) -> _PendingReceive:
+        key = (action.kind, action.chunk, action.micro_batch)
+        if key not in self._received:
+            if not self._post(action):
+                raise RuntimeError(f"{action} cannot be received before its forward ran.")
+        pending = self._received.pop(key)
+        what = f"{action} from rank {pending.src}"
+        if pending.payload is None:
+            self.watchdog.wait(pending.header[0], f"the header of {what}")
+            self._post_payload(pending)
+        for work, _ in pending.payload:
+            self.watchdog.wait(work, what)
+        return pending
+
+    def _take_activation(self, forward: Action) -> Activation:
+        pending = self._take(Action(Kind.RECV_ACTIVATION, forward.micro_batch, forward.chunk))
+        tensors = []
+        for (_, tensor), meta in zip(pending.payload, pending.decoded.metas):
+            tensors.append(tensor.requires_grad_() if is_differentiable(meta) else tensor)
+        return tuple(tensors) if pending.decoded.is_tuple else tensors[0]
+
+    def _take_gradients(self, backward: Action) -> list[Tensor]:
+        pending = self._take(Action(Kind.RECV_GRADIENT, backward.micro_batch, backward.chunk))
+        return [tensor for _, tensor in pending.payload]

@@ -1,0 +1,86 @@
+"""Building blocks for running a plain ``nn.Sequential`` as pipeline stages without Lightning."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
+
+
+def run_layers(layers: nn.Module, value: Any, recompute: bool = False) -> Any:
+    """Run ``layers`` on ``value``; with ``recompute`` keep only the input for backward.
+
+    Activation recomputation (``torch.utils.checkpoint``, non-reentrant) trades one extra forward
+    for not storing the stage's intermediate activations.
+    """
+    if recompute and torch.is_grad_enabled():
+        return checkpoint(layers, value, use_reentrant=False)
+    return layers(value)
+
+
+class SequentialStage:
+    """A chunk callable for :class:`~lightning_pipe.engine.executor.Executor`.
+
+    Args:
+        layers: the layers this chunk runs.
+        input_fn: first stage only: turns a micro-batch into the layers' input.
+        loss_fn: last stage only: ``loss_fn(output, micro_batch)`` returns the scalar loss.
+        recompute: recompute activations in backward instead of storing them.
+    """
+
+    def __init__(
+        self,
+        layers: nn.Module,
+        input_fn: Callable[[Any], Any] | None = None,
+        loss_fn: Callable[[Any, Any], Tensor] | None = None,
+        recompute: bool = False,
+    ) -> None:
+        self.layers = layers
+        self.input_fn = input_fn
+        self.loss_fn = loss_fn
+        self.recompute = recompute
+
+    def __call__(self, inputs: Any, micro_batch: Any) -> Any:
+        if inputs is None:
+            if self.input_fn is None:
+                raise ValueError("the first stage needs an input_fn that reads the micro-batch.")
+            inputs = self.input_fn(micro_batch)
+        output = run_layers(self.layers, inputs, self.recompute)
+        return output if self.loss_fn is None else self.loss_fn(output, micro_batch)
+
+
+def split_micro_batches(batch: Any, micro_batches: int) -> list[Any]:
+    """Split every tensor of a (nested) batch along dim 0 into ``micro_batches`` parts.
+
+    Non-tensor leaves are shared by all parts. Parts differ in size by at most one sample, like
+    ``torch.tensor_split``.
+    """
+
+    def part(value: Any, index: int) -> Any:
+        if isinstance(value, Tensor):
+            return value.tensor_split(micro_batches)[index]
+        if isinstance(value, Mapping):
+            return type(value)({k: part(v, index) for k, v in value.items()})
+        if isinstance(value, tuple) and hasattr(value, "_fields"):  # namedtuple
+            return type(value)(*(part(v, index) for v in value))
+        if isinstance(value, (list, tuple)):
+            return type(value)(part(v, index) for v in value)
+        return value
+
+    return [part(batch, i) for i in range(micro_batches)]
+
+
+def batch_size(batch: Any) -> int:
+    """Size of dim 0 of the first tensor found in a (nested) batch."""
+    if isinstance(batch, Tensor):
+        return batch.shape[0] if batch.dim() else 1
+    values: Sequence[Any] = list(batch.values()) if isinstance(batch, Mapping) else batch if isinstance(batch, (list, tuple)) else ()
+    for value in values:
+        try:
+            return batch_size(value)
+        except ValueError:
+            continue
+    raise ValueError("the batch holds no tensor, so it cannot be split into micro-batches.")
