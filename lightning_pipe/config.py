@@ -1,0 +1,82 @@
+"""Checks of a PipeStrategy configuration that run before any process group exists.
+
+Each failure is one :class:`PipeConfigError` sentence that says what to change.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from lightning.pytorch import LightningModule
+
+from lightning_pipe.partition import BalanceError, TrunkError, find_trunk, resolve_balance
+from lightning_pipe.schedules import SYNC_SCHEDULES
+
+
+class PipeConfigError(ValueError):
+    """A PipeStrategy option does not fit the Trainer or the module."""
+
+
+SCHEDULE_NAMES = tuple(SYNC_SCHEDULES)
+
+
+def check_options(schedule: str, micro_batches: int, stages: int | None, pipelines: int, chunks_per_stage: int) -> None:
+    """Checks that need neither the Trainer nor the module."""
+    if schedule not in SCHEDULE_NAMES:
+        raise PipeConfigError(f"schedule={schedule!r} is not available; choose one of {', '.join(SCHEDULE_NAMES)}.")
+    if micro_batches < 1:
+        raise PipeConfigError(f"micro_batches={micro_batches} must be at least 1.")
+    if stages is not None and stages < 1:
+        raise PipeConfigError(f"stages={stages} must be at least 1.")
+    if pipelines < 1:
+        raise PipeConfigError(f"pipelines={pipelines} must be at least 1.")
+    if chunks_per_stage < 1:
+        raise PipeConfigError(f"chunks_per_stage={chunks_per_stage} must be at least 1.")
+    if schedule != "interleaved_1f1b" and chunks_per_stage != 1:
+        raise PipeConfigError(
+            f"chunks_per_stage={chunks_per_stage} only applies to schedule='interleaved_1f1b'; leave it at 1 for {schedule!r}."
+        )
+
+
+def resolve_stages(world_size: int, stages: int | None, pipelines: int) -> int:
+    """The number of stages per pipeline, checked against the number of processes."""
+    if stages is None:
+        if world_size % pipelines:
+            raise PipeConfigError(
+                f"{world_size} processes (devices × num_nodes) cannot form {pipelines} pipelines; "
+                f"use a multiple of {pipelines} devices or change pipelines."
+            )
+        return world_size // pipelines
+    if stages * pipelines != world_size:
+        raise PipeConfigError(
+            f"stages={stages} × pipelines={pipelines} needs {stages * pipelines} processes but the Trainer has "
+            f"{world_size} (devices × num_nodes); set devices={stages * pipelines} or change stages/pipelines."
+        )
+    return stages
+
+
+def check_module(
+    module: LightningModule,
+    trunk_name: str | None,
+    balance: str | Sequence[int],
+    virtual_stages: int,
+    schedule: str,
+    stages: int,
+    micro_batches: int,
+) -> list[int]:
+    """Checks that need the module; returns the layer count of every virtual stage."""
+    if not module.automatic_optimization:
+        raise PipeConfigError(
+            f"{type(module).__name__} uses manual optimization, which pipeline schedules cannot drive; "
+            "set self.automatic_optimization = True or train it with strategy='ddp'."
+        )
+    if schedule == "interleaved_1f1b" and micro_batches % stages:
+        raise PipeConfigError(
+            f"interleaved_1f1b needs micro_batches to be a multiple of stages; micro_batches={micro_batches} with "
+            f"{stages} stages: use micro_batches={stages * max(1, round(micro_batches / stages))}."
+        )
+    try:
+        _, trunk = find_trunk(module, trunk_name)
+        return resolve_balance(balance, trunk, virtual_stages)
+    except (TrunkError, BalanceError) as error:
+        raise PipeConfigError(str(error)) from None

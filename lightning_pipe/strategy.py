@@ -1,0 +1,355 @@
+"""PipeStrategy: Lightning glue around the pipeline engine.
+
+Everything pipeline-specific lives in the engine (schedules, executor, p2p); this module only maps
+Lightning's hooks onto it:
+
+* ``connect``: validate the options against the Trainer and the module, before any process group.
+* ``setup_environment``: process groups per pipeline and per stage.
+* ``setup``: cut the trunk, keep this rank's layers, build the executor, then the optimizers.
+* ``training_step``: run the whole micro-batch schedule (forwards and backwards), stash the
+  gradients (Lightning zeroes gradients between ``training_step`` and ``backward``), replay the last
+  stage's ``self.log`` calls on every rank, return the detached loss.
+* ``backward``: put the stashed gradients back and all-reduce them across pipelines.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from datetime import timedelta
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.utilities.distributed import _sync_ddp_if_available
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.accelerators import Accelerator
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from torch import Tensor
+from torch.distributed import ReduceOp
+
+from lightning_pipe.config import PipeConfigError, check_module, check_options, resolve_stages
+from lightning_pipe.engine import Executor, Transport, Watchdog, batch_size, split_micro_batches
+from lightning_pipe.log_replay import LogCapture, combine, replay
+from lightning_pipe.module_stages import ModuleStages, step_loss
+from lightning_pipe.partition import find_trunk, stage_bounds
+from lightning_pipe.partition.split import PartitionedTrunk
+from lightning_pipe.schedules import SYNC_SCHEDULES, build_schedule
+from lightning_pipe.topology import Topology
+
+ScheduleName = Literal["gpipe", "1f1b", "interleaved_1f1b"]
+
+_DESCRIPTIONS = {
+    "gpipe": "GPipe pipeline: all forwards, then all backwards, one step per batch",
+    "1f1b": "1F1B (PipeDream-Flush) pipeline: GPipe's result with at most one micro-batch per stage in flight",
+    "interleaved_1f1b": "interleaved 1F1B pipeline: several chunks per device, a smaller bubble",
+}
+
+
+class PipeStrategy(DDPStrategy):
+    """Pipeline-parallel training of an ordinary LightningModule.
+
+    The module's trunk (one ``nn.Sequential`` attribute) is split into contiguous stages, one
+    process per stage; each batch is split into micro-batches that flow through the stages in the
+    order of the chosen schedule. Code in ``training_step`` before the trunk call runs on the first
+    stage, code after it (and the loss) on the last.
+
+    Args:
+        schedule: pipeline schedule. ``"gpipe"``: all forwards then all backwards (activation memory
+            grows with ``micro_batches``); ``"1f1b"``: same result, at most ``stages`` micro-batches in
+            flight; ``"interleaved_1f1b"``: ``chunks_per_stage`` chunks per device, bubble shrinks by that
+            factor, needs ``micro_batches`` to be a multiple of ``stages``. All three equal one-device
+            training exactly.
+        micro_batches: micro-batches each batch is split into (at most the batch size). More
+            micro-batches shrink the pipeline bubble ``(P-1)/(M+P-1)``; about ``4 × stages`` is a good start.
+        stages: processes per pipeline; default ``world_size // pipelines``.
+        pipelines: data-parallel pipeline replicas; each gets its own shard of the data and gradients
+            are averaged across them, so ``pipelines=N`` equals one device at ``N ×`` the batch size.
+        balance: how many trunk layers each stage gets: a list of counts (one per stage, or per virtual
+            stage for interleaved), ``"uniform"`` (equal counts) or ``"parameters"`` (balanced parameter
+            counts).
+        module: attribute path of the trunk ``nn.Sequential``; default: the module's only
+            ``nn.Sequential`` attribute.
+        chunks_per_stage: chunks (virtual stages) per device for ``"interleaved_1f1b"``; must stay 1 for
+            the other schedules.
+        checkpoint_activations: recompute each stage's activations during backward instead of keeping
+            them (less memory, one extra forward).
+        timeout: seconds any rank waits for a peer before failing with a clear error; a rank that
+            raises ends every other rank at once with its error message.
+        accelerator: set by the Trainer.
+        parallel_devices: set by the Trainer.
+        cluster_environment: set by the Trainer.
+        checkpoint_io: checkpoint writer plugin.
+        precision_plugin: set by the Trainer from ``precision=``.
+        process_group_backend: ``"gloo"`` or ``"nccl"``; default by device (gloo on CPU, NCCL on CUDA).
+    """
+
+    strategy_name = "pipe"
+
+    def __init__(
+        self,
+        schedule: ScheduleName = "1f1b",
+        micro_batches: int = 4,
+        stages: int | None = None,
+        pipelines: int = 1,
+        balance: str | list[int] = "uniform",
+        module: str | None = None,
+        chunks_per_stage: int | None = None,
+        checkpoint_activations: bool = False,
+        timeout: float = 1800.0,
+        accelerator: Accelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision_plugin: Precision | None = None,
+        process_group_backend: str | None = None,
+    ) -> None:
+        if chunks_per_stage is None:
+            chunks_per_stage = 2 if schedule == "interleaved_1f1b" else 1
+        check_options(schedule, micro_batches, stages, pipelines, chunks_per_stage)
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+            process_group_backend=process_group_backend,
+            timeout=timedelta(seconds=timeout),
+        )
+        self.schedule = schedule
+        self.micro_batches = micro_batches
+        self.stages = stages
+        self.pipelines = pipelines
+        self.balance = balance
+        self.module = module
+        self.chunks_per_stage = chunks_per_stage
+        self.checkpoint_activations = checkpoint_activations
+        self.timeout = timeout
+        self._counts: list[int] | None = None
+        self._topology: Topology | None = None
+        self._partition: PartitionedTrunk | None = None
+        self._executor: Executor | None = None
+        self._watchdog: Watchdog | None = None
+        self._grad_stash: list[Tensor | None] = []
+        self._generation = 0
+        self._seen_batch = False
+        self._layer_names: list[str] = []
+
+    # ------------------------------------------------------------------ registration
+    @classmethod
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        for name in SYNC_SCHEDULES:
+            if name not in strategy_registry:
+                strategy_registry.register(name, cls, description=_DESCRIPTIONS[name], schedule=name)
+
+    # ------------------------------------------------------------------ setup
+    @property
+    def world_size(self) -> int:
+        return self.num_nodes * self.num_processes
+
+    @property
+    def num_stages(self) -> int:
+        return resolve_stages(self.world_size, self.stages, self.pipelines)
+
+    @property
+    def num_pipelines(self) -> int:
+        return self.world_size // self.num_stages
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        return {"num_replicas": self.num_pipelines, "rank": self.global_rank // self.num_stages}
+
+    def connect(self, model: LightningModule) -> None:
+        super().connect(model)
+        stages = self.num_stages
+        self._counts = check_module(
+            model, self.module, self.balance, stages * self.chunks_per_stage, self.schedule, stages, self.micro_batches
+        )
+
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        self._topology = Topology(self.num_stages, self.num_pipelines, self.global_rank)
+        self._topology.create_groups()
+        self._generation += 1
+        self._watchdog = Watchdog.from_process_group(self.timeout, self._generation)
+
+    def setup(self, trainer: Trainer) -> None:
+        assert self.accelerator is not None and self.model is not None
+        self.accelerator.setup(trainer)
+        module = self.lightning_module
+        self.precision_plugin.convert_module(module)
+        if self._partition is None:
+            self._partition = self._cut(module)
+            rank_zero_info(self.describe())
+        self.model_to_device()
+        self._executor = self._build_executor()
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        if trainer.state.fn == TrainerFn.FITTING:
+            _optimizers_to_device(self.optimizers, self.root_device)
+
+    def _cut(self, module: LightningModule) -> PartitionedTrunk:
+        assert self._topology is not None and self._counts is not None
+        name, trunk = find_trunk(module, self.module)
+        topology = self._topology
+        local = [chunk * topology.stages + topology.stage for chunk in range(self.chunks_per_stage)]
+        self._layer_names = [type(layer).__name__ for layer in trunk]  # before other stages' layers go
+        return PartitionedTrunk(trunk, name, stage_bounds(self._counts), local, self.checkpoint_activations)
+
+    def _build_executor(self) -> Executor:
+        assert self._topology is not None and self._partition is not None
+        transport = None
+        if self._topology.stages > 1:
+            transport = Transport(self.root_device, tagged=self._get_process_group_backend() == "gloo")
+        return Executor(
+            self._topology.stage,
+            self._topology.pipeline_ranks,
+            [],  # chunk callables are bound per step (they close over the step's arguments)
+            transport,
+            self._watchdog,
+            names=[self._partition.describe_chunk(c) for c in range(len(self._partition.local))],
+        )
+
+    def describe(self) -> str:
+        """A table of the pipeline: schedule, stages, layers and parameters per stage."""
+        stages = self.num_stages
+        lines = [
+            f"lightning_pipe: {self.schedule}, {stages} stage(s) × {self.num_pipelines} pipeline(s), "
+            f"{self.micro_batches} micro-batches per batch"
+            + (f", {self.chunks_per_stage} chunks per stage" if self.chunks_per_stage > 1 else "")
+        ]
+        if self._counts is not None and self._partition is not None:
+            name = self._partition.name
+            for vs, (start, end) in enumerate(stage_bounds(self._counts)):
+                device, chunk = vs % stages, vs // stages
+                where = f"stage {device}" + (f" chunk {chunk}" if self.chunks_per_stage > 1 else "")
+                layers = ", ".join(self._layer_names[start:end])
+                lines.append(f"  {where}: {name}[{start}:{end}] ({end - start} layers): {layers}")
+        return "\n".join(lines)
+
+    # ------------------------------------------------------------------ training
+    def _micro_batch_count(self, n: int) -> int:
+        if n >= self.micro_batches:
+            return self.micro_batches
+        if not self._seen_batch:
+            raise PipeConfigError(
+                f"micro_batches={self.micro_batches} is larger than the batch size {n}; use micro_batches <= {n} "
+                "or a larger batch size."
+            )
+        # a short last batch: fewer, smaller micro-batches (interleaved needs a multiple of stages)
+        if self.schedule == "interleaved_1f1b":
+            count = n - n % self.num_stages
+            if count == 0:
+                raise PipeConfigError(
+                    f"a batch of {n} samples cannot feed {self.num_stages} interleaved stages; set drop_last=True in the DataLoader."
+                )
+            return count
+        return n
+
+    def training_step(self, *args: Any, **kwargs: Any) -> Tensor:
+        assert self._executor is not None and self._partition is not None and self._topology is not None
+        module = self.lightning_module
+        trainer = module.trainer
+        batch = args[0] if args else kwargs.pop("batch")
+        rest = args[1:]
+        n = batch_size(batch)
+        count = self._micro_batch_count(n)
+        self._seen_batch = True
+        micro_batches = split_micro_batches(batch, count)
+        sizes = [batch_size(mb) for mb in micro_batches]
+        weights = [s / n / trainer.accumulate_grad_batches for s in sizes]
+        schedule = build_schedule(self.schedule, self._topology.stages, count, self.chunks_per_stage)
+
+        params = self._trainable_parameters()
+        kept = [p.grad for p in params]
+        for p in params:
+            p.grad = None
+        capture = LogCapture(module)
+        stages = ModuleStages(
+            lambda mb: module.training_step(mb, *rest, **kwargs),
+            self._partition,
+            schedule.virtual_stages,
+            capture,
+            lambda out: step_loss(out, "training_step"),
+        )
+        self._executor.chunks = stages.chunk_callables()
+        scaler = getattr(self.precision_plugin, "scaler", None)
+        try:
+            with self.precision_plugin.train_step_context(), capture:
+                losses = self._executor.run(schedule, micro_batches, weights, scale_loss=scaler.scale if scaler else None)
+        except BaseException as error:
+            if self._watchdog is not None:
+                self._watchdog.report(error)
+            raise
+        self._grad_stash = [p.grad for p in params]
+        for p, grad in zip(params, kept):
+            p.grad = grad
+
+        loss = sum(s / n * float(l) for s, l in zip(sizes, losses)) if losses else 0.0
+        loss, records = self._from_last_stage((loss, combine(capture.records)))
+        replay(module, records)
+        return torch.tensor(loss, device=self.root_device)
+
+    def _trainable_parameters(self) -> list[torch.nn.Parameter]:
+        return [p for p in self.lightning_module.parameters() if p.requires_grad]
+
+    def _from_last_stage(self, payload: Any) -> Any:
+        """Broadcast ``payload`` from the pipeline's last stage to all its stages."""
+        topology = self._topology
+        assert topology is not None
+        if topology.stages == 1:
+            return payload
+        box = [payload if topology.is_last_stage else None]
+        try:
+            dist.broadcast_object_list(box, src=topology.last_stage_rank, group=topology.pipeline_group)
+        except RuntimeError as error:
+            raise self._watchdog.explain(error, "the last stage's metrics") from error
+        return box[0]
+
+    def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
+        """Restore the gradients the schedule computed (no autograd runs here)."""
+        module = self.lightning_module
+        closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
+        params = self._trainable_parameters()
+        for p, grad in zip(params, self._grad_stash):
+            if grad is not None:
+                p.grad = grad if p.grad is None else p.grad + grad
+        self._grad_stash = []
+        if self.num_pipelines > 1 and not module.trainer.fit_loop._should_accumulate():
+            self._average_across_pipelines(params)
+        return self.precision_plugin.post_backward(closure_loss, module)
+
+    def _average_across_pipelines(self, params: Sequence[torch.nn.Parameter]) -> None:
+        grads = [p.grad for p in params if p.grad is not None]
+        if not grads:
+            return
+        flat = torch._utils._flatten_dense_tensors(grads)
+        dist.all_reduce(flat, group=self._topology.stage_group)
+        flat /= self.num_pipelines
+        for grad, reduced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
+            grad.copy_(reduced)
+
+    # ------------------------------------------------------------------ collectives
+    def reduce(self, tensor: Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean") -> Any:
+        """``group=None`` reduces over the data-parallel (stage) group: every stage of a pipeline
+        already holds the same replayed value, so reducing over the world would count it once per stage."""
+        if not isinstance(tensor, Tensor):
+            return tensor
+        if group is None and self._topology is not None:
+            group = self._topology.stage_group
+        return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+
+    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
+        value = torch.tensor(int(decision), device=self.root_device)
+        value = _sync_ddp_if_available(value, None, reduce_op=ReduceOp.SUM)
+        return bool(value == self.world_size) if all else bool(value)
+
+    def on_exception(self, exception: BaseException) -> None:
+        if self._watchdog is not None:
+            self._watchdog.report(exception)
+        super().on_exception(exception)

@@ -1,0 +1,75 @@
+"""Who is who: world = pipelines × stages, one process per (pipeline, stage).
+
+Consecutive global ranks form one pipeline (``rank = pipeline * stages + stage``), so a pipeline's
+neighbours share a node. Two kinds of groups: a pipeline group (all stages of one pipeline: metric
+broadcast) and a stage group (the same stage across pipelines: gradient all-reduce).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch.distributed as dist
+
+
+@dataclass
+class Topology:
+    """Placement of this rank.
+
+    Args:
+        stages: devices per pipeline.
+        pipelines: data-parallel pipeline replicas.
+        rank: this process's global rank.
+    """
+
+    stages: int
+    pipelines: int
+    rank: int
+    pipeline_group: Any = field(default=None, repr=False)
+    stage_group: Any = field(default=None, repr=False)
+
+    @property
+    def world_size(self) -> int:
+        return self.stages * self.pipelines
+
+    @property
+    def stage(self) -> int:
+        return self.rank % self.stages
+
+    @property
+    def pipeline(self) -> int:
+        return self.rank // self.stages
+
+    @property
+    def pipeline_ranks(self) -> list[int]:
+        """Global ranks of this rank's pipeline, in stage order."""
+        return [self.pipeline * self.stages + s for s in range(self.stages)]
+
+    @property
+    def stage_ranks(self) -> list[int]:
+        """Global ranks holding this rank's stage, one per pipeline."""
+        return [p * self.stages + self.stage for p in range(self.pipelines)]
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.stage == self.stages - 1
+
+    @property
+    def last_stage_rank(self) -> int:
+        return self.pipeline_ranks[-1]
+
+    def create_groups(self) -> None:
+        """Create the pipeline and stage groups (every rank must call this, in the same order)."""
+        if self.world_size == 1 or not dist.is_initialized():
+            return
+        for p in range(self.pipelines):
+            ranks = [p * self.stages + s for s in range(self.stages)]
+            group = dist.new_group(ranks) if self.pipelines > 1 else dist.group.WORLD
+            if p == self.pipeline:
+                self.pipeline_group = group
+        for s in range(self.stages):
+            ranks = [p * self.stages + s for p in range(self.pipelines)]
+            group = dist.new_group(ranks) if self.stages > 1 else dist.group.WORLD
+            if s == self.stage:
+                self.stage_group = group

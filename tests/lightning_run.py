@@ -1,0 +1,122 @@
+"""A small Lightning training run, used both in-process (one-device reference) and as a script.
+
+Lightning's launcher re-executes ``sys.argv`` for every extra rank, so multi-process runs must be a
+script: ``python tests/lightning_run.py CONFIG_JSON OUT_DIR``. Every rank writes what it saw to
+``OUT_DIR/rank{r}.pt``: logged metrics per step, the loss returned per step, first-step
+gradients, final local weights.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from typing import Any
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import lightning_pipe  # noqa: E402  (registers the strategy names)
+
+
+class TrunkModel(L.LightningModule):
+    """Layers before the trunk (first stage), an nn.Sequential trunk, a head after it (last stage)."""
+
+    def __init__(self, width: int = 16, depth: int = 6, classes: int = 4, optimizer: str = "sgd", fail_at: int = -1,
+                 fail_rank: int = -1):
+        super().__init__()
+        torch.manual_seed(0)
+        self.pre = nn.Linear(8, width)
+        self.model = nn.Sequential(*[m for _ in range(depth) for m in (nn.Linear(width, width), nn.Tanh())])
+        self.head = nn.Linear(width, classes)
+        self.optimizer = optimizer
+        self.fail_at, self.fail_rank = fail_at, fail_rank
+
+    def training_step(self, batch, batch_idx):
+        if batch_idx == self.fail_at and self.global_rank == self.fail_rank:
+            raise ZeroDivisionError(f"deliberate failure at batch {batch_idx}")
+        x, y = batch
+        h = torch.relu(self.pre(x))
+        logits = self.head(self.model(h))
+        loss = F.cross_entropy(logits, y)
+        self.log("train_loss", loss, prog_bar=True)
+        self.log("train_acc", (logits.argmax(1) == y).float().mean())
+        self.log("seen", float(len(y)), reduce_fx="sum")
+        return loss
+
+    def configure_optimizers(self):
+        if self.optimizer == "adam":
+            return torch.optim.Adam(self.parameters(), lr=1e-2)
+        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+
+
+class Recorder(L.Callback):
+    def __init__(self):
+        self.metrics: list[dict[str, float]] = []
+        self.returned: list[float] = []
+        self.first_grads: dict[str, torch.Tensor] = {}
+
+    def on_before_optimizer_step(self, trainer, module, optimizer):
+        if not self.first_grads:
+            self.first_grads = {n: p.grad.clone() for n, p in module.named_parameters() if p.grad is not None}
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+        self.metrics.append({k: float(v) for k, v in trainer.callback_metrics.items()})
+        self.returned.append(float(outputs["loss"]))
+
+
+def make_data(n: int = 96, seed: int = 0) -> TensorDataset:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 8, generator=g)
+    y = (x[:, 0] > 0).long() + 2 * (x[:, 1] > 0).long()
+    return TensorDataset(x, y)
+
+
+def train(config: dict[str, Any]) -> dict[str, Any]:
+    """Train per ``config``; return this rank's record."""
+    L.seed_everything(0, verbose=False)
+    model = TrunkModel(**config.get("model", {}))
+    strategy = config.get("strategy")
+    if isinstance(strategy, dict):
+        strategy = lightning_pipe.PipeStrategy(**strategy)
+    recorder = Recorder()
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=config.get("devices", 1),
+        strategy=strategy or "auto",
+        max_epochs=config.get("epochs", 1),
+        max_steps=config.get("max_steps", -1),
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        use_distributed_sampler=False,
+        callbacks=[recorder],
+        **config.get("trainer", {}),
+    )
+    dataset = make_data(config.get("samples", 96))
+    sampler = None
+    pipelines = config.get("pipelines_in_sampler", 1)
+    if pipelines > 1:
+        sampler = DistributedSampler(dataset, num_replicas=pipelines, rank=trainer.global_rank // config["stages"], shuffle=False)
+    loader = DataLoader(dataset, batch_size=config.get("batch_size", 16), shuffle=False, sampler=sampler)
+    trainer.fit(model, loader)
+    return {
+        "rank": trainer.global_rank,
+        "metrics": recorder.metrics,
+        "returned": recorder.returned,
+        "grads": recorder.first_grads,
+        "state": {k: v.clone() for k, v in model.state_dict().items()},
+        "global_step": trainer.global_step,
+    }
+
+
+if __name__ == "__main__":
+    config = json.loads(sys.argv[1])
+    result = train(config)
+    torch.save(result, os.path.join(sys.argv[2], f"rank{result['rank']}.pt"))

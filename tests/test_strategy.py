@@ -1,0 +1,86 @@
+"""PipeStrategy through Lightning equals one-device training (the heart of the suite)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.launch import launch
+from tests.lightning_run import train
+
+pytestmark = pytest.mark.multiprocess
+
+STEPS = 4
+
+
+def merged_state(records):
+    """Whole-model weights from the ranks of pipeline 0: trunk layers from their owners,
+    layers before the trunk from stage 0, layers after it from the last stage."""
+    stages = [r for r in records if r["rank"] < len(records)]
+    first, last = records[0], records[-1]
+    state = {}
+    for record in records:
+        state.update({k: v for k, v in record["state"].items() if k.startswith("model.")})
+    state.update({k: v for k, v in first["state"].items() if k.startswith("pre.")})
+    state.update({k: v for k, v in last["state"].items() if k.startswith("head.")})
+    return state
+
+
+def assert_matches(reference, records, pipeline_ranks):
+    ranks = [records[r] for r in pipeline_ranks]
+    state = merged_state(ranks)
+    assert state.keys() == reference["state"].keys()
+    for key, value in reference["state"].items():
+        torch.testing.assert_close(state[key], value, rtol=1e-5, atol=1e-6, msg=key)
+    for record in records:  # every rank logged the same as one device, step by step
+        assert len(record["metrics"]) == len(reference["metrics"])
+        for got, want in zip(record["metrics"], reference["metrics"]):
+            for name in ("train_loss", "train_acc", "seen"):
+                assert got[name] == pytest.approx(want[name], rel=1e-5, abs=1e-6), name
+        assert record["returned"] == pytest.approx(reference["returned"], rel=1e-5)
+    grads = {}
+    for record in ranks:
+        grads.update({k: v for k, v in record["grads"].items() if k.startswith("model.")})
+    grads.update({k: v for k, v in ranks[0]["grads"].items() if k.startswith("pre.")})
+    grads.update({k: v for k, v in ranks[-1]["grads"].items() if k.startswith("head.")})
+    for key, value in reference["grads"].items():
+        torch.testing.assert_close(grads[key], value, rtol=1e-5, atol=1e-7, msg=key)
+
+
+@pytest.mark.parametrize(
+    "schedule,micro_batches,extra",
+    [("gpipe", 4, {}), ("1f1b", 4, {"checkpoint_activations": True}), ("interleaved_1f1b", 4, {"chunks_per_stage": 2})],
+)
+def test_two_stages_equal_one_device(schedule, micro_batches, extra):
+    reference = train({"max_steps": STEPS, "batch_size": 16, "model": {"optimizer": "adam"}})
+    code, output, records = launch({
+        "devices": 2, "max_steps": STEPS, "batch_size": 16, "model": {"optimizer": "adam"},
+        "strategy": {"schedule": schedule, "micro_batches": micro_batches, **extra},
+    })
+    assert code == 0, output[-3000:]
+    assert_matches(reference, records, [0, 1])
+
+
+def test_four_stages_short_last_batch_equal_one_device():
+    """4 stages, 1f1b, SGD momentum, a batch size that leaves a short last batch (96 = 5 × 18 + 6)."""
+    reference = train({"epochs": 1, "batch_size": 18})
+    code, output, records = launch({
+        "devices": 4, "epochs": 1, "batch_size": 18, "strategy": {"schedule": "1f1b", "micro_batches": 6, "balance": [3, 3, 3, 3]},
+    }, timeout=240)
+    assert code == 0, output[-3000:]
+    assert reference["global_step"] == records[0]["global_step"] == 6
+    assert_matches(reference, records, [0, 1, 2, 3])
+
+
+def test_two_pipelines_equal_one_device_at_double_batch():
+    reference = train({"max_steps": STEPS, "batch_size": 16})
+    code, output, records = launch({
+        "devices": 4, "max_steps": STEPS, "batch_size": 8, "stages": 2, "pipelines_in_sampler": 2,
+        "strategy": {"schedule": "1f1b", "micro_batches": 4, "pipelines": 2},
+    }, timeout=240)
+    assert code == 0, output[-3000:]
+    for pipeline in ([0, 1], [2, 3]):
+        ranks = [records[r] for r in pipeline]
+        state = merged_state(ranks)
+        for key, value in reference["state"].items():
+            torch.testing.assert_close(state[key], value, rtol=1e-5, atol=1e-6, msg=key)
