@@ -163,6 +163,10 @@ class PipeStrategy(DDPStrategy):
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         return {"num_replicas": self.num_pipelines, "rank": self.global_rank // self.num_stages}
 
+    def _configure_launcher(self) -> None:
+        resolve_stages(self.world_size, self.stages, self.pipelines)  # fail at Trainer(...), before launching
+        super()._configure_launcher()
+
     def connect(self, model: LightningModule) -> None:
         super().connect(model)
         stages = self.num_stages
