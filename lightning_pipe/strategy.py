@@ -31,11 +31,13 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor
 from torch.distributed import ReduceOp
+from torchmetrics import Metric
 
 from lightning_pipe.config import PipeConfigError, check_module, check_options, resolve_stages
 from lightning_pipe.engine import Executor, Transport, Watchdog, batch_size, split_micro_batches
 from lightning_pipe.log_replay import LogCapture, combine, replay
 from lightning_pipe.module_stages import ModuleStages, step_loss
+from lightning_pipe.outputs import detach_to_cpu, merge_outputs
 from lightning_pipe.partition import find_trunk, stage_bounds
 from lightning_pipe.partition.split import PartitionedTrunk
 from lightning_pipe.schedules import SYNC_SCHEDULES, build_schedule
@@ -190,12 +192,20 @@ class PipeStrategy(DDPStrategy):
             self._partition = self._cut(module)
             rank_zero_info(self.describe())
         self.model_to_device()
+        self._sync_metrics_within_stage_group(module)
         self._executor = self._build_executor()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
+
+    def _sync_metrics_within_stage_group(self, module: LightningModule) -> None:
+        # every stage of a pipeline holds a replica of the last stage's metric state (see
+        # log_replay), so metrics must only sync across pipelines, never across stages
+        for metric in module.modules():
+            if isinstance(metric, Metric):
+                metric.process_group = self._topology.stage_group
 
     def _cut(self, module: LightningModule) -> PartitionedTrunk:
         assert self._topology is not None and self._counts is not None
@@ -237,16 +247,16 @@ class PipeStrategy(DDPStrategy):
         return "\n".join(lines)
 
     # ------------------------------------------------------------------ training
-    def _micro_batch_count(self, n: int) -> int:
+    def _micro_batch_count(self, n: int, training: bool) -> int:
         if n >= self.micro_batches:
             return self.micro_batches
-        if not self._seen_batch:
+        if training and not self._seen_batch:
             raise PipeConfigError(
                 f"micro_batches={self.micro_batches} is larger than the batch size {n}; use micro_batches <= {n} "
                 "or a larger batch size."
             )
-        # a short last batch: fewer, smaller micro-batches (interleaved needs a multiple of stages)
-        if self.schedule == "interleaved_1f1b":
+        # a short last batch: fewer, smaller micro-batches (interleaved training needs a multiple of stages)
+        if training and self.schedule == "interleaved_1f1b":
             count = n - n % self.num_stages
             if count == 0:
                 raise PipeConfigError(
@@ -255,49 +265,79 @@ class PipeStrategy(DDPStrategy):
             return count
         return n
 
-    def training_step(self, *args: Any, **kwargs: Any) -> Tensor:
+    def _run_schedule(self, hook: str, args: tuple, kwargs: dict, training: bool) -> tuple[Any, list[Any], list[int], LogCapture]:
+        """Run the user's ``hook`` over the micro-batches of one batch through the pipeline.
+
+        Returns the schedule's outputs on the last stage (empty elsewhere), the micro-batch sizes,
+        the batch size and the captured ``self.log`` calls.
+        """
         assert self._executor is not None and self._partition is not None and self._topology is not None
         module = self.lightning_module
-        trainer = module.trainer
-        batch = args[0] if args else kwargs.pop("batch")
-        rest = args[1:]
+        batch, rest = args[0], args[1:]
         n = batch_size(batch)
-        count = self._micro_batch_count(n)
-        self._seen_batch = True
+        count = self._micro_batch_count(n, training)
         micro_batches = split_micro_batches(batch, count)
         sizes = [batch_size(mb) for mb in micro_batches]
-        weights = [s / n / trainer.accumulate_grad_batches for s in sizes]
-        schedule = build_schedule(self.schedule, self._topology.stages, count, self.chunks_per_stage)
-
-        params = self._trainable_parameters()
-        kept = [p.grad for p in params]
-        for p in params:
-            p.grad = None
+        schedule = build_schedule(self.schedule, self._topology.stages, count, self.chunks_per_stage, not training)
         capture = LogCapture(module)
+        user_step = getattr(module, hook)
         stages = ModuleStages(
-            lambda mb: module.training_step(mb, *rest, **kwargs),
+            lambda mb: user_step(mb, *rest, **kwargs),
             self._partition,
             schedule.virtual_stages,
             capture,
-            lambda out: step_loss(out, "training_step"),
+            (lambda out: step_loss(out, hook)) if training else (lambda out: out),
         )
         self._executor.chunks = stages.chunk_callables()
-        scaler = getattr(self.precision_plugin, "scaler", None)
+        weights = [s / n / module.trainer.accumulate_grad_batches for s in sizes] if training else None
+        scaler = getattr(self.precision_plugin, "scaler", None) if training else None
         try:
-            with self.precision_plugin.train_step_context(), capture:
-                losses = self._executor.run(schedule, micro_batches, weights, scale_loss=scaler.scale if scaler else None)
+            with capture:
+                outputs = self._executor.run(schedule, micro_batches, weights, scale_loss=scaler.scale if scaler else None)
         except BaseException as error:
             if self._watchdog is not None:
                 self._watchdog.report(error)
             raise
+        return outputs, sizes, n, capture
+
+    def training_step(self, *args: Any, **kwargs: Any) -> Tensor:
+        """Forwards and backwards of every micro-batch; returns the batch loss on every rank."""
+        module = self.lightning_module
+        params = self._trainable_parameters()
+        kept = [p.grad for p in params]
+        for p in params:
+            p.grad = None
+        with self.precision_plugin.train_step_context():
+            losses, sizes, n, capture = self._run_schedule("training_step", args, kwargs, training=True)
+        self._seen_batch = True
         self._grad_stash = [p.grad for p in params]
         for p, grad in zip(params, kept):
             p.grad = grad
-
         loss = sum(s / n * float(l) for s, l in zip(sizes, losses)) if losses else 0.0
-        loss, records = self._from_last_stage((loss, combine(capture.records)))
-        replay(module, records)
+        loss, records = self._from_last_stage((loss, combine(capture.records, module)))
+        replay(module, records, owner=self._topology.is_last_stage)
         return torch.tensor(loss, device=self.root_device)
+
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.val_step_context():
+            return self._forward_step("validation_step", args, kwargs)
+
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.test_step_context():
+            return self._forward_step("test_step", args, kwargs)
+
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.predict_step_context():
+            return self._forward_step("predict_step", args, kwargs)
+
+    def _forward_step(self, hook: str, args: tuple, kwargs: dict) -> Any:
+        """Forward-only pipeline; every rank returns the last stage's (merged) output and logs."""
+        module = self.lightning_module
+        outputs, sizes, _, capture = self._run_schedule(hook, args, kwargs, training=False)
+        merged = detach_to_cpu(merge_outputs(outputs, sizes)) if outputs else None
+        merged, records = self._from_last_stage((merged, combine(capture.records, module)))
+        replay(module, records, owner=self._topology.is_last_stage)
+        return merged
 
     def _trainable_parameters(self) -> list[torch.nn.Parameter]:
         return [p for p in self.lightning_module.parameters() if p.requires_grad]

@@ -16,6 +16,7 @@ from typing import Any
 import lightning as L
 import torch
 import torch.nn.functional as F
+import torchmetrics
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
@@ -36,6 +37,27 @@ class TrunkModel(L.LightningModule):
         self.head = nn.Linear(width, classes)
         self.optimizer = optimizer
         self.fail_at, self.fail_rank = fail_at, fail_rank
+        self.val_acc = torchmetrics.classification.MulticlassAccuracy(num_classes=classes, average="micro")
+        self.val_mae = torchmetrics.MeanAbsoluteError()
+
+    def forward(self, x):
+        return self.head(self.model(torch.relu(self.pre(x))))
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        logits = self(x)
+        self.log("val_loss", F.cross_entropy(logits, y), prog_bar=True)
+        self.val_acc(logits, y)
+        self.log("val_acc", self.val_acc)
+        self.val_mae(logits.softmax(1).max(1).values, torch.ones_like(y, dtype=torch.float))
+        self.log("val_mae", self.val_mae)
+
+    def test_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("test_loss", F.cross_entropy(self(x), y))
+
+    def predict_step(self, batch, batch_idx):
+        return self(batch[0]).softmax(1)
 
     def training_step(self, batch, batch_idx):
         if batch_idx == self.fail_at and self.global_rank == self.fail_rank:
@@ -57,6 +79,7 @@ class TrunkModel(L.LightningModule):
 
 class Recorder(L.Callback):
     def __init__(self):
+        self.val_metrics: list[dict[str, float]] = []
         self.metrics: list[dict[str, float]] = []
         self.returned: list[float] = []
         self.first_grads: dict[str, torch.Tensor] = {}
@@ -64,6 +87,10 @@ class Recorder(L.Callback):
     def on_before_optimizer_step(self, trainer, module, optimizer):
         if not self.first_grads:
             self.first_grads = {n: p.grad.clone() for n, p in module.named_parameters() if p.grad is not None}
+
+    def on_validation_end(self, trainer, module):
+        if not trainer.sanity_checking:
+            self.val_metrics.append({k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val")})
 
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
         self.metrics.append({k: float(v) for k, v in trainer.callback_metrics.items()})
@@ -105,8 +132,17 @@ def train(config: dict[str, Any]) -> dict[str, Any]:
     if pipelines > 1:
         sampler = DistributedSampler(dataset, num_replicas=pipelines, rank=trainer.global_rank // config["stages"], shuffle=False)
     loader = DataLoader(dataset, batch_size=config.get("batch_size", 16), shuffle=False, sampler=sampler)
-    trainer.fit(model, loader)
+    eval_loader = DataLoader(make_data(40, seed=1), batch_size=config.get("eval_batch_size", 12))
+    evaluate = config.get("evaluate", False)
+    trainer.fit(model, loader, eval_loader if evaluate else None)
+    results = {}
+    if evaluate:
+        results["validate"] = trainer.validate(model, eval_loader, verbose=False)
+        results["test"] = trainer.test(model, eval_loader, verbose=False)
+        results["predict"] = trainer.predict(model, eval_loader)
     return {
+        **results,
+        "val_metrics": recorder.val_metrics,
         "rank": trainer.global_rank,
         "metrics": recorder.metrics,
         "returned": recorder.returned,

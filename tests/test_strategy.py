@@ -52,13 +52,29 @@ def assert_matches(reference, records, pipeline_ranks):
     [("gpipe", 4, {}), ("1f1b", 4, {"checkpoint_activations": True}), ("interleaved_1f1b", 4, {"chunks_per_stage": 2})],
 )
 def test_two_stages_equal_one_device(schedule, micro_batches, extra):
-    reference = train({"max_steps": STEPS, "batch_size": 16, "model": {"optimizer": "adam"}})
+    """Training, mid-epoch validation (torchmetrics objects too), validate, test and predict."""
+    common = {"max_steps": STEPS, "batch_size": 16, "model": {"optimizer": "adam"}, "evaluate": True,
+              "trainer": {"val_check_interval": 2}}
+    reference = train(common)
     code, output, records = launch({
-        "devices": 2, "max_steps": STEPS, "batch_size": 16, "model": {"optimizer": "adam"},
-        "strategy": {"schedule": schedule, "micro_batches": micro_batches, **extra},
+        **common, "devices": 2, "strategy": {"schedule": schedule, "micro_batches": micro_batches, **extra},
     })
     assert code == 0, output[-3000:]
     assert_matches(reference, records, [0, 1])
+    assert len(reference["val_metrics"]) == 3  # two mid-epoch checks + trainer.validate
+    for record in records:
+        assert_close_dicts(record["val_metrics"], reference["val_metrics"])
+        assert_close_dicts(record["validate"], reference["validate"])
+        assert_close_dicts(record["test"], reference["test"])
+        torch.testing.assert_close(torch.cat(record["predict"]), torch.cat(reference["predict"]), rtol=1e-5, atol=1e-6)
+
+
+def assert_close_dicts(got: list[dict], want: list[dict]) -> None:
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        assert g.keys() == w.keys()
+        for key in w:
+            assert g[key] == pytest.approx(w[key], rel=1e-5, abs=1e-6), key
 
 
 def test_four_stages_short_last_batch_equal_one_device():

@@ -121,8 +121,9 @@ class Executor:
             scale_loss: applied to the weighted loss before backward (fp16 loss scaling).
 
         Returns:
-            The detached, unweighted loss of every micro-batch on the device holding the last
-            virtual stage; an empty list elsewhere.
+            What the last virtual stage returned for every micro-batch, on the device holding it
+            (the detached, unweighted loss when training; the raw output for a forward-only
+            schedule); an empty list elsewhere.
         """
         if len(micro_batches) != schedule.micro_batches:
             raise ValueError(f"schedule expects {schedule.micro_batches} micro-batches, got {len(micro_batches)}.")
@@ -133,7 +134,7 @@ class Executor:
         self._in_flight: dict[tuple[int, int], _InFlight] = {}
         self._received: dict[tuple[Kind, int, int], _PendingReceive] = {}
         self._sends: list[tuple[Any, Tensor]] = []
-        self._losses: dict[int, Tensor] = {}
+        self._outputs: dict[int, Any] = {}
         self._posted = 0
         actions = schedule.actions[self.device_index]
         try:
@@ -147,7 +148,7 @@ class Executor:
             self._in_flight.clear()
             self._received.clear()
             self._sends = []
-        return [self._losses[j] for j in sorted(self._losses)]
+        return [self._outputs[j] for j in sorted(self._outputs)]
 
     # ------------------------------------------------------------------ actions
     def _dispatch(self, action: Action, step: Callable[[], None] | None) -> None:
@@ -183,13 +184,18 @@ class Executor:
             flight.inputs = tuple(t for t in _as_tensors(inputs) if t.requires_grad)
         output = self.chunks[chunk](inputs, self._micro_batches[mb])
         if vs == self._schedule.virtual_stages - 1:
+            if self._schedule.forward_only:
+                self._outputs[mb] = output
+                return
             if not isinstance(output, Tensor) or output.numel() != 1:
                 raise StageOutputError(f"{self.names[chunk]} must return a scalar loss, got {type(output).__name__}.")
-            self._losses[mb] = output.detach()
+            self._outputs[mb] = output.detach()
         else:
             output = _check_output(output, self.names[chunk])
             flight.output_metas = Header.of(output).metas
         flight.output = output
+        if self._schedule.forward_only:
+            flight.output_metas = ()  # nothing to keep for a backward
         self._in_flight[(chunk, mb)] = flight
 
     def _backward(self, action: Action) -> None:

@@ -6,6 +6,7 @@ from collections.abc import Callable, Iterator
 from functools import lru_cache
 
 from lightning_pipe.schedules.communication import with_communication
+from lightning_pipe.schedules.forward_only import forward_only as forward_only_actions
 from lightning_pipe.schedules.gpipe import gpipe
 from lightning_pipe.schedules.interleaved import interleaved_1f1b
 from lightning_pipe.schedules.ir import STEP, Action, B, F, Kind, Schedule
@@ -21,7 +22,7 @@ SYNC_SCHEDULES: dict[str, Callable[..., Iterator[Action]]] = {
 
 
 @lru_cache(maxsize=64)
-def build_schedule(name: str, stages: int, micro_batches: int, chunks: int = 1) -> Schedule:
+def build_schedule(name: str, stages: int, micro_batches: int, chunks: int = 1, forward_only: bool = False) -> Schedule:
     """Generate, add communication to and validate the named schedule.
 
     Args:
@@ -29,24 +30,26 @@ def build_schedule(name: str, stages: int, micro_batches: int, chunks: int = 1) 
         stages: devices per pipeline.
         micro_batches: micro-batches per training step.
         chunks: chunks per device (only ``interleaved_1f1b`` uses more than one).
+        forward_only: the evaluation variant (forwards only, same placement of chunks).
     """
     if name not in SYNC_SCHEDULES:
         raise ValueError(f"unknown schedule {name!r}; choose one of {sorted(SYNC_SCHEDULES)}.")
-    generator = SYNC_SCHEDULES[name]
-    if name == "interleaved_1f1b":
-        compute = [list(generator(d, stages, micro_batches, chunks)) for d in range(stages)]
+    if chunks != 1 and name != "interleaved_1f1b":
+        raise ValueError(f"schedule {name!r} runs one chunk per device; got chunks={chunks}.")
+    if forward_only:
+        compute = [list(forward_only_actions(d, stages, micro_batches, chunks)) for d in range(stages)]
+    elif name == "interleaved_1f1b":
+        compute = [list(interleaved_1f1b(d, stages, micro_batches, chunks)) for d in range(stages)]
     else:
-        if chunks != 1:
-            raise ValueError(f"schedule {name!r} runs one chunk per device; got chunks={chunks}.")
-        compute = [list(generator(d, stages, micro_batches)) for d in range(stages)]
+        compute = [list(SYNC_SCHEDULES[name](d, stages, micro_batches)) for d in range(stages)]
     actions = tuple(with_communication(c, d, stages, chunks) for d, c in enumerate(compute))
-    schedule = Schedule(name, stages, micro_batches, chunks, actions)
+    schedule = Schedule(name, stages, micro_batches, chunks, actions, forward_only)
     validate(schedule)
     return schedule
 
 
 __all__ = [
     "STEP", "Action", "B", "F", "Kind", "Schedule", "ScheduleError", "SYNC_SCHEDULES",
-    "build_schedule", "dry_run", "gpipe", "interleaved_1f1b", "one_f_one_b", "validate",
+    "build_schedule", "dry_run", "forward_only_actions", "gpipe", "interleaved_1f1b", "one_f_one_b", "validate",
     "with_communication",
 ]

@@ -81,6 +81,7 @@ class Schedule:
         micro_batches: micro-batches per step ``M``.
         chunks: chunks (virtual stages) per device ``v``.
         actions: ``actions[d]`` is the ordered list device ``d`` executes.
+        forward_only: an evaluation schedule (no backward, no STEP).
     """
 
     name: str
@@ -88,6 +89,7 @@ class Schedule:
     micro_batches: int
     chunks: int
     actions: tuple[tuple[Action, ...], ...] = field(repr=False)
+    forward_only: bool = False
 
     @property
     def virtual_stages(self) -> int:
