@@ -21,10 +21,12 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.utilities.apply_func import apply_to_collection
 from lightning.fabric.utilities.distributed import _sync_ddp_if_available
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.accelerators import Accelerator
+from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
@@ -33,6 +35,7 @@ from torch import Tensor
 from torch.distributed import ReduceOp
 from torchmetrics import Metric
 
+from lightning_pipe.checkpoint import check_keys, merge_optimizer_states, merge_state_dicts, slice_optimizer_state
 from lightning_pipe.config import PipeConfigError, check_module, check_options, resolve_stages
 from lightning_pipe.engine import Executor, Transport, Watchdog, batch_size, split_micro_batches
 from lightning_pipe.log_replay import LogCapture, combine, replay
@@ -140,6 +143,9 @@ class PipeStrategy(DDPStrategy):
         self._generation = 0
         self._seen_batch = False
         self._layer_names: list[str] = []
+        self._key_order: list[str] = []  # state_dict keys of the unpartitioned module
+        self._param_order: list[str] = []  # its parameter names
+        self._outside_users: dict[str, list[int]] | None = None  # non-trunk parameter -> stages using it
 
     # ------------------------------------------------------------------ registration
     @classmethod
@@ -197,6 +203,8 @@ class PipeStrategy(DDPStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
+        # Lightning clips with this rank's parameters only; the pipeline needs the global norm
+        self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_global_norm
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
 
@@ -213,6 +221,8 @@ class PipeStrategy(DDPStrategy):
         topology = self._topology
         local = [chunk * topology.stages + topology.stage for chunk in range(self.chunks_per_stage)]
         self._layer_names = [type(layer).__name__ for layer in trunk]  # before other stages' layers go
+        self._key_order = list(module.state_dict().keys())
+        self._param_order = [n for n, _ in module.named_parameters()]
         return PartitionedTrunk(trunk, name, stage_bounds(self._counts), local, self.checkpoint_activations)
 
     def _build_executor(self) -> Executor:
@@ -310,6 +320,8 @@ class PipeStrategy(DDPStrategy):
         with self.precision_plugin.train_step_context():
             losses, sizes, n, capture = self._run_schedule("training_step", args, kwargs, training=True)
         self._seen_batch = True
+        if self._outside_users is None:
+            self._find_outside_users()
         self._grad_stash = [p.grad for p in params]
         for p, grad in zip(params, kept):
             p.grad = grad
@@ -364,8 +376,10 @@ class PipeStrategy(DDPStrategy):
             if grad is not None:
                 p.grad = grad if p.grad is None else p.grad + grad
         self._grad_stash = []
-        if self.num_pipelines > 1 and not module.trainer.fit_loop._should_accumulate():
-            self._average_across_pipelines(params)
+        if not module.trainer.fit_loop._should_accumulate():
+            self._sum_shared_gradients()
+            if self.num_pipelines > 1:
+                self._average_across_pipelines(params)
         return self.precision_plugin.post_backward(closure_loss, module)
 
     def _average_across_pipelines(self, params: Sequence[torch.nn.Parameter]) -> None:
@@ -377,6 +391,112 @@ class PipeStrategy(DDPStrategy):
         flat /= self.num_pipelines
         for grad, reduced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
             grad.copy_(reduced)
+
+    # ------------------------------------------------------------------ parameters outside the trunk
+    def _is_trunk_key(self, name: str) -> bool:
+        return name.startswith(self._partition.name + ".")
+
+    def _find_outside_users(self) -> None:
+        """Learn which stages use each parameter outside the trunk (those that got a gradient).
+
+        Parameters used on several stages (e.g. an embedding tied to the LM head) get their
+        gradients summed across those stages; the others are saved from the stage that trains them.
+        """
+        used = [n for n, p in self.lightning_module.named_parameters() if not self._is_trunk_key(n) and p.grad is not None]
+        per_stage = [used]
+        if self._topology.stages > 1:
+            per_stage = [None] * self._topology.stages
+            dist.all_gather_object(per_stage, used, group=self._topology.pipeline_group)
+        self._outside_users = {}
+        for stage, names in enumerate(per_stage):
+            for name in names:
+                self._outside_users.setdefault(name, []).append(stage)
+
+    def _owner(self) -> dict[str, int]:
+        """The stage whose copy of each non-trunk parameter is authoritative."""
+        return {name: stages[0] for name, stages in (self._outside_users or {}).items()}
+
+    def _sum_shared_gradients(self) -> None:
+        users = self._outside_users or {}
+        shared = [p for n, p in self.lightning_module.named_parameters() if len(users.get(n, ())) > 1]
+        if not shared or self._topology.stages == 1:
+            return
+        for p in shared:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        grads = [p.grad for p in shared]
+        flat = torch._utils._flatten_dense_tensors(grads)
+        dist.all_reduce(flat, group=self._topology.pipeline_group)
+        for grad, reduced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
+            grad.copy_(reduced)
+
+    def _clip_grad_by_global_norm(self, optimizer: Any, clip_val: float) -> None:
+        """Norm clipping over the whole model: every parameter counted once, on the stage that owns it."""
+        module = self.lightning_module
+        owner, stage = self._owner(), self._topology.stage
+        squares = torch.zeros((), device=self.root_device)
+        for name, p in module.named_parameters():
+            counted = self._is_trunk_key(name) or owner.get(name, 0) == stage
+            if p.grad is not None and counted:
+                squares = squares + p.grad.detach().float().pow(2).sum()
+        if self._topology.stages > 1:
+            dist.all_reduce(squares, group=self._topology.pipeline_group)
+        coef = (float(clip_val) / (squares.sqrt() + 1e-6)).clamp(max=1.0)
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.grad.detach().mul_(coef.to(p.grad.dtype))
+
+    # ------------------------------------------------------------------ checkpoints
+    def _gather_in_first_pipeline(self, obj: Any) -> list[Any] | None:
+        """Every stage's ``obj`` on global rank 0 (``None`` elsewhere); only pipeline 0 takes part."""
+        topology = self._topology
+        if topology.stages == 1:
+            return [obj] if self.global_rank == 0 else None
+        if topology.pipeline != 0:
+            return None
+        parts = [None] * topology.stages if self.global_rank == 0 else None
+        dist.gather_object(obj, parts, dst=0, group=topology.pipeline_group)
+        return parts
+
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """The unpartitioned module's state_dict on rank 0 (``{}`` elsewhere)."""
+        if self._partition is None:
+            return super().lightning_module_state_dict()
+        local = apply_to_collection(self.lightning_module.state_dict(), Tensor, lambda t: t.detach().cpu())
+        parts = self._gather_in_first_pipeline(local)
+        return merge_state_dicts(parts, self._key_order, self._owner()) if parts else {}
+
+    def _local_param_names(self, optimizer: Any) -> list[list[str]]:
+        names = {id(p): n for n, p in self.lightning_module.named_parameters()}
+        return [[names[id(p)] for p in group["params"]] for group in optimizer.param_groups]
+
+    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        """One torch-format optimizer state for the whole module on rank 0 (``{}`` elsewhere)."""
+        if isinstance(optimizer, LightningOptimizer):
+            optimizer = optimizer._optimizer
+        if self._partition is None:
+            return optimizer.state_dict()
+        state = apply_to_collection(optimizer.state_dict(), Tensor, lambda t: t.detach().cpu())
+        parts = self._gather_in_first_pipeline((state, self._local_param_names(optimizer)))
+        return merge_optimizer_states(parts, self._param_order, self._owner()) if parts else {}
+
+    def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
+        module = self.lightning_module
+        state = checkpoint["state_dict"]
+        if self._partition is None:
+            check_keys(list(state), list(module.state_dict()), strict)
+            module.load_state_dict(state, strict=strict)
+            return
+        check_keys(list(state), self._key_order, strict)
+        local = set(module.state_dict())
+        module.load_state_dict({k: v for k, v in state.items() if k in local}, strict=strict)
+
+    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
+        for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
+            raw = optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
+            raw.load_state_dict(slice_optimizer_state(state, self._local_param_names(raw), self._param_order))
+        _optimizers_to_device(self.optimizers, self.root_device)
 
     # ------------------------------------------------------------------ collectives
     def reduce(self, tensor: Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean") -> Any:

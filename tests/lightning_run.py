@@ -29,8 +29,10 @@ class TrunkModel(L.LightningModule):
     """Layers before the trunk (first stage), an nn.Sequential trunk, a head after it (last stage)."""
 
     def __init__(self, width: int = 16, depth: int = 6, classes: int = 4, optimizer: str = "sgd", fail_at: int = -1,
-                 fail_rank: int = -1):
+                 fail_rank: int = -1, tie: bool = False):
         super().__init__()
+        self.save_hyperparameters()
+        self.tie = tie
         torch.manual_seed(0)
         self.pre = nn.Linear(8, width)
         self.model = nn.Sequential(*[m for _ in range(depth) for m in (nn.Linear(width, width), nn.Tanh())])
@@ -41,7 +43,11 @@ class TrunkModel(L.LightningModule):
         self.val_mae = torchmetrics.MeanAbsoluteError()
 
     def forward(self, x):
-        return self.head(self.model(torch.relu(self.pre(x))))
+        return self.output(self.model(torch.relu(self.pre(x))))
+
+    def output(self, h):
+        # tie=True reuses the input layer's weight after the trunk (like a tied embedding / LM head)
+        return F.linear(h, self.pre.weight.t()) if self.tie else self.head(h)
 
     def validation_step(self, batch, batch_idx):
         x, y = batch
@@ -64,7 +70,7 @@ class TrunkModel(L.LightningModule):
             raise ZeroDivisionError(f"deliberate failure at batch {batch_idx}")
         x, y = batch
         h = torch.relu(self.pre(x))
-        logits = self.head(self.model(h))
+        logits = self.output(self.model(h))
         loss = F.cross_entropy(logits, y)
         self.log("train_loss", loss, prog_bar=True)
         self.log("train_acc", (logits.argmax(1) == y).float().mean())
@@ -134,7 +140,9 @@ def train(config: dict[str, Any]) -> dict[str, Any]:
     loader = DataLoader(dataset, batch_size=config.get("batch_size", 16), shuffle=False, sampler=sampler)
     eval_loader = DataLoader(make_data(40, seed=1), batch_size=config.get("eval_batch_size", 12))
     evaluate = config.get("evaluate", False)
-    trainer.fit(model, loader, eval_loader if evaluate else None)
+    trainer.fit(model, loader, eval_loader if evaluate else None, ckpt_path=config.get("ckpt_path"))
+    if config.get("ckpt_out"):
+        trainer.save_checkpoint(config["ckpt_out"])
     results = {}
     if evaluate:
         results["validate"] = trainer.validate(model, eval_loader, verbose=False)
