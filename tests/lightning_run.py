@@ -29,10 +29,10 @@ class TrunkModel(L.LightningModule):
     """Layers before the trunk (first stage), an nn.Sequential trunk, a head after it (last stage)."""
 
     def __init__(self, width: int = 16, depth: int = 6, classes: int = 4, optimizer: str = "sgd", fail_at: int = -1,
-                 fail_rank: int = -1, tie: bool = False):
+                 fail_rank: int = -1, tie: bool = False, scheduler: bool = False):
         super().__init__()
         self.save_hyperparameters()
-        self.tie = tie
+        self.tie, self.scheduler = tie, scheduler
         torch.manual_seed(0)
         self.pre = nn.Linear(8, width)
         self.model = nn.Sequential(*[m for _ in range(depth) for m in (nn.Linear(width, width), nn.Tanh())])
@@ -79,8 +79,12 @@ class TrunkModel(L.LightningModule):
 
     def configure_optimizers(self):
         if self.optimizer == "adam":
-            return torch.optim.Adam(self.parameters(), lr=1e-2)
-        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+            optimizer = torch.optim.Adam(self.parameters(), lr=1e-2)
+        else:
+            optimizer = torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+        if not self.scheduler:
+            return optimizer
+        return {"optimizer": optimizer, "lr_scheduler": torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)}
 
 
 class Recorder(L.Callback):
@@ -118,18 +122,32 @@ def train(config: dict[str, Any]) -> dict[str, Any]:
     if isinstance(strategy, dict):
         strategy = lightning_pipe.PipeStrategy(**strategy)
     recorder = Recorder()
+    callbacks, logger = [recorder], False
+    if config.get("full_callbacks"):  # a directory: the usual Lightning callbacks and a CSV logger
+        from lightning.pytorch.callbacks import EarlyStopping, LearningRateMonitor, ModelCheckpoint
+        from lightning.pytorch.loggers import CSVLogger
+
+        root = config["full_callbacks"]
+        logger = CSVLogger(root, name="csv", version=0)
+        callbacks += [
+            ModelCheckpoint(os.path.join(root, "best"), monitor="val_loss", save_top_k=2, save_last=True,
+                            filename="{epoch}-{step}-{val_loss:.4f}"),
+            ModelCheckpoint(os.path.join(root, "every"), every_n_train_steps=4, save_top_k=-1, filename="{step}"),
+            EarlyStopping(monitor="val_loss", patience=1, min_delta=0.01),
+            LearningRateMonitor(logging_interval="step"),
+        ]
     trainer = L.Trainer(
         accelerator="cpu",
         devices=config.get("devices", 1),
         strategy=strategy or "auto",
         max_epochs=config.get("epochs", 1),
         max_steps=config.get("max_steps", -1),
-        logger=False,
-        enable_checkpointing=False,
+        logger=logger,
+        enable_checkpointing=bool(config.get("full_callbacks")),
         enable_progress_bar=False,
         enable_model_summary=False,
         use_distributed_sampler=False,
-        callbacks=[recorder],
+        callbacks=callbacks,
         **config.get("trainer", {}),
     )
     dataset = make_data(config.get("samples", 96))
@@ -140,7 +158,8 @@ def train(config: dict[str, Any]) -> dict[str, Any]:
     loader = DataLoader(dataset, batch_size=config.get("batch_size", 16), shuffle=False, sampler=sampler)
     eval_loader = DataLoader(make_data(40, seed=1), batch_size=config.get("eval_batch_size", 12))
     evaluate = config.get("evaluate", False)
-    trainer.fit(model, loader, eval_loader if evaluate else None, ckpt_path=config.get("ckpt_path"))
+    validate_during_fit = evaluate or bool(config.get("full_callbacks"))
+    trainer.fit(model, loader, eval_loader if validate_during_fit else None, ckpt_path=config.get("ckpt_path"))
     if config.get("ckpt_out"):
         trainer.save_checkpoint(config["ckpt_out"])
     results = {}
@@ -148,6 +167,10 @@ def train(config: dict[str, Any]) -> dict[str, Any]:
         results["validate"] = trainer.validate(model, eval_loader, verbose=False)
         results["test"] = trainer.test(model, eval_loader, verbose=False)
         results["predict"] = trainer.predict(model, eval_loader)
+    if config.get("full_callbacks"):
+        best = trainer.checkpoint_callbacks[0]
+        results["checkpointing"] = {"best_score": float(best.best_model_score), "best_k": sorted(
+            os.path.basename(k) for k in best.best_k_models), "stopped_epoch": trainer.current_epoch}
     return {
         **results,
         "val_metrics": recorder.val_metrics,

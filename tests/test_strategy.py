@@ -100,3 +100,42 @@ def test_two_pipelines_equal_one_device_at_double_batch():
         state = merged_state(ranks)
         for key, value in reference["state"].items():
             torch.testing.assert_close(state[key], value, rtol=1e-5, atol=1e-6, msg=key)
+
+
+def test_callbacks_and_loggers_behave_as_on_one_device(tmp_path):
+    """ModelCheckpoint (monitor, top-k, last, every n steps), EarlyStopping, LearningRateMonitor, CSVLogger."""
+    import csv
+    import os
+
+    common = {"epochs": 6, "batch_size": 16, "evaluate": False, "model": {"scheduler": True},
+              "trainer": {"val_check_interval": 1.0, "log_every_n_steps": 1}}
+
+    def run(root, pipeline):
+        config = {**common, "full_callbacks": str(root)}
+        if not pipeline:
+            return train(config)
+        code, output, records = launch({**config, "devices": 2, "strategy": {"schedule": "1f1b", "micro_batches": 4}},
+                                       timeout=240)
+        assert code == 0, output[-3000:]
+        return records[0]
+
+    reference = run(tmp_path / "one", False)
+    piped = run(tmp_path / "pipe", True)
+    assert piped["checkpointing"]["best_k"] == reference["checkpointing"]["best_k"]
+    assert piped["checkpointing"]["stopped_epoch"] == reference["checkpointing"]["stopped_epoch"] < 5
+    assert piped["checkpointing"]["best_score"] == pytest.approx(reference["checkpointing"]["best_score"], rel=1e-5)
+    for sub in ("best", "every"):
+        assert sorted(os.listdir(tmp_path / "pipe" / sub)) == sorted(os.listdir(tmp_path / "one" / sub))
+
+    def rows(root):
+        with open(root / "csv" / "version_0" / "metrics.csv") as f:
+            return list(csv.DictReader(f))
+
+    got, want = rows(tmp_path / "pipe"), rows(tmp_path / "one")
+    assert len(got) == len(want) and got[0].keys() == want[0].keys()
+    for g, w in zip(got, want):
+        for key in w:
+            if w[key] == "":
+                assert g[key] == ""
+            else:
+                assert float(g[key]) == pytest.approx(float(w[key]), rel=1e-5, abs=1e-6), key
