@@ -137,7 +137,7 @@ def train(config: dict[str, Any]) -> dict[str, Any]:
             LearningRateMonitor(logging_interval="step"),
         ]
     trainer = L.Trainer(
-        accelerator="cpu",
+        accelerator=config.get("accelerator", "cpu"),
         devices=config.get("devices", 1),
         strategy=strategy or "auto",
         max_epochs=config.get("epochs", 1),

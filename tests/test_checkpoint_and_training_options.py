@@ -86,3 +86,22 @@ def test_checkpoint_of_another_model_names_the_keys(tmp_path):
 
         check_keys(["a"], ["b"])
     assert os.path.exists(ckpt)
+
+
+def test_bf16_mixed_on_cpu_stays_close_to_one_device():
+    config = {"max_steps": 4, "trainer": {"precision": "bf16-mixed"}}
+    reference = train(config)
+    code, output, records = launch({**PIPE, **config})
+    assert code == 0, output[-3000:]
+    got = [m["train_loss"] for m in records[0]["metrics"]]
+    want = [m["train_loss"] for m in reference["metrics"]]
+    assert got == pytest.approx(want, rel=2e-2)  # bf16 rounding differs with micro-batch shapes
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_fp16_mixed_on_cuda_scales_each_micro_batch_loss():
+    config = {"max_steps": 4, "trainer": {"precision": "16-mixed"}}
+    code, output, records = launch({**PIPE, **config, "accelerator": "cuda"})
+    assert code == 0, output[-3000:]
+    assert all(torch.isfinite(torch.tensor(m["train_loss"])) for m in records[0]["metrics"])

@@ -77,9 +77,10 @@ class PartitionedTrunk:
         if self._active is None:
             held = ", ".join(f"{self.name}[{self.bounds[vs][0]}:{self.bounds[vs][1]}]" for vs in self.local)
             raise TrunkUsageError(
-                f"{self.name} is split across pipeline stages and this process only holds {held}; it can only "
-                "run inside a pipelined step. To use the whole model, load the checkpoint into a fresh module "
-                "(MyModule.load_from_checkpoint(path))."
+                f"{self.name} is split across pipeline stages and this process only holds {held}, so it runs only "
+                "inside a pipelined step; outside one (after fit, or in ModelSummary with example_input_array) load "
+                "the checkpoint into a fresh module with MyModule.load_from_checkpoint(path), or set "
+                "enable_model_summary=False."
             )
         return self._active(value)
 

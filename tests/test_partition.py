@@ -1,0 +1,65 @@
+"""Trunk discovery, balance and the in-place split, in one process."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+from lightning_pipe.partition import BalanceError, min_max_split, resolve_balance, stage_bounds
+from lightning_pipe.partition.split import PartitionedTrunk, StageStop, TrunkUsageError
+
+
+def trunk(n: int = 6) -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(*[nn.Linear(4, 4) for _ in range(n)])
+
+
+def test_split_keeps_state_dict_keys_and_runs_only_inside_a_step():
+    seq = trunk()
+    full = seq(torch.ones(2, 4))
+    keys = set(seq.state_dict())
+    part = PartitionedTrunk(seq, "model", stage_bounds([2, 4]), local=[1])
+    assert set(seq.state_dict()) == {k for k in keys if not k.startswith(("0.", "1."))}
+    assert isinstance(seq[0], nn.Identity) and isinstance(seq[2], nn.Linear)
+    with pytest.raises(TrunkUsageError, match=r"only holds model\[2:6\].*load_from_checkpoint"):
+        seq(torch.ones(2, 4))
+    with part.acting(lambda x: part.run_chunk(0, x)):
+        hidden = trunk()[:2](torch.ones(2, 4))
+        torch.testing.assert_close(seq(hidden), full)
+    with pytest.raises(TrunkUsageError):
+        seq(torch.ones(2, 4))  # the behaviour ends with the block
+
+
+def test_stage_stop_is_not_an_exception():
+    assert not issubclass(StageStop, Exception)  # a user's `except Exception` cannot swallow it
+
+
+def test_balance_modes():
+    seq = nn.Sequential(nn.Linear(100, 100), nn.ReLU(), nn.Linear(100, 2), nn.ReLU(), nn.Linear(2, 2), nn.ReLU())
+    assert resolve_balance("uniform", seq, 4) == [2, 2, 1, 1]
+    assert resolve_balance("parameters", seq, 2) == [1, 5]
+    assert resolve_balance([1, 2, 3], seq, 3) == [1, 2, 3]
+    with pytest.raises(BalanceError, match="gives a stage no layers"):
+        resolve_balance([0, 6], seq, 2)
+    with pytest.raises(BalanceError, match="'auto' is not known"):
+        resolve_balance("auto", seq, 2)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(0, 50), min_size=1, max_size=12), st.integers(1, 12))
+def test_min_max_split_is_optimal(costs, parts):
+    parts = min(parts, len(costs))
+    counts = min_max_split(costs, parts)
+    assert len(counts) == parts and sum(counts) == len(costs) and min(counts) >= 1
+    worst = max(sum(costs[a:b]) for a, b in stage_bounds(counts))
+    # brute force over all contiguous splits
+    import itertools
+
+    best = min(
+        max(sum(costs[a:b]) for a, b in zip((0, *cuts), (*cuts, len(costs))))
+        for cuts in itertools.combinations(range(1, len(costs)), parts - 1)
+    )
+    assert worst == best
