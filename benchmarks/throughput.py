@@ -1,0 +1,769 @@
+"""Training throughput (samples/s) of lightning_pipe's engine vs ``torch.distributed.pipelining``.
+
+    python benchmarks/throughput.py --workloads W1 W2 --windows 5 --steps-per-window 5
+
+Two stages in two processes on CPU (gloo), one thread per process. Every training step is a full
+mini-batch: the forwards and backwards of all micro-batches, then one SGD step (momentum 0.9).
+For each workload and micro-batch count ``M`` one pair of worker processes builds every variant
+from the same seed and measures them window by window, in rotating order, so machine noise hits
+all variants alike:
+
+* ``torch gpipe`` / ``torch 1f1b``: ``torch.distributed.pipelining``'s ``ScheduleGPipe`` /
+  ``Schedule1F1B`` on a ``PipelineStage`` per process (``loss_fn`` given to the schedule);
+* ``ours gpipe`` / ``ours 1f1b``: ``lightning_pipe.engine.Executor`` running ``build_schedule``
+  with ``SequentialStage`` chunks, exactly what ``tests/test_engine.py`` does;
+* ``single thread``: rank 0 alone runs the whole model on the same ``M`` micro-batches
+  (accumulating gradients, one SGD step) while rank 1 idles. The ideal 2-stage pipeline then does
+  ``2 × single thread × M / (M + 1)`` samples/s: each stage does half the work, and the
+  ``P - 1 = 1`` bubble slot costs ``1 / (M + 1)`` of the step (measured at the micro-batch size, so
+  small micro-batches' lower single-thread speed is in the ideal).
+
+Then the same schedule through Lightning (``L.Trainer(strategy=PipeStrategy(...))``) runs as its
+own script invocation (Lightning's launcher re-executes ``sys.argv`` for rank 1); a callback times
+windows of training steps and, between them, windows of the bare engine in the same processes,
+which gives the strategy's overhead.
+
+A window is ``--steps-per-window`` training steps between two barriers; samples/s of a window is
+``steps × batch / seconds`` on rank 0. The table shows the median over windows with min-max, and
+ratios as the median over windows of the per-window ratio (adjacent windows, so slow phases of the
+machine cancel out).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import os
+import pickle
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+try:
+    import lightning_pipe.engine  # noqa: F401
+except ModuleNotFoundError:  # running from a source checkout without `pip install -e .`
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from lightning_pipe.engine import Executor, SequentialStage, Transport, Watchdog, split_micro_batches
+from lightning_pipe.schedules import build_schedule
+
+STAGES = 2
+LR = 0.01
+MOMENTUM = 0.9
+SEED = 0
+
+
+# ---------------------------------------------------------------------------------------- workloads
+class TokenEmbedding(nn.Module):
+    """Token plus learned position embedding."""
+
+    def __init__(self, vocab: int, d_model: int, seq_len: int) -> None:
+        super().__init__()
+        self.token = nn.Embedding(vocab, d_model)
+        self.position = nn.Parameter(torch.randn(seq_len, d_model) * 0.02)
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        return self.token(tokens) + self.position[: tokens.shape[1]]
+
+
+class DecoderBlock(nn.Module):
+    """Pre-norm GPT block: causal multi-head self-attention and a 4x GELU MLP."""
+
+    def __init__(self, d_model: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.ln1 = nn.LayerNorm(d_model)
+        self.qkv = nn.Linear(d_model, 3 * d_model)
+        self.proj = nn.Linear(d_model, d_model)
+        self.ln2 = nn.LayerNorm(d_model)
+        self.fc1 = nn.Linear(d_model, 4 * d_model)
+        self.fc2 = nn.Linear(4 * d_model, d_model)
+
+    def forward(self, x: Tensor) -> Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        attention = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(attention.transpose(1, 2).reshape(b, t, d))
+        return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
+
+
+def w1_model() -> nn.Sequential:
+    """8 × (Linear(1024, 1024) + ReLU): 16 layers."""
+    layers: list[nn.Module] = []
+    for _ in range(8):
+        layers += [nn.Linear(1024, 1024), nn.ReLU()]
+    return nn.Sequential(*layers)
+
+
+def w1_batch(batch: int) -> tuple[Tensor, Tensor]:
+    g = torch.Generator().manual_seed(SEED + 1)
+    return torch.randn(batch, 1024, generator=g), torch.randn(batch, 1024, generator=g)
+
+
+def w1_loss(output: Tensor, target: Tensor) -> Tensor:
+    return F.mse_loss(output, target)
+
+
+W2_VOCAB, W2_D_MODEL, W2_HEADS, W2_SEQ, W2_BLOCKS = 1024, 256, 4, 128, 4
+
+
+def w2_model() -> nn.Sequential:
+    """Embedding, 4 decoder blocks, final LayerNorm, LM head: 7 layers."""
+    return nn.Sequential(
+        TokenEmbedding(W2_VOCAB, W2_D_MODEL, W2_SEQ),
+        *(DecoderBlock(W2_D_MODEL, W2_HEADS) for _ in range(W2_BLOCKS)),
+        nn.LayerNorm(W2_D_MODEL),
+        nn.Linear(W2_D_MODEL, W2_VOCAB),
+    )
+
+
+def w2_batch(batch: int) -> tuple[Tensor, Tensor]:
+    g = torch.Generator().manual_seed(SEED + 1)
+    tokens = torch.randint(0, W2_VOCAB, (batch, W2_SEQ + 1), generator=g)
+    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+
+
+def w2_loss(output: Tensor, target: Tensor) -> Tensor:
+    return F.cross_entropy(output.flatten(0, 1), target.flatten())
+
+
+@dataclass(frozen=True)
+class Workload:
+    """A model (one ``nn.Sequential``), where it is cut, its data and its loss."""
+
+    name: str
+    description: str
+    batch: int
+    build: Callable[[], nn.Sequential]
+    split: int  # layers of stage 0
+    make_batch: Callable[[int], tuple[Tensor, Tensor]]
+    loss: Callable[[Tensor, Tensor], Tensor]
+    default_micro_batches: tuple[int, ...]
+
+    def model(self) -> nn.Sequential:
+        torch.manual_seed(SEED)
+        return self.build()
+
+    def balance(self) -> str | list[int]:
+        """``balance`` for PipeStrategy that gives the same cut as :attr:`split`."""
+        layers = len(self.build())
+        return "uniform" if 2 * self.split == layers else [self.split, layers - self.split]
+
+
+WORKLOADS = {
+    "W1": Workload("W1", "8 × (Linear(1024,1024)+ReLU), MSE", 256, w1_model, 8, w1_batch, w1_loss, (4, 8)),
+    "W2": Workload(
+        "W2", "GPT decoder: 4 blocks, d_model 256, 4 heads, seq 128, vocab 1024", 32, w2_model, 3, w2_batch, w2_loss, (4, 8)
+    ),
+}
+
+
+def sgd(params: Any) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=LR, momentum=MOMENTUM)
+
+
+# ---------------------------------------------------------------------------------------- variants
+class Variant:
+    """One way of running a training step; ``step()`` is called on both ranks."""
+
+    name: str
+
+    def step(self) -> None:
+        raise NotImplementedError
+
+    def counters(self) -> dict[str, float]:
+        """Extra numbers of the last window (and reset them)."""
+        return {}
+
+
+class SingleThread(Variant):
+    """The whole model on rank 0 while rank 1 idles: ``M`` micro-batches accumulated, one SGD step.
+
+    The model runs as its two stages with the boundary activation detached in between (the same
+    arithmetic as one autograd graph), so each stage's compute time is measured too.
+    """
+
+    name = "single thread"
+
+    def __init__(self, workload: Workload, micro_batches: int, rank: int) -> None:
+        self.active = rank == 0
+        model = workload.model()
+        self.stages = (model[: workload.split], model[workload.split :])
+        self.optimizers = tuple(sgd(stage.parameters()) for stage in self.stages)
+        self.loss = workload.loss
+        self.parts = split_micro_batches(workload.make_batch(workload.batch), micro_batches)
+        self.stage_seconds = [0.0, 0.0]
+
+    def step(self) -> None:
+        if not self.active:
+            return
+        clock, spent = time.perf_counter, self.stage_seconds
+        for x, y in self.parts:
+            t0 = clock()
+            hidden = self.stages[0](x)
+            t1 = clock()
+            received = hidden.detach().requires_grad_()
+            (self.loss(self.stages[1](received), y) / len(self.parts)).backward()
+            t2 = clock()
+            hidden.backward(received.grad)
+            t3 = clock()
+            spent[0] += (t1 - t0) + (t3 - t2)
+            spent[1] += t2 - t1
+        for s, optimizer in enumerate(self.optimizers):
+            t0 = clock()
+            optimizer.step()
+            optimizer.zero_grad()
+            spent[s] += clock() - t0
+
+    def counters(self) -> dict[str, float]:
+        out = {"stage0_seconds": self.stage_seconds[0], "stage1_seconds": self.stage_seconds[1]}
+        self.stage_seconds = [0.0, 0.0]
+        return out
+
+
+def stage_layers(workload: Workload, rank: int) -> nn.Sequential:
+    model = workload.model()
+    return model[: workload.split] if rank == 0 else model[workload.split :]
+
+
+class Engine(Variant):
+    """lightning_pipe's executor with ``SequentialStage`` chunks (as in ``tests/test_engine.py``)."""
+
+    def __init__(self, schedule: str, workload: Workload, micro_batches: int, rank: int, group: Any) -> None:
+        self.name = f"ours {schedule}"
+        self.layers = stage_layers(workload, rank)
+        self.optimizer = sgd(self.layers.parameters())
+        loss = workload.loss
+        stage = SequentialStage(
+            self.layers,
+            input_fn=(lambda mb: mb[0]) if rank == 0 else None,
+            loss_fn=(lambda output, mb: loss(output, mb[1])) if rank == STAGES - 1 else None,
+        )
+        self.schedule = build_schedule(schedule, STAGES, micro_batches)
+        self.micro_batches = micro_batches
+        self.executor = Executor(
+            rank, list(range(STAGES)), [stage], Transport(torch.device("cpu"), group=group), Watchdog(timeout=300.0)
+        )
+        self.batch = workload.make_batch(workload.batch)
+
+    def _optimizer_step(self) -> None:
+        self.optimizer.step()
+        self.optimizer.zero_grad()
+
+    def step(self) -> None:
+        parts = split_micro_batches(self.batch, self.micro_batches)
+        self.executor.run(self.schedule, parts, step=self._optimizer_step)
+
+
+class TorchPipelining(Variant):
+    """``torch.distributed.pipelining``: a ``PipelineStage`` per rank and ``ScheduleGPipe``/``Schedule1F1B``."""
+
+    def __init__(self, schedule: str, workload: Workload, micro_batches: int, rank: int, group: Any) -> None:
+        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+        self.name = f"torch {schedule}"
+        self.rank = rank
+        self.layers = stage_layers(workload, rank)
+        self.optimizer = sgd(self.layers.parameters())
+        stage = PipelineStage(self.layers, rank, STAGES, torch.device("cpu"), group=group)
+        cls = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule]
+        self.schedule = cls(stage, micro_batches, loss_fn=workload.loss)
+        self.x, self.y = workload.make_batch(workload.batch)
+
+    def step(self) -> None:
+        if self.rank == 0:
+            self.schedule.step(self.x, return_outputs=False)
+        else:
+            losses: list[Tensor] = []
+            self.schedule.step(target=self.y, losses=losses, return_outputs=False)
+        self.optimizer.step()
+        self.optimizer.zero_grad()
+
+
+def machine_busy_seconds() -> float:
+    """CPU seconds every process of the machine has used so far (``/proc/stat``; steal time counts)."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(v) for v in f.readline().split()[1:9]]
+    except (OSError, ValueError):
+        return math.nan
+    user, nice, system, idle, iowait, irq, softirq, steal = fields
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+
+class WindowClock:
+    """Measures one window: wall seconds, this process's CPU seconds and the machine's busy CPU seconds.
+
+    Call :meth:`start` and :meth:`stop` right after a barrier. Once every rank's own CPU time is
+    known, the machine's busy time minus theirs is the load of other processes (noise).
+    """
+
+    def __init__(self) -> None:
+        self.windows: list[dict[str, float]] = []
+
+    def start(self) -> None:
+        self._start = (time.perf_counter(), time.process_time(), machine_busy_seconds())
+
+    def stop(self, **extra: float) -> None:
+        wall, cpu, busy = self._start
+        self.windows.append({
+            "seconds": time.perf_counter() - wall,
+            "own_cpu": time.process_time() - cpu,
+            "busy": machine_busy_seconds() - busy,
+            **extra,
+        })
+
+
+def other_load(windows_per_rank: Sequence[Sequence[dict[str, float]]]) -> list[float]:
+    """Cores used by other processes in each window (rank 0's machine view minus every rank's CPU)."""
+    out = []
+    for per_rank in zip(*windows_per_rank):
+        own = sum(w["own_cpu"] for w in per_rank)
+        out.append(max(0.0, (per_rank[0]["busy"] - own) / per_rank[0]["seconds"]))
+    return out
+
+
+def timed_windows(
+    variants: Sequence[Variant], windows: int, steps: int, warmup: int, barrier: Callable[[], None]
+) -> dict[str, WindowClock]:
+    """Time every variant; windows interleave the variants in rotating order."""
+    for variant in variants:
+        for _ in range(warmup):
+            variant.step()
+        variant.counters()
+        barrier()
+    clocks = {v.name: WindowClock() for v in variants}
+    for window in range(windows):
+        shift = window % len(variants)
+        for variant in list(variants[shift:]) + list(variants[:shift]):
+            gc.collect()
+            barrier()
+            clocks[variant.name].start()
+            for _ in range(steps):
+                variant.step()
+            barrier()
+            clocks[variant.name].stop(**variant.counters())
+    return clocks
+
+
+def gather_windows(clocks: dict[str, WindowClock]) -> dict[str, list[dict[str, float]]]:
+    """Rank 0's windows with ``other_load`` (cores) filled in from every rank's CPU time."""
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, {name: clock.windows for name, clock in clocks.items()})
+    out = {}
+    for name in clocks:
+        load = other_load([rank[name] for rank in everyone])
+        out[name] = [dict(w, other_load=l) for w, l in zip(everyone[0][name], load)]
+    return out
+
+
+def compare_worker(rank: int, workload_name: str, micro_batches: int, args: dict[str, Any]) -> dict[str, Any]:
+    """Body of one rank of the comparison job."""
+    workload = WORKLOADS[workload_name]
+    variants: list[Variant] = [SingleThread(workload, micro_batches, rank)]
+    for schedule in args["schedules"]:
+        # every pipelined variant talks on its own process group
+        variants.append(TorchPipelining(schedule, workload, micro_batches, rank, dist.new_group(backend="gloo")))
+        variants.append(Engine(schedule, workload, micro_batches, rank, dist.new_group(backend="gloo")))
+    clocks = timed_windows(variants, args["windows"], args["steps_per_window"], args["warmup_steps"], dist.barrier)
+    return {"windows": gather_windows(clocks), "threads": torch.get_num_threads()}
+
+
+# ---------------------------------------------------------------------------------------- processes
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _process_main(fn: Callable[..., Any], rank: int, port: int, out_dir: str, args: tuple) -> None:
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=STAGES, timeout=timedelta(seconds=300))
+        result: tuple[str, Any] = ("ok", fn(rank, *args))
+    except BaseException as error:  # report everything to the parent
+        result = ("error", f"{type(error).__name__}: {error}\n{traceback.format_exc()}")
+    with open(os.path.join(out_dir, f"{rank}.pkl"), "wb") as f:
+        pickle.dump(result, f)
+    os._exit(0)  # skip gloo teardown, which can block on a failed peer
+
+
+def run_job(fn: Callable[..., Any], *args: Any, timeout: float) -> Any:
+    """Run ``fn(rank, *args)`` on two spawned gloo processes; return rank 0's value.
+
+    Processes still alive after ``timeout`` seconds are killed (a hung gloo rank ignores SIGTERM).
+    """
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    port = free_port()
+    with tempfile.TemporaryDirectory() as out_dir:
+        procs = [ctx.Process(target=_process_main, args=(fn, r, port, out_dir, args)) for r in range(STAGES)]
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + timeout
+        for p in procs:
+            p.join(max(0.0, deadline - time.monotonic()))
+        errors = []
+        for rank, p in enumerate(procs):
+            if p.is_alive():
+                p.kill()
+                p.join()
+                errors.append(f"rank {rank}: killed after the {timeout:.0f} s timeout")
+                continue
+            path = os.path.join(out_dir, f"{rank}.pkl")
+            if not os.path.exists(path):
+                errors.append(f"rank {rank}: exited with code {p.exitcode} without a result")
+                continue
+            with open(path, "rb") as f:
+                status, value = pickle.load(f)
+            if status != "ok":
+                errors.append(f"rank {rank}: {value}")
+            elif rank == 0:
+                result = value
+        if errors:
+            raise RuntimeError("benchmark job failed:\n" + "\n".join(errors))
+        return result
+
+
+# ---------------------------------------------------------------------------------------- Lightning
+def lightning_available() -> str | None:
+    """``None`` if ``lightning_pipe.PipeStrategy`` can be imported, else why not."""
+    try:
+        from lightning_pipe import PipeStrategy  # noqa: F401
+    except Exception as error:  # noqa: BLE001 - any failure means the variant cannot run
+        return f"{type(error).__name__}: {error}"
+    return None
+
+
+def lightning_worker(args: argparse.Namespace) -> None:
+    """One invocation = one Lightning job (both ranks run this; Lightning starts rank 1)."""
+    import lightning as L
+    from torch.utils.data import DataLoader, Dataset
+
+    from lightning_pipe import PipeStrategy
+
+    torch.set_num_threads(1)
+    workload = WORKLOADS[args.workload]
+    micro_batches, schedule = args.micro_batches[0], args.schedules[0]
+    steps, windows, warmup = args.steps_per_window, args.windows, args.warmup_steps
+
+    class BenchModule(L.LightningModule):
+        """An ordinary LightningModule: the trunk is one ``nn.Sequential``, the loss is computed in the step."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = workload.model()
+
+        def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+            x, y = batch
+            return workload.loss(self.model(x), y)
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return sgd(self.parameters())
+
+    class SameBatch(Dataset):
+        """The same ready-made batch every step (``batch_size=None``: no collation cost)."""
+
+        def __init__(self, length: int) -> None:
+            self.batch = workload.make_batch(workload.batch)
+            self.length = length
+
+        def __len__(self) -> int:
+            return self.length
+
+        def __getitem__(self, index: int) -> tuple[Tensor, Tensor]:
+            return self.batch
+
+    class WindowTimer(L.Callback):
+        """Times windows of Lightning steps and, alternately before and after each, a window of the bare engine."""
+
+        def __init__(self) -> None:
+            self.clocks = {"lightning": WindowClock(), "bare": WindowClock()}
+            self.windows: dict[str, list[dict[str, float]]] = {}
+
+        def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+            torch.set_num_threads(1)
+            self.engine = Engine(schedule, workload, micro_batches, trainer.global_rank, dist.new_group(backend="gloo"))
+            for _ in range(warmup):
+                self.engine.step()
+
+        def _bare_window(self) -> None:
+            gc.collect()
+            dist.barrier()
+            self.clocks["bare"].start()
+            for _ in range(steps):
+                self.engine.step()
+            dist.barrier()
+            self.clocks["bare"].stop()
+
+        def _window(self, batch_idx: int) -> int | None:
+            k = batch_idx - warmup
+            return k // steps if k >= 0 else None
+
+        def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
+            window = self._window(batch_idx)
+            if window is None or (batch_idx - warmup) % steps:
+                return
+            if window % 2:
+                self._bare_window()
+            gc.collect()
+            dist.barrier()
+            self.clocks["lightning"].start()
+
+        def on_train_batch_end(
+            self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
+        ) -> None:
+            window = self._window(batch_idx)
+            if window is None or (batch_idx - warmup) % steps != steps - 1:
+                return
+            dist.barrier()
+            self.clocks["lightning"].stop()
+            if window % 2 == 0:
+                self._bare_window()
+
+        def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+            self.windows = gather_windows(self.clocks)
+
+    total = warmup + windows * steps
+    timer = WindowTimer()
+    strategy = PipeStrategy(schedule=schedule, micro_batches=micro_batches, balance=workload.balance())
+    trainer = L.Trainer(
+        strategy=strategy,
+        accelerator="cpu",
+        devices=STAGES,
+        max_steps=total,
+        callbacks=[timer],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+    )
+    trainer.fit(BenchModule(), DataLoader(SameBatch(total), batch_size=None))
+    if trainer.global_rank == 0:
+        with open(args.out, "w") as f:
+            json.dump({"windows": timer.windows, "threads": torch.get_num_threads()}, f)
+
+
+def run_lightning_job(workload: str, micro_batches: int, schedule: str, args: argparse.Namespace) -> dict[str, Any]:
+    """Run this script with ``--lightning-worker`` in its own session; kill the session on timeout."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "result.json")
+        cmd = [
+            sys.executable, os.path.abspath(__file__), "--lightning-worker", "--workloads", workload,
+            "--micro-batches", str(micro_batches), "--schedules", schedule, "--windows", str(args.windows),
+            "--steps-per-window", str(args.steps_per_window), "--warmup-steps", str(args.warmup_steps), "--out", out,
+        ]
+        env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "RANK", "WORLD_SIZE")}
+        env["OMP_NUM_THREADS"] = "1"
+        proc = subprocess.Popen(cmd, env=env, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        try:
+            log, _ = proc.communicate(timeout=args.timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)  # the session holds rank 0 and the rank 1 it started
+            proc.communicate()
+            raise RuntimeError(f"the Lightning job was killed after the {args.timeout:.0f} s timeout")
+        if proc.returncode != 0 or not os.path.exists(out):
+            tail = "\n".join(log.splitlines()[-30:])
+            raise RuntimeError(f"the Lightning job failed (exit code {proc.returncode}):\n{tail}")
+        with open(out) as f:
+            return json.load(f)
+
+
+# ---------------------------------------------------------------------------------------- report
+def wait_until_quiet(max_wait: float, threshold: float = 0.15, sample: float = 2.0) -> float:
+    """Wait up to ``max_wait`` s until other processes use less than ``threshold`` cores; return the last load."""
+    deadline = time.monotonic() + max_wait
+    while True:
+        busy, start = machine_busy_seconds(), time.monotonic()
+        time.sleep(sample)
+        load = (machine_busy_seconds() - busy) / (time.monotonic() - start)
+        if not load >= threshold or time.monotonic() >= deadline:  # nan (no /proc/stat) counts as quiet
+            return load
+
+
+def samples_per_s(job: dict[str, Any], variant: str) -> list[float]:
+    steps = job["steps_per_window"]
+    return [WORKLOADS[job["workload"]].batch * steps / w["seconds"] for w in job["windows"][variant]]
+
+
+def median_load(job: dict[str, Any], variant: str) -> float:
+    return statistics.median(w["other_load"] for w in job["windows"][variant])
+
+
+def ideal_and_bound(job: dict[str, Any]) -> tuple[list[float], list[float], float]:
+    """Per window: the ideal, the bound for the measured stage times, and the median stage-1 share.
+
+    Ideal (the issue's definition): ``2 × single × M/(M+1)``. Bound: with per-step stage compute
+    times ``T0, T1`` a 2-stage gpipe or 1f1b step takes at least ``max(T0, T1) + min(T0, T1)/M``
+    (the slower stage never idles after its first micro-batch, the faster one adds one micro-batch
+    at an end); it equals the ideal when the stages are balanced.
+    """
+    m, batch = job["micro_batches"], WORKLOADS[job["workload"]].batch
+    ideal, bound, shares = [], [], []
+    for w, single in zip(job["windows"]["single thread"], samples_per_s(job, "single thread")):
+        ideal.append(STAGES * single * m / (m + STAGES - 1))
+        t0, t1 = w["stage0_seconds"], w["stage1_seconds"]
+        bound.append(batch * job["steps_per_window"] / (max(t0, t1) + min(t0, t1) / m))
+        shares.append(t1 / (t0 + t1))
+    return ideal, bound, statistics.median(shares)
+
+
+def summary(values: Sequence[float]) -> str:
+    return f"{statistics.median(values):.0f} ({min(values):.0f}-{max(values):.0f})"
+
+
+def paired_ratio(a: Sequence[float], b: Sequence[float]) -> float:
+    """Median over windows of ``a[w] / b[w]`` (adjacent windows, so slow phases cancel out)."""
+    return statistics.median(x / y for x, y in zip(a, b))
+
+
+def report(jobs: list[dict[str, Any]], lightning: list[dict[str, Any]], skipped: str | None) -> str:
+    lines = [
+        "| workload | M | variant | samples/s median (min-max) | vs torch.distributed.pipelining | vs ideal | other load |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for job in jobs:
+        wl, m = job["workload"], job["micro_batches"]
+        ideal, bound, share = ideal_and_bound(job)
+        single = samples_per_s(job, "single thread")
+
+        def row(name: str, values: Sequence[float], vs_torch: str = "", load: str = "", vs_ideal: bool = True) -> None:
+            ratio = f"{paired_ratio(values, ideal):.2f}" if vs_ideal else ""
+            lines.append(f"| {wl} | {m} | {name} | {summary(values)} | {vs_torch} | {ratio} | {load} |")
+
+        row("ideal: 2 × single thread × M/(M+1)", ideal)
+        row(f"bound for the measured stage times (stage 1 does {share:.0%} of the compute)", bound)
+        row(f"single thread, 1 process, micro-batch {WORKLOADS[wl].batch // m}", single,
+            load=f"{median_load(job, 'single thread'):.2f}", vs_ideal=False)
+        for schedule in job["schedules"]:
+            torch_tp = samples_per_s(job, f"torch {schedule}")
+            for name in (f"torch {schedule}", f"ours {schedule}"):
+                values = samples_per_s(job, name)
+                row(name, values, f"{paired_ratio(values, torch_tp):.2f}", f"{median_load(job, name):.2f}")
+            for lj in lightning:
+                if (lj["workload"], lj["micro_batches"], lj["schedule"]) == (wl, m, schedule):
+                    light = samples_per_s(lj, "lightning")
+                    med = statistics.median(light)
+                    lines.append(
+                        f"| {wl} | {m} | ours {schedule} through Lightning (PipeStrategy)¹ | {summary(light)} "
+                        f"| {med / statistics.median(torch_tp):.2f} | {med / statistics.median(ideal):.2f} "
+                        f"| {median_load(lj, 'lightning'):.2f} |"
+                    )
+    out = "\n".join(lines)
+    out += (
+        "\n\nother load: cores used by other processes during the windows (median); ratios are medians of"
+        " per-window ratios against the adjacent windows of the reference."
+    )
+    if lightning:
+        out += (
+            "\n¹ separate job right after the comparison job; its ratios are ratios of medians across the two jobs.\n\n"
+            "Strategy overhead (Lightning windows and bare-engine windows alternate in the same two processes):\n\n"
+            "| workload | M | schedule | bare engine | through Lightning | Lightning / bare | other load |\n"
+            "|---|---|---|---|---|---|---|\n"
+        )
+        out += "\n".join(
+            f"| {lj['workload']} | {lj['micro_batches']} | {lj['schedule']} | {summary(samples_per_s(lj, 'bare'))} "
+            f"| {summary(samples_per_s(lj, 'lightning'))} "
+            f"| {paired_ratio(samples_per_s(lj, 'lightning'), samples_per_s(lj, 'bare')):.2f} "
+            f"| {median_load(lj, 'lightning'):.2f} |"
+            for lj in lightning
+        )
+    if skipped:
+        out += f"\n\nThrough Lightning: skipped ({skipped})."
+    return out
+
+
+# ---------------------------------------------------------------------------------------- main
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workloads", nargs="+", choices=sorted(WORKLOADS), default=["W1", "W2"])
+    parser.add_argument("--micro-batches", nargs="+", type=int, default=None, help="default: 4 and 8")
+    parser.add_argument("--schedules", nargs="+", choices=["gpipe", "1f1b"], default=["gpipe", "1f1b"])
+    parser.add_argument("--windows", type=int, default=5, help="timed windows per variant")
+    parser.add_argument("--steps-per-window", type=int, default=5, help="training steps per window")
+    parser.add_argument("--warmup-steps", type=int, default=3, help="untimed steps per variant first")
+    parser.add_argument("--lightning", choices=["1f1b", "gpipe", "both", "none"], default="1f1b",
+                        help="schedules to also run through Lightning (PipeStrategy)")
+    parser.add_argument("--quiet-wait", type=float, default=120.0,
+                        help="before each job wait up to this many seconds for other processes to go idle")
+    parser.add_argument("--timeout", type=float, default=1800.0, help="seconds before a job is killed")
+    parser.add_argument("--json", type=Path, default=None, help="also write every window's raw numbers here")
+    parser.add_argument("--lightning-worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--out", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.lightning_worker:
+        args.workload = args.workloads[0]
+    return args
+
+
+def _announce(what: str, args: argparse.Namespace) -> None:
+    load = wait_until_quiet(args.quiet_wait) if args.quiet_wait > 0 else math.nan
+    print(f"{what} (other load before start: {load:.2f} cores) ...", flush=True)
+
+
+def _done(job: dict[str, Any], start: float) -> None:
+    medians = ", ".join(f"{name} {statistics.median(samples_per_s(job, name)):.0f}" for name in job["windows"])
+    print(f"  {time.monotonic() - start:.0f} s; samples/s: {medians}", flush=True)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = parse_args(argv)
+    if args.lightning_worker:
+        lightning_worker(args)
+        return
+    print(f"torch {torch.__version__}, {os.cpu_count()} CPUs, {STAGES} processes × 1 thread, gloo", flush=True)
+    light_schedules = {"none": [], "both": list(args.schedules), "1f1b": ["1f1b"], "gpipe": ["gpipe"]}[args.lightning]
+    skipped = lightning_available() if light_schedules else None
+    if skipped:
+        print(f"through Lightning: skipped, lightning_pipe.PipeStrategy is not importable ({skipped})", flush=True)
+        light_schedules = []
+    job_args = {k: getattr(args, k) for k in ("schedules", "windows", "steps_per_window", "warmup_steps")}
+    jobs, lightning = [], []
+    for wl in args.workloads:
+        for m in args.micro_batches or WORKLOADS[wl].default_micro_batches:
+            base = {"workload": wl, "micro_batches": m, "steps_per_window": args.steps_per_window}
+            _announce(f"{wl}, M={m}: comparison job", args)
+            start = time.monotonic()
+            out = run_job(compare_worker, wl, m, job_args, timeout=args.timeout)
+            jobs.append({**base, "schedules": args.schedules, **out})
+            _done(jobs[-1], start)
+            for schedule in light_schedules:
+                _announce(f"{wl}, M={m}: Lightning job ({schedule})", args)
+                start = time.monotonic()
+                try:
+                    out = run_lightning_job(wl, m, schedule, args)
+                except RuntimeError as error:
+                    print(f"  failed: {error}", flush=True)
+                    skipped = str(error).splitlines()[0]
+                    continue
+                lightning.append({**base, "schedule": schedule, **out})
+                _done(lightning[-1], start)
+    if args.json:
+        args.json.write_text(json.dumps({"argv": sys.argv, "jobs": jobs, "lightning": lightning}, indent=1))
+    print()
+    print(report(jobs, lightning, skipped))
+
+
+if __name__ == "__main__":
+    main()
