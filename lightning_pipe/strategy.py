@@ -14,6 +14,7 @@ Lightning's hooks onto it:
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any, Literal
@@ -480,6 +481,23 @@ class PipeStrategy(DDPStrategy):
         state = apply_to_collection(optimizer.state_dict(), Tensor, lambda t: t.detach().cpu())
         parts = self._gather_in_first_pipeline((state, self._local_param_names(optimizer)))
         return merge_optimizer_states(parts, self._param_order, self._owner()) if parts else {}
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        """Write on rank 0 to a temporary file in the target directory, then rename it into place,
+        so a save killed half-way never leaves a truncated file under the final name."""
+        if not self.is_global_zero:
+            return
+        path = str(filepath)
+        if "://" in path:  # remote filesystems: their own transaction semantics apply
+            self.checkpoint_io.save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+            return
+        partial = f"{path}.partial-{os.getpid()}"
+        try:
+            self.checkpoint_io.save_checkpoint(checkpoint, partial, storage_options=storage_options)
+            os.replace(partial, path)
+        finally:
+            if os.path.exists(partial):
+                os.remove(partial)
 
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
         module = self.lightning_module

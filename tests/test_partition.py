@@ -63,3 +63,26 @@ def test_min_max_split_is_optimal(costs, parts):
         for cuts in itertools.combinations(range(1, len(costs)), parts - 1)
     )
     assert worst == best
+
+
+def test_checkpoint_writes_are_atomic(tmp_path):
+    """A save that dies half-way leaves neither a truncated file nor a temporary behind."""
+    from lightning.fabric.plugins import TorchCheckpointIO
+
+    from lightning_pipe import PipeStrategy
+
+    class DiesHalfway(TorchCheckpointIO):
+        def save_checkpoint(self, checkpoint, path, storage_options=None):
+            with open(path, "wb") as f:
+                f.write(b"half a checkpoint")
+            raise KeyboardInterrupt("killed while saving")
+
+    target = tmp_path / "model.ckpt"
+    strategy = PipeStrategy(checkpoint_io=DiesHalfway())
+    with pytest.raises(KeyboardInterrupt):
+        strategy.save_checkpoint({"state_dict": {}}, target)
+    assert list(tmp_path.iterdir()) == []
+    strategy = PipeStrategy()
+    strategy.save_checkpoint({"state_dict": {"w": torch.ones(2)}}, target)
+    assert list(tmp_path.iterdir()) == [target]
+    assert torch.load(target, weights_only=True)["state_dict"]["w"].sum() == 2

@@ -230,7 +230,7 @@ def make(name: str, P: int, M: int, v: int, compute: list[list[Action]], forward
 def replace(schedule: Schedule, device: int, actions: list[Action]) -> Schedule:
     lists = list(schedule.actions)
     lists[device] = tuple(actions)
-    return Schedule(schedule.name, schedule.stages, schedule.micro_batches, schedule.chunks, tuple(lists))
+    return Schedule(schedule.name, schedule.stages, schedule.micro_batches, schedule.chunks, tuple(lists), schedule.forward_only)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -542,13 +542,6 @@ def test_rejects_send_before_compute():
         validate(replace(good, 1, acts))
 
 
-# The validator does not look at STEP at all (validate.py skips it in _check_compute and nowhere else
-# checks it), yet the executor calls the optimizer at every STEP action. Reported as a bug; these tests
-# document it and will start failing (XPASS, strict) once the validator checks STEP.
-_STEP_BUG = "validate() ignores STEP: a missing, duplicated or misplaced STEP is accepted"
-
-
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=_STEP_BUG)
 @pytest.mark.parametrize("defect", ["missing", "first", "duplicated", "before_last_backward"])
 def test_rejects_bad_step(defect):
     good = build_schedule("1f1b", 4, 8)
@@ -698,3 +691,18 @@ def test_dry_run_delayed_sends_and_shuffled_lists():
     shuffled = Schedule("gpipe", 4, 6, 1, tuple(tuple(lst) + (STEP,) for lst in lists))
     with pytest.raises(ScheduleError):
         validate(shuffled)
+
+
+@pytest.mark.parametrize("stages,micro_batches,chunks", [(1, 1, 1), (2, 3, 1), (3, 7, 1), (2, 5, 2), (4, 4, 3)])
+def test_forward_only_schedules_forward_everything_once(stages, micro_batches, chunks):
+    name = "interleaved_1f1b" if chunks > 1 else "1f1b"
+    schedule = build_schedule(name, stages, micro_batches, chunks, forward_only=True)
+    for device in range(stages):
+        compute = schedule.compute_actions(device)
+        assert sorted((a.chunk, a.micro_batch) for a in compute) == sorted(
+            (c, m) for c in range(chunks) for m in range(micro_batches)
+        )
+        assert all(a.kind is Kind.FORWARD for a in compute)
+    bad = replace(schedule, 0, list(schedule.actions[0]) + [STEP])
+    with pytest.raises(ScheduleError, match="forward-only schedule must not STEP"):
+        validate(bad)

@@ -3,6 +3,8 @@
 Checks, with one sentence per failure:
 
 * every micro-batch is forwarded and backwarded exactly once on every virtual stage, forward first;
+* a flushing schedule has exactly one STEP per device, after all its compute (a forward-only one has
+  none), since the executor calls the optimizer at each STEP;
 * compute actions are bracketed by the communication they need;
 * every send has its receive, in the same order on every channel (so NCCL, which ignores tags,
   matches messages correctly);
@@ -19,6 +21,19 @@ from lightning_pipe.schedules.ir import Action, Kind, Schedule
 
 class ScheduleError(ValueError):
     """A schedule violates one of the IR's rules."""
+
+
+def _check_steps(schedule: Schedule) -> None:
+    for device, actions in enumerate(schedule.actions):
+        steps = [i for i, action in enumerate(actions) if action.kind is Kind.STEP]
+        if schedule.forward_only:
+            if steps:
+                raise ScheduleError(f"stage {device}: a forward-only schedule must not STEP.")
+        elif len(steps) != 1 or any(a.kind.is_compute for a in actions[steps[0] :]):
+            raise ScheduleError(
+                f"stage {device}: STEP appears {len(steps)} times at positions {steps}; a flushing schedule steps "
+                "exactly once, after every forward and backward."
+            )
 
 
 def _check_compute(schedule: Schedule) -> None:
@@ -100,6 +115,7 @@ def validate(schedule: Schedule) -> list[tuple[int, Action]]:
     if len(schedule.actions) != schedule.stages:
         raise ScheduleError(f"expected {schedule.stages} action lists, got {len(schedule.actions)}.")
     _check_compute(schedule)
+    _check_steps(schedule)
     for device, actions in enumerate(schedule.actions):
         _check_brackets(schedule, device, actions)
     return dry_run(schedule)
