@@ -16,7 +16,9 @@ Rules that keep it deadlock-free and overlapped:
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,6 +29,7 @@ from lightning_pipe.engine.p2p import (
     ACTIVATION_TAG, GRADIENT_TAG, Header, TensorMeta, Transport, is_differentiable,
 )
 from lightning_pipe.engine.watchdog import Watchdog
+from lightning_pipe.engine.weights import WeightPolicy
 from lightning_pipe.schedules.ir import Action, Kind, Schedule
 
 StageFn = Callable[[Any, Any], Any]
@@ -43,6 +46,7 @@ class _InFlight:
 
     inputs: tuple[Tensor, ...] = ()
     output: Any = None
+    weight: float = 1.0
     output_metas: tuple[TensorMeta, ...] = ()
     input_grads: list[Tensor] = field(default_factory=list)
 
@@ -81,6 +85,8 @@ class Executor:
         transport: point-to-point layer (``None`` only for single-device pipelines).
         watchdog: bounds every wait; default: no error reports, 30 minutes.
         names: human names of the chunks for error messages (e.g. ``"stage 1 (trunk layers 4-7)"``).
+        policy: the weight policy of an asynchronous schedule (``None``: the current weights, and
+            STEP calls the ``step`` given to :meth:`run`).
     """
 
     def __init__(
@@ -91,6 +97,7 @@ class Executor:
         transport: Transport | None = None,
         watchdog: Watchdog | None = None,
         names: Sequence[str] | None = None,
+        policy: WeightPolicy | None = None,
     ) -> None:
         self.device_index = schedule_device
         self.ranks = list(ranks)
@@ -98,6 +105,9 @@ class Executor:
         self.transport = transport
         self.watchdog = watchdog or Watchdog(timeout=1800.0)
         self.names = list(names) if names else [f"stage {schedule_device} chunk {c}" for c in range(len(chunks))]
+        self.policy = policy
+        self._in_flight: dict[tuple[int, int], _InFlight] = {}
+        self._send_windows: deque[list[tuple[Any, Tensor]]] = deque()
         if len(self.ranks) > 1 and transport is None:
             raise ValueError("a pipeline with more than one device needs a Transport.")
 
@@ -109,46 +119,67 @@ class Executor:
         loss_weights: Sequence[float] | None = None,
         step: Callable[[], None] | None = None,
         scale_loss: Callable[[Tensor], Tensor] | None = None,
-    ) -> list[Tensor]:
-        """Run this device's actions for one step.
+        first_micro_batch: int = 0,
+        carry_over: bool = False,
+    ) -> list[Any]:
+        """Run this device's actions for one step (or one window of an asynchronous segment).
 
         Args:
             schedule: the schedule (all devices run the same one).
-            micro_batches: the ``M`` micro-batches (only the first and last stage read them).
+            micro_batches: the micro-batches whose forwards this run starts (only the first and last
+                stage read them); micro-batch ``g`` is ``micro_batches[g - first_micro_batch]``.
             loss_weights: each micro-batch loss is multiplied by its weight before backward
-                (default ``1/M``), so accumulated gradients are the mini-batch mean.
-            step: called at every STEP action (e.g. ``optimizer.step``); ``None`` skips it.
+                (default ``1/len(micro_batches)``), so accumulated gradients are the mini-batch mean.
+            step: called at every STEP action when there is no weight policy (e.g. ``optimizer.step``).
             scale_loss: applied to the weighted loss before backward (fp16 loss scaling).
+            first_micro_batch: stream index of ``micro_batches[0]``.
+            carry_over: keep micro-batches in flight and sends pending after the run (asynchronous
+                windows); call :meth:`finish` after the segment's drain.
 
         Returns:
-            What the last virtual stage returned for every micro-batch, on the device holding it
-            (the detached, unweighted loss when training; the raw output for a forward-only
-            schedule); an empty list elsewhere.
+            What the last virtual stage returned for every micro-batch forwarded in this run, on
+            the device holding it (the detached, unweighted loss when training; the raw output for
+            a forward-only schedule); an empty list elsewhere.
         """
-        if len(micro_batches) != schedule.micro_batches:
+        if not carry_over and len(micro_batches) != schedule.micro_batches:
             raise ValueError(f"schedule expects {schedule.micro_batches} micro-batches, got {len(micro_batches)}.")
         self._schedule = schedule
         self._micro_batches = micro_batches
-        self._weights = list(loss_weights) if loss_weights is not None else [1.0 / len(micro_batches)] * len(micro_batches)
+        self._first = first_micro_batch
+        count = max(len(micro_batches), 1)
+        self._weights = list(loss_weights) if loss_weights is not None else [1.0 / count] * count
         self._scale_loss = scale_loss
-        self._in_flight: dict[tuple[int, int], _InFlight] = {}
         self._received: dict[tuple[Kind, int, int], _PendingReceive] = {}
-        self._sends: list[tuple[Any, Tensor]] = []
         self._outputs: dict[int, Any] = {}
         self._posted = 0
+        # a send is received at the latest in the peer's next window, so older ones are complete
+        while len(self._send_windows) > 1:
+            self._wait_sends(self._send_windows.popleft())
+        self._sends: list[tuple[Any, Tensor]] = []
+        self._send_windows.append(self._sends)
         actions = schedule.actions[self.device_index]
         try:
             for index, action in enumerate(actions):
                 if action.kind.is_compute:
                     self._post_receives(actions, index)
                 self._dispatch(action, step)
-            for work, _ in self._sends:
-                self.watchdog.wait(work, "a peer to receive this stage's last messages")
-        finally:
+            if not carry_over:
+                self.finish()
+        except BaseException:
             self._in_flight.clear()
-            self._received.clear()
-            self._sends = []
+            self._send_windows.clear()
+            raise
         return [self._outputs[j] for j in sorted(self._outputs)]
+
+    def finish(self) -> None:
+        """Wait for every pending send and forget the micro-batches in flight (end of a segment)."""
+        while self._send_windows:
+            self._wait_sends(self._send_windows.popleft())
+        self._in_flight.clear()
+
+    def _wait_sends(self, sends: list[tuple[Any, Tensor]]) -> None:
+        for work, _ in sends:
+            self.watchdog.wait(work, "a peer to receive this stage's messages")
 
     # ------------------------------------------------------------------ actions
     def _dispatch(self, action: Action, step: Callable[[], None] | None) -> None:
@@ -166,7 +197,9 @@ class Executor:
         elif kind.is_recv:
             pass  # consumed by the compute action that needs it (see _take)
         elif kind is Kind.STEP:
-            if step is not None:
+            if self.policy is not None:
+                self.policy.step()
+            elif step is not None:
                 step()
         else:  # pragma: no cover - new kinds must be handled explicitly
             raise NotImplementedError(kind)
@@ -177,12 +210,13 @@ class Executor:
     def _forward(self, action: Action) -> None:
         chunk, mb = action.chunk, action.micro_batch
         vs = self._virtual_stage(chunk)
-        flight = _InFlight()
+        flight = _InFlight(weight=self._weights[mb - self._first] if self._weights else 1.0)
         inputs = None
         if vs > 0:
             inputs = self._take_activation(action)
             flight.inputs = tuple(t for t in _as_tensors(inputs) if t.requires_grad)
-        output = self.chunks[chunk](inputs, self._micro_batches[mb])
+        with self.policy.forward(mb) if self.policy else nullcontext():
+            output = self.chunks[chunk](inputs, self._micro_batches[mb - self._first])
         if vs == self._schedule.virtual_stages - 1:
             if self._schedule.forward_only:
                 self._outputs[mb] = output
@@ -202,17 +236,20 @@ class Executor:
         chunk, mb = action.chunk, action.micro_batch
         vs = self._virtual_stage(chunk)
         flight = self._in_flight[(chunk, mb)]
-        if vs == self._schedule.virtual_stages - 1:
-            loss = flight.output * self._weights[mb]
-            if self._scale_loss is not None:
-                loss = self._scale_loss(loss)
-            if loss.requires_grad:
-                loss.backward()
-        else:
-            grads = self._take_gradients(action)
-            outputs = [t for t, m in zip(_as_tensors(flight.output), flight.output_metas) if is_differentiable(m)]
-            if outputs:
-                torch.autograd.backward(outputs, grads)
+        grads = None if vs == self._schedule.virtual_stages - 1 else self._take_gradients(action)
+        with self.policy.backward(mb) if self.policy else nullcontext():
+            if grads is None:
+                loss = flight.output * flight.weight
+                if self._scale_loss is not None:
+                    loss = self._scale_loss(loss)
+                if loss.requires_grad:
+                    loss.backward()
+            else:
+                outputs = [t for t, m in zip(_as_tensors(flight.output), flight.output_metas) if is_differentiable(m)]
+                if outputs:
+                    torch.autograd.backward(outputs, grads)
+        if self.policy is not None:
+            self.policy.finished(mb)
         flight.output = None  # free the graph before anything else runs
         if vs > 0:
             flight.input_grads = [t.grad if t.grad is not None else torch.zeros_like(t) for t in flight.inputs]

@@ -82,6 +82,8 @@ class Schedule:
         chunks: chunks (virtual stages) per device ``v``.
         actions: ``actions[d]`` is the ordered list device ``d`` executes.
         forward_only: an evaluation schedule (no backward, no STEP).
+        step_every: backwards (per chunk) between two STEPs; ``None``: one STEP after everything
+            (a flushing schedule). Asynchronous segments step every ``M`` micro-batches.
     """
 
     name: str
@@ -90,6 +92,7 @@ class Schedule:
     chunks: int
     actions: tuple[tuple[Action, ...], ...] = field(repr=False)
     forward_only: bool = False
+    step_every: int | None = None
 
     @property
     def virtual_stages(self) -> int:

@@ -3,8 +3,8 @@
 Checks, with one sentence per failure:
 
 * every micro-batch is forwarded and backwarded exactly once on every virtual stage, forward first;
-* a flushing schedule has exactly one STEP per device, after all its compute (a forward-only one has
-  none), since the executor calls the optimizer at each STEP;
+* STEPs come exactly where they belong: one after every ``step_every`` backwards (a flushing schedule:
+  once, after all its compute; forward-only: never), since the executor calls the optimizer at each;
 * compute actions are bracketed by the communication they need;
 * every send has its receive, in the same order on every channel (so NCCL, which ignores tags,
   matches messages correctly);
@@ -24,16 +24,27 @@ class ScheduleError(ValueError):
 
 
 def _check_steps(schedule: Schedule) -> None:
+    """STEP ``k`` must follow every backward of micro-batches ``< (k+1) * step_every`` and precede the
+    others (a flushing schedule: one STEP after all compute; forward-only: none)."""
+    every = schedule.step_every or schedule.micro_batches
+    expected = 0 if schedule.forward_only else schedule.micro_batches // every
     for device, actions in enumerate(schedule.actions):
         steps = [i for i, action in enumerate(actions) if action.kind is Kind.STEP]
-        if schedule.forward_only:
-            if steps:
-                raise ScheduleError(f"stage {device}: a forward-only schedule must not STEP.")
-        elif len(steps) != 1 or any(a.kind.is_compute for a in actions[steps[0] :]):
-            raise ScheduleError(
-                f"stage {device}: STEP appears {len(steps)} times at positions {steps}; a flushing schedule steps "
-                "exactly once, after every forward and backward."
-            )
+        if schedule.forward_only and steps:
+            raise ScheduleError(f"stage {device}: a forward-only schedule must not STEP.")
+        if len(steps) != expected:
+            raise ScheduleError(f"stage {device}: STEP appears {len(steps)} times, expected {expected}.")
+        done = 0
+        for i, action in enumerate(actions):
+            if action.kind is Kind.STEP:
+                done += 1
+            elif action.kind is Kind.BACKWARD and action.micro_batch // every != done:
+                raise ScheduleError(
+                    f"stage {device}: {action} runs after {done} STEPs; a STEP must follow every backward of "
+                    f"its {every} micro-batches and precede the next ones."
+                )
+        if steps and schedule.step_every is None and any(a.kind.is_compute for a in actions[steps[-1] :]):
+            raise ScheduleError(f"stage {device}: a flushing schedule steps once, after every forward and backward.")
 
 
 def _check_compute(schedule: Schedule) -> None:
