@@ -10,14 +10,14 @@ from collections.abc import Sequence
 from lightning.pytorch import LightningModule
 
 from lightning_pipe.partition import BalanceError, TrunkError, find_trunk, resolve_balance
-from lightning_pipe.schedules import SYNC_SCHEDULES
+from lightning_pipe.schedules import ASYNC_SCHEDULES, SYNC_SCHEDULES
 
 
 class PipeConfigError(ValueError):
     """A PipeStrategy option does not fit the Trainer or the module."""
 
 
-SCHEDULE_NAMES = tuple(SYNC_SCHEDULES)
+SCHEDULE_NAMES = (*SYNC_SCHEDULES, *ASYNC_SCHEDULES)
 
 
 def check_options(schedule: str, micro_batches: int, stages: int | None, pipelines: int, chunks_per_stage: int) -> None:
@@ -36,6 +36,19 @@ def check_options(schedule: str, micro_batches: int, stages: int | None, pipelin
         raise PipeConfigError(
             f"chunks_per_stage={chunks_per_stage} only applies to schedule='interleaved_1f1b'; leave it at 1 for {schedule!r}."
         )
+
+
+def check_async_trainer(schedule: str, accumulate_grad_batches: int, optimizers: int) -> None:
+    """Asynchronous schedules step inside the pipeline, once per mini-batch, with one optimizer."""
+    if schedule not in ASYNC_SCHEDULES:
+        return
+    if accumulate_grad_batches > 1:
+        raise PipeConfigError(
+            f"schedule={schedule!r} steps every mini-batch, so accumulate_grad_batches={accumulate_grad_batches} has no "
+            "meaning; use more micro_batches or a larger batch instead."
+        )
+    if optimizers != 1:
+        raise PipeConfigError(f"schedule={schedule!r} supports exactly one optimizer; configure_optimizers returned {optimizers}.")
 
 
 def resolve_stages(world_size: int, stages: int | None, pipelines: int) -> int:
@@ -69,6 +82,11 @@ def check_module(
         raise PipeConfigError(
             f"{type(module).__name__} uses manual optimization, which pipeline schedules cannot drive; "
             "set self.automatic_optimization = True or train it with strategy='ddp'."
+        )
+    if schedule == "pipedream_2bw" and micro_batches < stages:
+        raise PipeConfigError(
+            f"pipedream_2bw needs micro_batches >= stages (so two weight versions suffice); got micro_batches="
+            f"{micro_batches} with {stages} stages: use micro_batches={stages} or more."
         )
     if schedule == "interleaved_1f1b" and micro_batches % stages:
         raise PipeConfigError(

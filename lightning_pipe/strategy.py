@@ -37,22 +37,28 @@ from torch.distributed import ReduceOp
 from torchmetrics import Metric
 
 from lightning_pipe.checkpoint import check_keys, merge_optimizer_states, merge_state_dicts, slice_optimizer_state
-from lightning_pipe.config import PipeConfigError, check_module, check_options, resolve_stages
+from lightning_pipe.async_options import AsyncOptions, Prediction
+from lightning_pipe.async_runtime import AsyncRuntime, make_clip
+from lightning_pipe.config import PipeConfigError, check_async_trainer, check_module, check_options, resolve_stages
 from lightning_pipe.engine import Executor, Transport, Watchdog, batch_size, split_micro_batches
 from lightning_pipe.log_replay import LogCapture, combine, replay
 from lightning_pipe.module_stages import ModuleStages, step_loss
 from lightning_pipe.outputs import detach_to_cpu, merge_outputs
 from lightning_pipe.partition import find_trunk, stage_bounds
 from lightning_pipe.partition.split import PartitionedTrunk
-from lightning_pipe.schedules import SYNC_SCHEDULES, build_schedule
+from lightning_pipe.schedules import ASYNC_SCHEDULES, SYNC_SCHEDULES, build_schedule
 from lightning_pipe.topology import Topology
 
-ScheduleName = Literal["gpipe", "1f1b", "interleaved_1f1b"]
+ScheduleName = Literal["gpipe", "1f1b", "interleaved_1f1b", "pipedream", "pipedream_2bw", "pipemare", "xpipe"]
 
 _DESCRIPTIONS = {
     "gpipe": "GPipe pipeline: all forwards, then all backwards, one step per batch",
     "1f1b": "1F1B (PipeDream-Flush) pipeline: GPipe's result with at most one micro-batch per stage in flight",
     "interleaved_1f1b": "interleaved 1F1B pipeline: several chunks per device, a smaller bubble",
+    "pipedream": "asynchronous PipeDream pipeline with weight stashing (no flush)",
+    "pipedream_2bw": "asynchronous PipeDream-2BW pipeline: double-buffered 1-stale weights (no flush)",
+    "pipemare": "asynchronous PipeMare pipeline: lr rescheduling and discrepancy correction, no stash",
+    "xpipe": "asynchronous XPipe pipeline: weight prediction from the optimizer state",
 }
 
 
@@ -86,6 +92,17 @@ class PipeStrategy(DDPStrategy):
             them (less memory, one extra forward).
         timeout: seconds any rank waits for a peer before failing with a clear error; a rank that
             raises ends every other rank at once with its error message.
+        sync_warmup_epochs: asynchronous schedules only: train the first epochs with ``1f1b`` (PipeMare's
+            synchronous warm-up), then switch in the same run.
+        pipemare_lr_reschedule: PipeMare T1: start stage ``s`` at ``lr / tau_s`` and reach ``lr``
+            geometrically over ``pipemare_lr_warmup_steps`` stage steps.
+        pipemare_lr_warmup_steps: length ``K`` of T1, in optimizer steps.
+        pipemare_correction: PipeMare T2: run backwards with weights corrected by ``-tau * delta``, an
+            exponential average of recent updates (one extra weight copy).
+        pipemare_correction_decay: decay ``gamma`` of T2's average.
+        xpipe_prediction: XPipe's update direction for weight prediction: ``"adam"`` (Adam's
+            bias-corrected moments), ``"momentum"`` (SGD's momentum buffer), ``"sgd"`` (the last gradient)
+            or ``"auto"`` (by optimizer type).
         accelerator: set by the Trainer.
         parallel_devices: set by the Trainer.
         cluster_environment: set by the Trainer.
@@ -107,6 +124,12 @@ class PipeStrategy(DDPStrategy):
         chunks_per_stage: int | None = None,
         checkpoint_activations: bool = False,
         timeout: float = 1800.0,
+        sync_warmup_epochs: int = 0,
+        pipemare_lr_reschedule: bool = True,
+        pipemare_lr_warmup_steps: int = 100,
+        pipemare_correction: bool = True,
+        pipemare_correction_decay: float = 0.9,
+        xpipe_prediction: Prediction = "auto",
         accelerator: Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -135,6 +158,11 @@ class PipeStrategy(DDPStrategy):
         self.chunks_per_stage = chunks_per_stage
         self.checkpoint_activations = checkpoint_activations
         self.timeout = timeout
+        self.sync_warmup_epochs = sync_warmup_epochs
+        self.async_options = AsyncOptions(
+            pipemare_lr_reschedule, pipemare_lr_warmup_steps, pipemare_correction, pipemare_correction_decay, xpipe_prediction
+        )
+        self._async: AsyncRuntime | None = None
         self._counts: list[int] | None = None
         self._topology: Topology | None = None
         self._partition: PartitionedTrunk | None = None
@@ -151,7 +179,7 @@ class PipeStrategy(DDPStrategy):
     # ------------------------------------------------------------------ registration
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
-        for name in SYNC_SCHEDULES:
+        for name in (*SYNC_SCHEDULES, *ASYNC_SCHEDULES):
             if name not in strategy_registry:
                 strategy_registry.register(name, cls, description=_DESCRIPTIONS[name], schedule=name)
 
@@ -203,6 +231,12 @@ class PipeStrategy(DDPStrategy):
         self._executor = self._build_executor()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
+            check_async_trainer(self.schedule, trainer.accumulate_grad_batches, len(self.optimizers))
+            if self.schedule in ASYNC_SCHEDULES and self._async is None:
+                stages = self._topology.stages
+                self._async = AsyncRuntime(self.schedule, self._executor, self._topology.stage, stages, self.micro_batches)
+            elif self._async is not None:
+                self._async.executor = self._executor
         self.setup_precision_plugin()
         # Lightning clips with this rank's parameters only; the pipeline needs the global norm
         self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_global_norm
@@ -276,8 +310,11 @@ class PipeStrategy(DDPStrategy):
             return count
         return n
 
-    def _run_schedule(self, hook: str, args: tuple, kwargs: dict, training: bool) -> tuple[Any, list[Any], list[int], LogCapture]:
-        """Run the user's ``hook`` over the micro-batches of one batch through the pipeline.
+    def _run_schedule(
+        self, hook: str, args: tuple, kwargs: dict, training: bool, asynchronous: bool = False
+    ) -> tuple[Any, list[Any], list[int], LogCapture]:
+        """Run the user's ``hook`` over the micro-batches of one batch through the pipeline (one
+        flushed step, or one window of an asynchronous segment).
 
         Returns the schedule's outputs on the last stage (empty elsewhere), the micro-batch sizes,
         the batch size and the captured ``self.log`` calls.
@@ -289,39 +326,62 @@ class PipeStrategy(DDPStrategy):
         count = self._micro_batch_count(n, training)
         micro_batches = split_micro_batches(batch, count)
         sizes = [batch_size(mb) for mb in micro_batches]
-        schedule = build_schedule(self.schedule, self._topology.stages, count, self.chunks_per_stage, not training)
         capture = LogCapture(module)
         user_step = getattr(module, hook)
+        virtual_stages = self._topology.stages * self.chunks_per_stage
         stages = ModuleStages(
             lambda mb: user_step(mb, *rest, **kwargs),
             self._partition,
-            schedule.virtual_stages,
+            virtual_stages,
             capture,
             (lambda out: step_loss(out, hook)) if training else (lambda out: out),
         )
         self._executor.chunks = stages.chunk_callables()
         weights = [s / n / module.trainer.accumulate_grad_batches for s in sizes] if training else None
         scaler = getattr(self.precision_plugin, "scaler", None) if training else None
+        scale = scaler.scale if scaler else None
         try:
             with capture:
-                outputs = self._executor.run(schedule, micro_batches, weights, scale_loss=scaler.scale if scaler else None)
+                if asynchronous:
+                    outputs = self._async.run_window(micro_batches, weights, scale)
+                else:
+                    sync_name = self.schedule if self.schedule in SYNC_SCHEDULES else "1f1b"  # warm-up, evaluation
+                    schedule = build_schedule(sync_name, self._topology.stages, count, self.chunks_per_stage, not training)
+                    outputs = self._executor.run(schedule, micro_batches, weights, scale_loss=scale)
         except BaseException as error:
             if self._watchdog is not None:
                 self._watchdog.report(error)
             raise
         return outputs, sizes, n, capture
 
+    def _asynchronous_now(self) -> bool:
+        """Whether this epoch runs the asynchronous schedule (after the synchronous warm-up)."""
+        trainer = self.lightning_module.trainer
+        return self._async is not None and trainer.current_epoch >= self.sync_warmup_epochs
+
     def training_step(self, *args: Any, **kwargs: Any) -> Tensor:
-        """Forwards and backwards of every micro-batch; returns the batch loss on every rank."""
+        """Forwards and backwards of every micro-batch; returns the batch loss on every rank.
+
+        Flushing schedules run one whole step here. Asynchronous ones run one window of the
+        stream: earlier micro-batches may still be in flight afterwards and STEPs happen inside.
+        """
         module = self.lightning_module
+        asynchronous = self._asynchronous_now()
+        if asynchronous and self._async.policy is None:
+            self._start_async()
         params = self._trainable_parameters()
-        kept = [p.grad for p in params]
-        for p in params:
-            p.grad = None
+        # a flushed step starts from empty gradients (kept ones belong to gradient accumulation);
+        # an asynchronous window keeps accumulating into the gradients of unfinished mini-batches
+        kept = [None] * len(params) if asynchronous else [p.grad for p in params]
+        if not asynchronous:
+            for p in params:
+                p.grad = None
         with self.precision_plugin.train_step_context():
-            losses, sizes, n, capture = self._run_schedule("training_step", args, kwargs, training=True)
+            losses, sizes, n, capture = self._run_schedule("training_step", args, kwargs, True, asynchronous)
         self._seen_batch = True
-        if self._outside_users is None:
+        if asynchronous and self._ends_segment(args[1] if len(args) > 1 else kwargs.get("batch_idx", 0)):
+            self._drain()
+        if self._outside_users is None and not asynchronous:
             self._find_outside_users()
         self._grad_stash = [p.grad for p in params]
         for p, grad in zip(params, kept):
@@ -329,7 +389,83 @@ class PipeStrategy(DDPStrategy):
         loss = sum(s / n * float(l) for s, l in zip(sizes, losses)) if losses else 0.0
         loss, records = self._from_last_stage((loss, combine(capture.records, module)))
         replay(module, records, owner=self._topology.is_last_stage)
+        if asynchronous:
+            self._log_async_diagnostics(n)
         return torch.tensor(loss, device=self.root_device)
+
+    # ------------------------------------------------------------------ asynchronous schedules
+    def _start_async(self) -> None:
+        """Create the weight policy at the first asynchronous step; Lightning stops stepping."""
+        trainer = self.lightning_module.trainer
+        optimizer = self.optimizers[0]
+        optimizer = optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
+        step_schedulers = [c for c in trainer.lr_scheduler_configs if c.interval == "step"]
+        if len(step_schedulers) > 1:
+            raise PipeConfigError(f"schedule={self.schedule!r} supports one step-interval lr scheduler, got {len(step_schedulers)}.")
+        for config in step_schedulers:
+            config.interval = "pipeline stage step"  # hidden from Lightning: the policy steps it per STEP
+        self._async.start(
+            self.lightning_module, optimizer, self.async_options,
+            step_schedulers[0].scheduler if step_schedulers else None,
+            make_clip(trainer.gradient_clip_val, trainer.gradient_clip_algorithm), trainer.global_step,
+        )
+
+    def _ends_segment(self, batch_idx: int) -> bool:
+        """Whether this batch is the last one before the epoch (or the run) ends."""
+        trainer = self.lightning_module.trainer
+        loop = trainer.fit_loop.epoch_loop
+        last_of_epoch = loop.batch_progress.is_last_batch or batch_idx + 1 >= trainer.num_training_batches
+        last_of_run = trainer.max_steps > 0 and trainer.global_step + 1 >= trainer.max_steps
+        return last_of_epoch or last_of_run
+
+    def _drain(self) -> None:
+        """Finish every micro-batch in flight (before evaluation, checkpoints, epoch end)."""
+        if self._async is None or not self._async.in_flight:
+            return
+        try:
+            self._async.drain()
+        except BaseException as error:
+            if self._watchdog is not None:
+                self._watchdog.report(error)
+            raise
+        if self._outside_users is None:
+            self._find_outside_users(self._async.policy.used_names)
+
+    def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
+        """Asynchronous schedules step inside the pipeline: only run the closure (training_step and backward)."""
+        if self._asynchronous_now():
+            return closure()
+        return super().optimizer_step(optimizer, closure, model, **kwargs)
+
+    def on_validation_start(self) -> None:
+        self._drain()
+        super().on_validation_start()
+
+    def on_train_end(self) -> None:
+        self._drain()
+        super().on_train_end()
+
+    def _log_async_diagnostics(self, batch_size_: int) -> None:
+        """Per-stage staleness, weight copies and prediction/correction norm, logged on every rank."""
+        trainer = self.lightning_module.trainer
+        if not trainer._logger_connector.should_update_logs:
+            return
+        policy = self._async.policy
+        mine = {
+            "staleness": policy.staleness_sum / max(policy.backwards, 1),
+            "weight_copies": float(policy.max_copies),
+        }
+        norm = getattr(policy, "prediction_norm", getattr(policy, "correction_norm", None))
+        if norm is not None:
+            mine["prediction_norm" if hasattr(policy, "prediction_norm") else "correction_norm"] = norm
+        stages = [mine]
+        if self._topology.stages > 1:
+            stages = [None] * self._topology.stages
+            dist.all_gather_object(stages, mine, group=self._topology.pipeline_group)
+        for stage, values in enumerate(stages):
+            for key, value in values.items():
+                self.lightning_module.log(f"pipe/stage{stage}/{key}", float(value), on_step=True, on_epoch=False,
+                                          batch_size=batch_size_)
 
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         with self.precision_plugin.val_step_context():
@@ -397,13 +533,15 @@ class PipeStrategy(DDPStrategy):
     def _is_trunk_key(self, name: str) -> bool:
         return name.startswith(self._partition.name + ".")
 
-    def _find_outside_users(self) -> None:
+    def _find_outside_users(self, used: set[str] | None = None) -> None:
         """Learn which stages use each parameter outside the trunk (those that got a gradient).
 
         Parameters used on several stages (e.g. an embedding tied to the LM head) get their
         gradients summed across those stages; the others are saved from the stage that trains them.
         """
-        used = [n for n, p in self.lightning_module.named_parameters() if not self._is_trunk_key(n) and p.grad is not None]
+        if used is None:
+            used = {n for n, p in self.lightning_module.named_parameters() if p.grad is not None}
+        used = sorted(n for n in used if not self._is_trunk_key(n))
         per_stage = [used]
         if self._topology.stages > 1:
             per_stage = [None] * self._topology.stages
@@ -464,12 +602,15 @@ class PipeStrategy(DDPStrategy):
         """The unpartitioned module's state_dict on rank 0 (``{}`` elsewhere)."""
         if self._partition is None:
             return super().lightning_module_state_dict()
+        self._drain()
         local = apply_to_collection(self.lightning_module.state_dict(), Tensor, lambda t: t.detach().cpu())
         parts = self._gather_in_first_pipeline(local)
         return merge_state_dicts(parts, self._key_order, self._owner()) if parts else {}
 
     def _local_param_names(self, optimizer: Any) -> list[list[str]]:
         names = {id(p): n for n, p in self.lightning_module.named_parameters()}
+        if self._async is not None and self._async.policy is not None:  # live policies step master copies
+            names.update({id(m): n for n, m in getattr(self._async.policy, "masters", {}).items()})
         return [[names[id(p)] for p in group["params"]] for group in optimizer.param_groups]
 
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
@@ -478,6 +619,7 @@ class PipeStrategy(DDPStrategy):
             optimizer = optimizer._optimizer
         if self._partition is None:
             return optimizer.state_dict()
+        self._drain()
         state = apply_to_collection(optimizer.state_dict(), Tensor, lambda t: t.detach().cpu())
         parts = self._gather_in_first_pipeline((state, self._local_param_names(optimizer)))
         return merge_optimizer_states(parts, self._param_order, self._owner()) if parts else {}

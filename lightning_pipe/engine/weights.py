@@ -59,6 +59,7 @@ class WeightPolicy:
         self._steps_at_forward: dict[int, int] = {}
         self.staleness_sum = 0
         self.backwards = 0
+        self.used_names: set[str] = set()  # parameters that received a gradient
 
     @property
     def warmup(self) -> int:
@@ -82,6 +83,7 @@ class WeightPolicy:
     def step(self) -> None:
         tensors = self._stepped_tensors()
         self._prepare_step()
+        self.used_names |= {n for n, t in zip(self.params, tensors) if t.grad is not None}
         if self.clip is not None:
             self.clip([t for t in tensors if t.grad is not None])
         scale = self._lr_scale()

@@ -1,0 +1,81 @@
+"""State of an asynchronous schedule across Lightning steps: the window counter, the weight policy
+and the drain. The strategy decides *when* to run a window or drain; this object knows *how*."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from lightning_pipe.async_options import AsyncOptions
+from lightning_pipe.engine import Executor
+from lightning_pipe.engine.weights import POLICIES, WeightPolicy
+from lightning_pipe.schedules import async_schedule, validate_async
+
+
+def make_clip(value: float | None, algorithm: str | None) -> Callable[[Sequence[Tensor]], None] | None:
+    """Stage-local clipping before each STEP (``None``: no clipping)."""
+    if not value:
+        return None
+    if algorithm == "value":
+        return lambda tensors: torch.nn.utils.clip_grad_value_(tensors, value)
+    return lambda tensors: torch.nn.utils.clip_grad_norm_(tensors, value)
+
+
+class AsyncRuntime:
+    """Runs windows of an asynchronous schedule and drains it.
+
+    Args:
+        name: ``pipedream``, ``pipedream_2bw``, ``pipemare`` or ``xpipe``.
+        executor: this rank's executor (its ``policy`` is set here).
+        stage: this rank's stage; ``stages``: stages per pipeline.
+        micro_batches: micro-batches per window (fixed within a segment).
+    """
+
+    def __init__(self, name: str, executor: Executor, stage: int, stages: int, micro_batches: int) -> None:
+        validate_async(name, stages, micro_batches)
+        self.name = name
+        self.executor = executor
+        self.stage, self.stages, self.micro_batches = stage, stages, micro_batches
+        self.window = 0
+        self.policy: WeightPolicy | None = None
+
+    def start(
+        self, root: nn.Module, optimizer: torch.optim.Optimizer, options: AsyncOptions, scheduler: Any | None,
+        clip: Callable[[Sequence[Tensor]], None] | None, steps_done: int,
+    ) -> WeightPolicy:
+        """Create the weight policy (at the first asynchronous step; ``steps_done`` on resume)."""
+        policy = POLICIES[self.name](root, optimizer, self.stage, self.stages, self.micro_batches, options, scheduler, clip)
+        policy.steps = policy.batches_before_segment = steps_done
+        self.policy = self.executor.policy = policy
+        return policy
+
+    def run_window(self, micro_batches: Sequence[Any], weights: Sequence[float], scale_loss: Any = None) -> list[Any]:
+        if len(micro_batches) != self.micro_batches:
+            raise ValueError(
+                f"asynchronous schedules keep {self.micro_batches} micro-batches per batch within an epoch, got a batch "
+                f"of {len(micro_batches)} samples; set drop_last=True in the DataLoader."
+            )
+        schedule = async_schedule(self.name, self.stages, self.micro_batches, self.window)
+        outputs = self.executor.run(
+            schedule, micro_batches, weights, scale_loss=scale_loss,
+            first_micro_batch=self.window * self.micro_batches, carry_over=True,
+        )
+        self.window += 1
+        return outputs
+
+    @property
+    def in_flight(self) -> bool:
+        return self.window > 0
+
+    def drain(self) -> None:
+        """Run the outstanding backwards and STEPs; every stage ends with the same STEP count."""
+        if not self.window:
+            return
+        drain = async_schedule(self.name, self.stages, self.micro_batches, None, self.window)
+        self.executor.run(drain, [], carry_over=True)
+        self.executor.finish()
+        self.policy.end_segment(self.window)
+        self.window = 0
