@@ -184,6 +184,7 @@ class Variant:
     """One way of running a training step; ``step()`` is called on both ranks."""
 
     name: str
+    samples_per_step: int
 
     def step(self) -> None:
         raise NotImplementedError
@@ -204,6 +205,7 @@ class SingleThread(Variant):
 
     def __init__(self, workload: Workload, micro_batches: int, rank: int) -> None:
         self.active = rank == 0
+        self.samples_per_step = workload.batch
         model = workload.model()
         self.stages = (model[: workload.split], model[workload.split :])
         self.optimizers = tuple(sgd(stage.parameters()) for stage in self.stages)
@@ -238,6 +240,21 @@ class SingleThread(Variant):
         return out
 
 
+class ConcurrentSingleThreads(SingleThread):
+    """Both ranks run the whole model independently at once: what two busy processes can compute.
+
+    No communication and no bubble; on a machine whose cores slow each other down (shared core
+    resources, memory bandwidth, clock boost) this is below ``2 × single thread``.
+    """
+
+    name = "2 single threads at once"
+
+    def __init__(self, workload: Workload, micro_batches: int, rank: int) -> None:
+        super().__init__(workload, micro_batches, rank)
+        self.active = True
+        self.samples_per_step = STAGES * workload.batch
+
+
 def stage_layers(workload: Workload, rank: int) -> nn.Sequential:
     model = workload.model()
     return model[: workload.split] if rank == 0 else model[workload.split :]
@@ -248,6 +265,7 @@ class Engine(Variant):
 
     def __init__(self, schedule: str, workload: Workload, micro_batches: int, rank: int, group: Any) -> None:
         self.name = f"ours {schedule}"
+        self.samples_per_step = workload.batch
         self.layers = stage_layers(workload, rank)
         self.optimizer = sgd(self.layers.parameters())
         loss = workload.loss
@@ -279,6 +297,7 @@ class TorchPipelining(Variant):
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
         self.name = f"torch {schedule}"
+        self.samples_per_step = workload.batch
         self.rank = rank
         self.layers = stage_layers(workload, rank)
         self.optimizer = sgd(self.layers.parameters())
@@ -359,7 +378,7 @@ def timed_windows(
             for _ in range(steps):
                 variant.step()
             barrier()
-            clocks[variant.name].stop(**variant.counters())
+            clocks[variant.name].stop(samples=steps * variant.samples_per_step, **variant.counters())
     return clocks
 
 
@@ -377,7 +396,7 @@ def gather_windows(clocks: dict[str, WindowClock]) -> dict[str, list[dict[str, f
 def compare_worker(rank: int, workload_name: str, micro_batches: int, args: dict[str, Any]) -> dict[str, Any]:
     """Body of one rank of the comparison job."""
     workload = WORKLOADS[workload_name]
-    variants: list[Variant] = [SingleThread(workload, micro_batches, rank)]
+    variants: list[Variant] = [SingleThread(workload, micro_batches, rank), ConcurrentSingleThreads(workload, micro_batches, rank)]
     for schedule in args["schedules"]:
         # every pipelined variant talks on its own process group
         variants.append(TorchPipelining(schedule, workload, micro_batches, rank, dist.new_group(backend="gloo")))
@@ -513,7 +532,7 @@ def lightning_worker(args: argparse.Namespace) -> None:
             for _ in range(steps):
                 self.engine.step()
             dist.barrier()
-            self.clocks["bare"].stop()
+            self.clocks["bare"].stop(samples=steps * workload.batch)
 
         def _window(self, batch_idx: int) -> int | None:
             k = batch_idx - warmup
@@ -536,7 +555,7 @@ def lightning_worker(args: argparse.Namespace) -> None:
             if window is None or (batch_idx - warmup) % steps != steps - 1:
                 return
             dist.barrier()
-            self.clocks["lightning"].stop()
+            self.clocks["lightning"].stop(samples=steps * workload.batch)
             if window % 2 == 0:
                 self._bare_window()
 
@@ -603,30 +622,53 @@ def wait_until_quiet(max_wait: float, threshold: float = 0.15, sample: float = 2
 
 
 def samples_per_s(job: dict[str, Any], variant: str) -> list[float]:
-    steps = job["steps_per_window"]
-    return [WORKLOADS[job["workload"]].batch * steps / w["seconds"] for w in job["windows"][variant]]
+    return [w["samples"] / w["seconds"] for w in job["windows"][variant]]
+
+
+def drop_noisy_rounds(job: dict[str, Any], max_load: float, min_rounds: int = 3) -> dict[str, Any]:
+    """Keep the rounds (window ``w`` of every variant) in which other processes used at most ``max_load`` cores.
+
+    With fewer than ``min_rounds`` such rounds, every round is kept and ``job["rounds"]`` says so.
+    """
+    windows = job["windows"]
+    total = len(next(iter(windows.values())))
+    quiet = [w for w in range(total) if all(v[w]["other_load"] <= max_load for v in windows.values())]
+    note = f"{len(quiet)}/{total}"
+    if len(quiet) < min_rounds:
+        quiet, note = list(range(total)), f"all {total} (only {len(quiet)} quiet)"
+    return {**job, "windows": {name: [v[w] for w in quiet] for name, v in windows.items()}, "rounds": note}
 
 
 def median_load(job: dict[str, Any], variant: str) -> float:
     return statistics.median(w["other_load"] for w in job["windows"][variant])
 
 
-def ideal_and_bound(job: dict[str, Any]) -> tuple[list[float], list[float], float]:
-    """Per window: the ideal, the bound for the measured stage times, and the median stage-1 share.
+def references(job: dict[str, Any]) -> dict[str, Any]:
+    """Per-window references of a comparison job.
 
-    Ideal (the issue's definition): ``2 × single × M/(M+1)``. Bound: with per-step stage compute
-    times ``T0, T1`` a 2-stage gpipe or 1f1b step takes at least ``max(T0, T1) + min(T0, T1)/M``
-    (the slower stage never idles after its first micro-batch, the faster one adds one micro-batch
-    at an end); it equals the ideal when the stages are balanced.
+    * ``ideal`` (the issue's definition): ``2 × single × M/(M+1)``, single thread at the micro-batch size;
+    * ``machine``: ``(2 single threads at once) × M/(M+1)``, the ideal with the slowdown two busy
+      processes inflict on each other on this machine;
+    * ``balance``: with the single thread's per-step stage compute times ``T0, T1``, a 2-stage gpipe or
+      1f1b step takes at least ``max(T0, T1) + min(T0, T1)/M`` (the slower stage never idles after
+      its first micro-batch, the faster one adds one micro-batch at an end); equals the ideal when
+      the stages are balanced. ``share`` is the median share of stage 1 in the compute.
     """
-    m, batch = job["micro_batches"], WORKLOADS[job["workload"]].batch
-    ideal, bound, shares = [], [], []
-    for w, single in zip(job["windows"]["single thread"], samples_per_s(job, "single thread")):
-        ideal.append(STAGES * single * m / (m + STAGES - 1))
+    m = job["micro_batches"]
+    bubble = m / (m + STAGES - 1)
+    single = samples_per_s(job, "single thread")
+    out: dict[str, Any] = {
+        "ideal": [STAGES * x * bubble for x in single],
+        "machine": [x * bubble for x in samples_per_s(job, "2 single threads at once")],
+        "balance": [],
+    }
+    shares = []
+    for w in job["windows"]["single thread"]:
         t0, t1 = w["stage0_seconds"], w["stage1_seconds"]
-        bound.append(batch * job["steps_per_window"] / (max(t0, t1) + min(t0, t1) / m))
+        out["balance"].append(w["samples"] / (max(t0, t1) + min(t0, t1) / m))
         shares.append(t1 / (t0 + t1))
-    return ideal, bound, statistics.median(shares)
+    out["share"] = statistics.median(shares)
+    return out
 
 
 def summary(values: Sequence[float]) -> str:
@@ -645,48 +687,55 @@ def report(jobs: list[dict[str, Any]], lightning: list[dict[str, Any]], skipped:
     ]
     for job in jobs:
         wl, m = job["workload"], job["micro_batches"]
-        ideal, bound, share = ideal_and_bound(job)
-        single = samples_per_s(job, "single thread")
+        ref = references(job)
 
         def row(name: str, values: Sequence[float], vs_torch: str = "", load: str = "", vs_ideal: bool = True) -> None:
-            ratio = f"{paired_ratio(values, ideal):.2f}" if vs_ideal else ""
+            ratio = f"{paired_ratio(values, ref['ideal']):.2f}" if vs_ideal else ""
             lines.append(f"| {wl} | {m} | {name} | {summary(values)} | {vs_torch} | {ratio} | {load} |")
 
-        row("ideal: 2 × single thread × M/(M+1)", ideal)
-        row(f"bound for the measured stage times (stage 1 does {share:.0%} of the compute)", bound)
-        row(f"single thread, 1 process, micro-batch {WORKLOADS[wl].batch // m}", single,
-            load=f"{median_load(job, 'single thread'):.2f}", vs_ideal=False)
+        def load(name: str) -> str:
+            return f"{median_load(job, name):.2f}"
+
+        row("**ideal**: 2 × single thread × M/(M+1)", ref["ideal"])
+        row("machine bound: 2 single threads at once × M/(M+1)", ref["machine"])
+        row(f"balance bound: measured stage times (stage 1 does {ref['share']:.0%})", ref["balance"])
+        row(f"single thread, 1 process, micro-batch {WORKLOADS[wl].batch // m}", samples_per_s(job, "single thread"),
+            load=load("single thread"), vs_ideal=False)
+        row("2 single threads at once (sum)", samples_per_s(job, "2 single threads at once"),
+            load=load("2 single threads at once"), vs_ideal=False)
         for schedule in job["schedules"]:
             torch_tp = samples_per_s(job, f"torch {schedule}")
             for name in (f"torch {schedule}", f"ours {schedule}"):
                 values = samples_per_s(job, name)
-                row(name, values, f"{paired_ratio(values, torch_tp):.2f}", f"{median_load(job, name):.2f}")
+                row(f"**{name}**", values, f"{paired_ratio(values, torch_tp):.2f}", load(name))
             for lj in lightning:
                 if (lj["workload"], lj["micro_batches"], lj["schedule"]) == (wl, m, schedule):
                     light = samples_per_s(lj, "lightning")
                     med = statistics.median(light)
                     lines.append(
                         f"| {wl} | {m} | ours {schedule} through Lightning (PipeStrategy)¹ | {summary(light)} "
-                        f"| {med / statistics.median(torch_tp):.2f} | {med / statistics.median(ideal):.2f} "
+                        f"| {med / statistics.median(torch_tp):.2f} | {med / statistics.median(ref['ideal']):.2f} "
                         f"| {median_load(lj, 'lightning'):.2f} |"
                     )
     out = "\n".join(lines)
     out += (
-        "\n\nother load: cores used by other processes during the windows (median); ratios are medians of"
-        " per-window ratios against the adjacent windows of the reference."
+        "\n\nRatios are medians of per-window ratios against the reference's window of the same round. "
+        "other load: cores used by other processes during the variant's windows (median). Rounds kept: "
+        + ", ".join(f"{j['workload']} M={j['micro_batches']}: {j['rounds']}" for j in jobs)
+        + "."
     )
     if lightning:
         out += (
-            "\n¹ separate job right after the comparison job; its ratios are ratios of medians across the two jobs.\n\n"
+            "\n\n¹ separate job right after the comparison job; its ratios are ratios of medians across the two jobs.\n\n"
             "Strategy overhead (Lightning windows and bare-engine windows alternate in the same two processes):\n\n"
-            "| workload | M | schedule | bare engine | through Lightning | Lightning / bare | other load |\n"
-            "|---|---|---|---|---|---|---|\n"
+            "| workload | M | schedule | bare engine | through Lightning | Lightning / bare | other load | rounds kept |\n"
+            "|---|---|---|---|---|---|---|---|\n"
         )
         out += "\n".join(
             f"| {lj['workload']} | {lj['micro_batches']} | {lj['schedule']} | {summary(samples_per_s(lj, 'bare'))} "
             f"| {summary(samples_per_s(lj, 'lightning'))} "
             f"| {paired_ratio(samples_per_s(lj, 'lightning'), samples_per_s(lj, 'bare')):.2f} "
-            f"| {median_load(lj, 'lightning'):.2f} |"
+            f"| {median_load(lj, 'lightning'):.2f} | {lj['rounds']} |"
             for lj in lightning
         )
     if skipped:
@@ -707,6 +756,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         help="schedules to also run through Lightning (PipeStrategy)")
     parser.add_argument("--quiet-wait", type=float, default=120.0,
                         help="before each job wait up to this many seconds for other processes to go idle")
+    parser.add_argument("--max-other-load", type=float, default=0.25,
+                        help="drop rounds in which other processes used more cores than this (kept if < 3 rounds remain)")
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds before a job is killed")
     parser.add_argument("--json", type=Path, default=None, help="also write every window's raw numbers here")
     parser.add_argument("--lightning-worker", action="store_true", help=argparse.SUPPRESS)
@@ -724,7 +775,8 @@ def _announce(what: str, args: argparse.Namespace) -> None:
 
 def _done(job: dict[str, Any], start: float) -> None:
     medians = ", ".join(f"{name} {statistics.median(samples_per_s(job, name)):.0f}" for name in job["windows"])
-    print(f"  {time.monotonic() - start:.0f} s; samples/s: {medians}", flush=True)
+    load = max(w["other_load"] for windows in job["windows"].values() for w in windows)
+    print(f"  {time.monotonic() - start:.0f} s; samples/s: {medians}; other load up to {load:.2f} cores", flush=True)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -761,8 +813,10 @@ def main(argv: Sequence[str] | None = None) -> None:
                 _done(lightning[-1], start)
     if args.json:
         args.json.write_text(json.dumps({"argv": sys.argv, "jobs": jobs, "lightning": lightning}, indent=1))
+        print(f"raw windows: {args.json}")
     print()
-    print(report(jobs, lightning, skipped))
+    quiet = [drop_noisy_rounds(job, args.max_other_load) for job in jobs]
+    print(report(quiet, [drop_noisy_rounds(job, args.max_other_load) for job in lightning], skipped))
 
 
 if __name__ == "__main__":
