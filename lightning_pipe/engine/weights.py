@@ -354,7 +354,7 @@ class XPipePolicy(_LivePolicy):
                         continue
                     direction = self._direction(master, group, name)
                     if direction is None or distance == 0:
-                        predicted[name] = master.detach()
+                        predicted[name] = master.detach().clone()  # frozen at the bellwether, like a prediction
                         continue
                     step = direction * (group["lr"] * distance)
                     squares += float(step.pow(2).sum())
