@@ -29,7 +29,7 @@ class TrunkModel(L.LightningModule):
     """Layers before the trunk (first stage), an nn.Sequential trunk, a head after it (last stage)."""
 
     def __init__(self, width: int = 16, depth: int = 6, classes: int = 4, optimizer: str = "sgd", fail_at: int = -1,
-                 fail_rank: int = -1, tie: bool = False, scheduler: bool = False):
+                 fail_rank: int = -1, tie: bool = False, scheduler: bool | str = False):
         super().__init__()
         self.save_hyperparameters()
         self.tie, self.scheduler = tie, scheduler
@@ -84,7 +84,9 @@ class TrunkModel(L.LightningModule):
             optimizer = torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
         if not self.scheduler:
             return optimizer
-        return {"optimizer": optimizer, "lr_scheduler": torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)}
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
+        interval = self.scheduler if isinstance(self.scheduler, str) else "epoch"
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": interval}}
 
 
 class Recorder(L.Callback):
