@@ -137,7 +137,10 @@ class Action:
 
 
 def window_actions(stage: int, num_stages: int, micro_batches: int, t: int) -> list[Action]:
-    """Actions of stage ``s`` in window ``t``: for ``i < M``, ``F(tM+i)``, then ``B(n)`` (+ STEP) for ``n = tM+i-w_s >= 0``."""
+    """Actions of stage ``s`` in window ``t``.
+
+    For ``i = 0..M-1``: ``F(tM+i)``, then, if ``n = tM+i-w_s >= 0``, ``B(n)`` and ``STEP`` if ``n % M == M-1``.
+    """
     M, w = micro_batches, num_stages - 1 - stage
     actions: list[Action] = []
     for i in range(M):
@@ -152,7 +155,10 @@ def window_actions(stage: int, num_stages: int, micro_batches: int, t: int) -> l
 
 
 def drain_actions(stage: int, num_stages: int, micro_batches: int, windows: int) -> list[Action]:
-    """Actions of stage ``s`` when a segment of ``T = windows`` mini-batches ends: ``B(n)`` (+ STEP) for ``n = TM-w_s .. TM-1``."""
+    """Actions of stage ``s`` when a segment of ``T = windows`` mini-batches ends.
+
+    ``B(n)`` (and ``STEP`` if ``n % M == M-1``) for ``n = TM-w_s .. TM-1`` (those ``>= 0``).
+    """
     M, w = micro_batches, num_stages - 1 - stage
     G = windows * M
     actions: list[Action] = []
@@ -275,9 +281,14 @@ def _resolve_prediction(mode: str, optimizer: torch.optim.Optimizer, stage: int)
             f"{type(optimizer).__name__}; set AsyncOptions(xpipe_prediction='adam'|'momentum'|'sgd')."
         )
     if mode == "adam" and not all("betas" in group and "eps" in group for group in groups):
-        raise ValueError(f"xpipe_prediction='adam' needs an Adam-like optimizer (betas, eps); stage {stage} has {type(optimizer).__name__}.")
+        raise ValueError(
+            f"xpipe_prediction='adam' needs an Adam-like optimizer (betas, eps); "
+            f"stage {stage} has {type(optimizer).__name__}."
+        )
     if mode == "momentum" and not all(group.get("momentum", 0) > 0 for group in groups):
-        raise ValueError(f"xpipe_prediction='momentum' needs SGD with momentum > 0 in every param group (stage {stage}).")
+        raise ValueError(
+            f"xpipe_prediction='momentum' needs SGD with momentum > 0 in every param group (stage {stage})."
+        )
     if mode not in ("adam", "momentum", "sgd"):
         raise ValueError(f"unknown xpipe_prediction {mode!r}; expected 'auto', 'adam', 'momentum' or 'sgd'.")
     return mode
@@ -322,7 +333,9 @@ class AsyncEmulator:
             raise ValueError(f"unknown asynchronous schedule {schedule!r}; expected one of {ASYNC_SCHEDULES}.")
         P, M = len(stages), micro_batches
         if P < 1 or len(optimizers) != P:
-            raise ValueError(f"need one optimizer per stage and at least one stage (got {P} stages, {len(optimizers)} optimizers).")
+            raise ValueError(
+                f"need at least one stage and one optimizer per stage (got {P} stages, {len(optimizers)} optimizers)."
+            )
         if M < 1:
             raise ValueError(f"micro_batches must be >= 1, got {M}.")
         if schedulers is not None and len(schedulers) != P:
@@ -438,7 +451,10 @@ class AsyncEmulator:
         return [st.max_copies for st in self._stages]
 
     def staleness(self) -> list[float]:
-        """Per stage: mean ``tau_s(g)`` (STEPs between F and B) over the micro-batches backwarded so far (0.0 before any)."""
+        """Per stage: mean ``tau_s(g)`` (STEPs between F and B) over the micro-batches backwarded so far.
+
+        0.0 for a stage that has not run a backward yet.
+        """
         return [st.tau_sum / st.backwards if st.backwards else 0.0 for st in self._stages]
 
     # ---------------------------------------------------------------------------- event loop
@@ -482,7 +498,9 @@ class AsyncEmulator:
         weights, version = self._forward_weights(st, g)
         out = functional_call(st.module, weights, (x,))
         if not isinstance(out, Tensor):
-            raise TypeError(f"stage {st.index} returned {type(out).__name__}; the emulator passes one tensor between stages.")
+            raise TypeError(
+                f"stage {st.index} returned {type(out).__name__}; the emulator passes one tensor between stages."
+            )
         if last:
             loss = self.loss_fn(out, self._data[g])
             self._losses[g] = float(loss.detach())
@@ -559,7 +577,8 @@ class AsyncEmulator:
 
         lr_factor = 1.0
         if self.schedule == "pipemare" and self.options.pipemare_lr_reschedule:
-            lr_factor = pipemare_lr_factor(st.steps, st.warmup, self.micro_batches, self.options.pipemare_lr_warmup_steps)
+            warmup_steps = self.options.pipemare_lr_warmup_steps
+            lr_factor = pipemare_lr_factor(st.steps, st.warmup, self.micro_batches, warmup_steps)
         with _lr_scaled(st.optimizer, lr_factor):
             st.optimizer.step()
         st.optimizer.zero_grad(set_to_none=True)
@@ -621,7 +640,7 @@ class AsyncEmulator:
         return self._windows_before_segment + g // self.micro_batches
 
     def _bind_snapshot(self, st: _Stage, version: int) -> Weights:
-        """The stashed copy of ``version`` (taken from the master now if it is the current one); counts one more user."""
+        """The stashed copy of ``version``, taken from the master now if it is the current one; one more user."""
         if version not in st.snapshots:
             if version != st.steps:
                 raise RuntimeError(
@@ -663,7 +682,9 @@ class AsyncEmulator:
     def _check_snapshot_count(self, st: _Stage) -> None:
         """2bw's claim: with M >= P a stage never needs more than two weight versions."""
         if self.schedule == "pipedream_2bw" and len(st.snapshots) > 2:
-            raise RuntimeError(f"pipedream_2bw stage {st.index} holds versions {sorted(st.snapshots)}; at most 2 expected")
+            raise RuntimeError(
+                f"pipedream_2bw stage {st.index} holds versions {sorted(st.snapshots)}; at most 2 expected"
+            )
 
     # ---------------------------------------------------------------------------- xpipe prediction
 
