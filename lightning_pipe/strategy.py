@@ -163,6 +163,7 @@ class PipeStrategy(DDPStrategy):
             pipemare_lr_reschedule, pipemare_lr_warmup_steps, pipemare_correction, pipemare_correction_decay, xpipe_prediction
         )
         self._async: AsyncRuntime | None = None
+        self._async_resume: dict[str, Any] | None = None  # a checkpoint's policy state, applied at start
         self._counts: list[int] | None = None
         self._topology: Topology | None = None
         self._partition: PartitionedTrunk | None = None
@@ -409,6 +410,9 @@ class PipeStrategy(DDPStrategy):
             step_schedulers[0].scheduler if step_schedulers else None,
             make_clip(trainer.gradient_clip_val, trainer.gradient_clip_algorithm), trainer.global_step,
         )
+        if self._async_resume is not None:
+            self._async.policy.load_state_dict(self._async_resume)
+            self._async_resume = None
 
     def _ends_segment(self, batch_idx: int) -> bool:
         """Whether this batch is the last one before the epoch (or the run) ends."""
@@ -627,6 +631,11 @@ class PipeStrategy(DDPStrategy):
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
         """Write on rank 0 to a temporary file in the target directory, then rename it into place,
         so a save killed half-way never leaves a truncated file under the final name."""
+        if self._async is not None and self._async.policy is not None and self._partition is not None:
+            self._drain()
+            parts = self._gather_in_first_pipeline(self._async.policy.state_dict())
+            if parts:
+                checkpoint["pipe_async_state"] = parts  # per stage: what resuming exactly needs
         if not self.is_global_zero:
             return
         path = str(filepath)
@@ -653,6 +662,9 @@ class PipeStrategy(DDPStrategy):
         module.load_state_dict({k: v for k, v in state.items() if k in local}, strict=strict)
 
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:
+        states = checkpoint.get("pipe_async_state")
+        if states is not None and self._topology is not None and len(states) == self._topology.stages:
+            self._async_resume = states[self._topology.stage]
         for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
             raw = optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
             raw.load_state_dict(slice_optimizer_state(state, self._local_param_names(raw), self._param_order))

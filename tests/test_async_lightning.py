@@ -66,3 +66,43 @@ def test_lightning_equals_reference(schedule, interval):
             if key.startswith(prefixes):
                 torch.testing.assert_close(record["state"][key], value, rtol=1e-5, atol=1e-6, msg=key)
     assert records[1]["metrics"][-1]["pipe/stage1/staleness"] == 0.0  # the last stage is never stale
+
+
+@pytest.mark.parametrize("schedule", ["pipedream_2bw", "pipemare"])
+def test_resume_continues_like_an_uninterrupted_run(schedule, tmp_path):
+    """The checkpoint (taken at the epoch-end drain) carries 2BW's previous version and PipeMare's
+    velocity, so resuming gives the uninterrupted run's numbers."""
+    common = {"devices": 2, "batch_size": BATCH, "strategy": {"schedule": schedule, "micro_batches": MICRO, **OPTIONS}}
+    code, output, whole = launch({**common, "epochs": 2})
+    assert code == 0, output[-3000:]
+    ckpt = str(tmp_path / "epoch1.ckpt")
+    code, output, _ = launch({**common, "epochs": 1, "ckpt_out": ckpt})
+    assert code == 0, output[-3000:]
+    code, output, resumed = launch({**common, "epochs": 2, "ckpt_path": ckpt})
+    assert code == 0, output[-3000:]
+    owners = (("pre.", "model.0.", "model.2.", "model.4."), ("model.6.", "model.8.", "model.10.", "head."))
+    for a, b, prefixes in zip(whole, resumed, owners):
+        for key, value in a["state"].items():
+            if key.startswith(prefixes):  # each stage's own parameters (the others' copies are stale by design)
+                torch.testing.assert_close(b["state"][key], value, rtol=1e-6, atol=1e-7, msg=key)
+        assert [m["train_loss"] for m in b["metrics"]] == pytest.approx([m["train_loss"] for m in a["metrics"]][6:], rel=1e-6)
+
+
+def test_async_rejects_gradient_accumulation():
+    code, output, _ = launch({"devices": 2, "max_steps": 2, "trainer": {"accumulate_grad_batches": 2},
+                              "strategy": {"schedule": "pipemare", "micro_batches": MICRO}})
+    assert code != 0 and "accumulate_grad_batches=2 has no meaning" in output
+
+
+def test_sync_warmup_epochs_switch_in_the_same_run():
+    """Epoch 0 is 1f1b (equal to one device), epoch 1 is asynchronous (stage 0 becomes stale)."""
+    from tests.lightning_run import train
+
+    one_device = train({"epochs": 1, "batch_size": BATCH})
+    code, output, records = launch({"devices": 2, "epochs": 2, "batch_size": BATCH, "trainer": {"log_every_n_steps": 1},
+                                    "strategy": {"schedule": "pipemare", "micro_batches": MICRO, "sync_warmup_epochs": 1}})
+    assert code == 0, output[-3000:]
+    losses = [m["train_loss"] for m in records[0]["metrics"]]
+    assert losses[:6] == pytest.approx([m["train_loss"] for m in one_device["metrics"]], rel=1e-5)
+    assert "pipe/stage0/staleness" not in records[0]["metrics"][5]
+    assert records[0]["metrics"][-1]["pipe/stage0/staleness"] > 0

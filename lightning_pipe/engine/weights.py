@@ -106,6 +106,17 @@ class WeightPolicy:
         self.batches_before_segment += mini_batches
         self._steps_at_forward.clear()
 
+    def state_dict(self) -> dict[str, Any]:
+        """What a resumed run needs beyond weights and optimizer state (saved at drain points)."""
+        return {"steps": self.steps, "batches_before_segment": self.batches_before_segment}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.steps = state["steps"]
+        self.batches_before_segment = state["batches_before_segment"]
+
+    def _to_device(self, tensors: dict[str, Tensor]) -> dict[str, Tensor]:
+        return {n: t.to(self.params[n].device) for n, t in tensors.items()}
+
     # -- what subclasses change ------------------------------------------------------------------
     def _stepped_tensors(self) -> list[Tensor]:
         return list(self.params.values())
@@ -207,6 +218,15 @@ class DoubleBufferPolicy(_SnapshotPolicy):
             self.snapshots[self.steps] = self._snapshot()
             self._track_copies()
 
+    def state_dict(self) -> dict[str, Any]:
+        previous = self.snapshots.get(self.steps - 1)  # the next mini-batch's forwards need it
+        return {**super().state_dict(), "previous": None if previous is None else {n: t.detach().cpu() for n, t in previous.items()}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        if state.get("previous") is not None:
+            self.snapshots[self.steps - 1] = {n: t.requires_grad_() for n, t in self._to_device(state["previous"]).items()}
+
 
 # ------------------------------------------------------------------ live
 class _LivePolicy(WeightPolicy):
@@ -298,6 +318,15 @@ class PipeMarePolicy(_LivePolicy):
 
     def copies(self) -> int:
         return 1 + (self.delta is not None)
+
+    def state_dict(self) -> dict[str, Any]:
+        delta = None if self.delta is None else {n: d.cpu() for n, d in self.delta.items()}
+        return {**super().state_dict(), "delta": delta}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        if self.delta is not None and state.get("delta") is not None:
+            self.delta = self._to_device(state["delta"])
 
 
 def round_half_up(x: float) -> int:
@@ -391,6 +420,13 @@ class XPipePolicy(_LivePolicy):
 
     def copies(self) -> int:
         return 1 + sum(c is not None for c in self._cache.values())
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "last_grad": {n: g.cpu() for n, g in self._last_grad.items()}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        self._last_grad = self._to_device(state.get("last_grad", {}))
 
 
 POLICIES: dict[str, type[WeightPolicy]] = {
