@@ -129,8 +129,10 @@ def train(config: dict[str, Any]) -> dict[str, Any]:
         from lightning.pytorch.callbacks import EarlyStopping, LearningRateMonitor, ModelCheckpoint
         from lightning.pytorch.loggers import CSVLogger
 
+        from lightning.pytorch.loggers import TensorBoardLogger
+
         root = config["full_callbacks"]
-        logger = CSVLogger(root, name="csv", version=0)
+        logger = [CSVLogger(root, name="csv", version=0), TensorBoardLogger(root, name="tb", version=0)]
         callbacks += [
             ModelCheckpoint(os.path.join(root, "best"), monitor="val_loss", save_top_k=2, save_last=True,
                             filename="{epoch}-{step}-{val_loss:.4f}"),

@@ -103,7 +103,8 @@ def test_two_pipelines_equal_one_device_at_double_batch():
 
 
 def test_callbacks_and_loggers_behave_as_on_one_device(tmp_path):
-    """ModelCheckpoint (monitor, top-k, last, every n steps), EarlyStopping, LearningRateMonitor, CSVLogger."""
+    """ModelCheckpoint (monitor, top-k, last, every n steps), EarlyStopping, LearningRateMonitor, CSV and
+    TensorBoard loggers (rank 0 writes what one device writes)."""
     import csv
     import os
 
@@ -139,3 +140,27 @@ def test_callbacks_and_loggers_behave_as_on_one_device(tmp_path):
                 assert g[key] == ""
             else:
                 assert float(g[key]) == pytest.approx(float(w[key]), rel=1e-5, abs=1e-6), key
+    tb_got, tb_want = tensorboard_scalars(tmp_path / "pipe"), tensorboard_scalars(tmp_path / "one")
+    assert tb_got.keys() == tb_want.keys() and "train_loss" in tb_got
+    for tag, points in tb_want.items():
+        assert [s for s, _ in tb_got[tag]] == [s for s, _ in points], tag
+        assert [v for _, v in tb_got[tag]] == pytest.approx([v for _, v in points], rel=1e-5, abs=1e-6), tag
+
+
+def tensorboard_scalars(root) -> dict[str, list[tuple[int, float]]]:
+    """Scalars of rank 0's TensorBoard event files (TFRecord framing: length, crc, event, crc)."""
+    import struct
+
+    from tensorboardX.proto import event_pb2
+
+    scalars: dict[str, list[tuple[int, float]]] = {}
+    for path in sorted((root / "tb" / "version_0").glob("events.out.tfevents.*")):
+        data = path.read_bytes()
+        offset = 0
+        while offset < len(data):
+            (length,) = struct.unpack("<Q", data[offset : offset + 8])
+            event = event_pb2.Event.FromString(data[offset + 12 : offset + 12 + length])
+            offset += 12 + length + 4
+            for value in event.summary.value:
+                scalars.setdefault(value.tag, []).append((event.step, value.simple_value))
+    return scalars
