@@ -189,7 +189,9 @@ class Executor:
         elif kind is Kind.BACKWARD:
             self._backward(action)
         elif kind is Kind.SEND_ACTIVATION:
-            flight = self._in_flight[(action.chunk, action.micro_batch)]
+            key = (action.chunk, action.micro_batch)
+            # a forward-only schedule has no backward to keep the activation for
+            flight = self._in_flight.pop(key) if self._schedule.forward_only else self._in_flight[key]
             self._sends += self.transport.send_activation(flight.output, self._peer_rank(action))
         elif kind is Kind.SEND_GRADIENT:
             flight = self._in_flight.pop((action.chunk, action.micro_batch))
@@ -228,8 +230,6 @@ class Executor:
             output = _check_output(output, self.names[chunk])
             flight.output_metas = Header.of(output).metas
         flight.output = output
-        if self._schedule.forward_only:
-            flight.output_metas = ()  # nothing to keep for a backward
         self._in_flight[(chunk, mb)] = flight
 
     def _backward(self, action: Action) -> None:
