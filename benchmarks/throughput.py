@@ -16,7 +16,11 @@ all variants alike:
   (accumulating gradients, one SGD step) while rank 1 idles. The ideal 2-stage pipeline then does
   ``2 × single thread × M / (M + 1)`` samples/s: each stage does half the work, and the
   ``P - 1 = 1`` bubble slot costs ``1 / (M + 1)`` of the step (measured at the micro-batch size, so
-  small micro-batches' lower single-thread speed is in the ideal).
+  small micro-batches' lower single-thread speed is in the ideal). The single thread is timed per
+  stage, which gives the *balance bound* (the ideal for the actual, unequal stage times);
+* ``stages at once, no communication``: both ranks compute their stage for all micro-batches at
+  the same time with fixed inputs and gradients; its per-rank times give the *machine bound* (the
+  balance bound at the speed two busy processes actually get on this machine).
 
 Then the same schedule through Lightning (``L.Trainer(strategy=PipeStrategy(...))``) runs as its
 own script invocation (Lightning's launcher re-executes ``sys.argv`` for rank 1); a callback times
@@ -26,7 +30,9 @@ which gives the strategy's overhead.
 A window is ``--steps-per-window`` training steps between two barriers; samples/s of a window is
 ``steps × batch / seconds`` on rank 0. The table shows the median over windows with min-max, and
 ratios as the median over windows of the per-window ratio (adjacent windows, so slow phases of the
-machine cancel out).
+machine cancel out). Every window also records the CPU time other processes used (``/proc/stat``
+minus both ranks' own CPU time); rounds in which that exceeds ``--max-other-load`` cores are left
+out of the medians.
 """
 
 from __future__ import annotations
@@ -240,24 +246,54 @@ class SingleThread(Variant):
         return out
 
 
-class ConcurrentSingleThreads(SingleThread):
-    """Both ranks run the whole model independently at once: what two busy processes can compute.
-
-    No communication and no bubble; on a machine whose cores slow each other down (shared core
-    resources, memory bandwidth, clock boost) this is below ``2 × single thread``.
-    """
-
-    name = "2 single threads at once"
-
-    def __init__(self, workload: Workload, micro_batches: int, rank: int) -> None:
-        super().__init__(workload, micro_batches, rank)
-        self.active = True
-        self.samples_per_step = STAGES * workload.batch
-
-
 def stage_layers(workload: Workload, rank: int) -> nn.Sequential:
     model = workload.model()
     return model[: workload.split] if rank == 0 else model[workload.split :]
+
+
+class StagesAtOnce(Variant):
+    """Each rank computes its stage for all ``M`` micro-batches at the same time, without communication.
+
+    Rank 0 back-propagates a fixed output gradient, rank 1 starts from a fixed activation; both take
+    their SGD step. This is the pipeline's compute without the bubble and without any transfer, at
+    the speed two busy processes get on this machine (they slow each other down: shared core
+    resources, memory bandwidth, clock boost).
+    """
+
+    name = "stages at once, no communication"
+
+    def __init__(self, workload: Workload, micro_batches: int, rank: int) -> None:
+        self.rank = rank
+        self.samples_per_step = workload.batch
+        self.layers = stage_layers(workload, rank)
+        self.optimizer = sgd(self.layers.parameters())
+        self.loss = workload.loss
+        parts = split_micro_batches(workload.make_batch(workload.batch), micro_batches)
+        g = torch.Generator().manual_seed(SEED + 2)
+        with torch.no_grad():
+            boundary = [workload.model()[: workload.split](x) for x, _ in parts]
+        if rank == 0:
+            self.work = [(x, torch.randn(b.shape, generator=g)) for (x, _), b in zip(parts, boundary)]
+        else:
+            self.work = [(b, y) for b, (_, y) in zip(boundary, parts)]
+        self.compute_seconds = 0.0
+
+    def step(self) -> None:
+        start = time.perf_counter()
+        for inputs, other in self.work:
+            if self.rank == 0:
+                self.layers(inputs).backward(other)
+            else:
+                received = inputs.detach().requires_grad_()  # the pipeline's last stage computes this gradient too
+                (self.loss(self.layers(received), other) / len(self.work)).backward()
+        self.optimizer.step()
+        self.optimizer.zero_grad()
+        self.compute_seconds += time.perf_counter() - start
+
+    def counters(self) -> dict[str, float]:
+        out = {"compute_seconds": self.compute_seconds}
+        self.compute_seconds = 0.0
+        return out
 
 
 class Engine(Variant):
@@ -388,15 +424,16 @@ def gather_windows(clocks: dict[str, WindowClock]) -> dict[str, list[dict[str, f
     dist.all_gather_object(everyone, {name: clock.windows for name, clock in clocks.items()})
     out = {}
     for name in clocks:
-        load = other_load([rank[name] for rank in everyone])
-        out[name] = [dict(w, other_load=l) for w, l in zip(everyone[0][name], load)]
+        per_rank = [rank[name] for rank in everyone]
+        load = other_load(per_rank)
+        out[name] = [dict(w, other_load=l, ranks=list(r)) for w, l, r in zip(everyone[0][name], load, zip(*per_rank))]
     return out
 
 
 def compare_worker(rank: int, workload_name: str, micro_batches: int, args: dict[str, Any]) -> dict[str, Any]:
     """Body of one rank of the comparison job."""
     workload = WORKLOADS[workload_name]
-    variants: list[Variant] = [SingleThread(workload, micro_batches, rank), ConcurrentSingleThreads(workload, micro_batches, rank)]
+    variants: list[Variant] = [SingleThread(workload, micro_batches, rank), StagesAtOnce(workload, micro_batches, rank)]
     for schedule in args["schedules"]:
         # every pipelined variant talks on its own process group
         variants.append(TorchPipelining(schedule, workload, micro_batches, rank, dist.new_group(backend="gloo")))
@@ -647,8 +684,8 @@ def references(job: dict[str, Any]) -> dict[str, Any]:
     """Per-window references of a comparison job.
 
     * ``ideal`` (the issue's definition): ``2 × single × M/(M+1)``, single thread at the micro-batch size;
-    * ``machine``: ``(2 single threads at once) × M/(M+1)``, the ideal with the slowdown two busy
-      processes inflict on each other on this machine;
+    * ``machine``: the balance bound below with the stage times measured while both stages compute
+      at once (``stages at once, no communication``): the speed two busy processes get on this machine;
     * ``balance``: with the single thread's per-step stage compute times ``T0, T1``, a 2-stage gpipe or
       1f1b step takes at least ``max(T0, T1) + min(T0, T1)/M`` (the slower stage never idles after
       its first micro-batch, the faster one adds one micro-batch at an end); equals the ideal when
@@ -657,16 +694,19 @@ def references(job: dict[str, Any]) -> dict[str, Any]:
     m = job["micro_batches"]
     bubble = m / (m + STAGES - 1)
     single = samples_per_s(job, "single thread")
+
+    def bound(samples: float, t0: float, t1: float) -> float:
+        return samples / (max(t0, t1) + min(t0, t1) / m)
+
     out: dict[str, Any] = {
         "ideal": [STAGES * x * bubble for x in single],
-        "machine": [x * bubble for x in samples_per_s(job, "2 single threads at once")],
-        "balance": [],
+        "machine": [
+            bound(w["samples"], *(r["compute_seconds"] for r in w["ranks"]))
+            for w in job["windows"]["stages at once, no communication"]
+        ],
+        "balance": [bound(w["samples"], w["stage0_seconds"], w["stage1_seconds"]) for w in job["windows"]["single thread"]],
     }
-    shares = []
-    for w in job["windows"]["single thread"]:
-        t0, t1 = w["stage0_seconds"], w["stage1_seconds"]
-        out["balance"].append(w["samples"] / (max(t0, t1) + min(t0, t1) / m))
-        shares.append(t1 / (t0 + t1))
+    shares = [w["stage1_seconds"] / (w["stage0_seconds"] + w["stage1_seconds"]) for w in job["windows"]["single thread"]]
     out["share"] = statistics.median(shares)
     return out
 
@@ -697,12 +737,12 @@ def report(jobs: list[dict[str, Any]], lightning: list[dict[str, Any]], skipped:
             return f"{median_load(job, name):.2f}"
 
         row("**ideal**: 2 × single thread × M/(M+1)", ref["ideal"])
-        row("machine bound: 2 single threads at once × M/(M+1)", ref["machine"])
-        row(f"balance bound: measured stage times (stage 1 does {ref['share']:.0%})", ref["balance"])
+        row(f"balance bound: single-thread stage times (stage 1 does {ref['share']:.0%})", ref["balance"])
+        row("machine bound: stage times with both stages computing at once", ref["machine"])
         row(f"single thread, 1 process, micro-batch {WORKLOADS[wl].batch // m}", samples_per_s(job, "single thread"),
             load=load("single thread"), vs_ideal=False)
-        row("2 single threads at once (sum)", samples_per_s(job, "2 single threads at once"),
-            load=load("2 single threads at once"), vs_ideal=False)
+        row("stages at once, no communication (no bubble)", samples_per_s(job, "stages at once, no communication"),
+            load=load("stages at once, no communication"), vs_ideal=False)
         for schedule in job["schedules"]:
             torch_tp = samples_per_s(job, f"torch {schedule}")
             for name in (f"torch {schedule}", f"ours {schedule}"):
@@ -769,8 +809,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 
 def _announce(what: str, args: argparse.Namespace) -> None:
-    load = wait_until_quiet(args.quiet_wait) if args.quiet_wait > 0 else math.nan
-    print(f"{what} (other load before start: {load:.2f} cores) ...", flush=True)
+    if args.quiet_wait > 0:
+        what += f" (other load before start: {wait_until_quiet(args.quiet_wait):.2f} cores)"
+    print(f"{what} ...", flush=True)
 
 
 def _done(job: dict[str, Any], start: float) -> None:
