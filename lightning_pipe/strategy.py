@@ -44,6 +44,7 @@ from lightning_pipe.engine import Executor, Transport, Watchdog, batch_size, spl
 from lightning_pipe.log_replay import LogCapture, combine, replay
 from lightning_pipe.module_stages import ModuleStages, step_loss
 from lightning_pipe.outputs import detach_to_cpu, merge_outputs
+from lightning_pipe.outside_params import OutsideParameters
 from lightning_pipe.partition import find_trunk, stage_bounds
 from lightning_pipe.partition.split import PartitionedTrunk
 from lightning_pipe.schedules import ASYNC_SCHEDULES, SYNC_SCHEDULES, build_schedule
@@ -175,7 +176,7 @@ class PipeStrategy(DDPStrategy):
         self._layer_names: list[str] = []
         self._key_order: list[str] = []  # state_dict keys of the unpartitioned module
         self._param_order: list[str] = []  # its parameter names
-        self._outside_users: dict[str, list[int]] | None = None  # non-trunk parameter -> stages using it
+        self._outside: OutsideParameters | None = None
 
     # ------------------------------------------------------------------ registration
     @classmethod
@@ -226,6 +227,7 @@ class PipeStrategy(DDPStrategy):
         self.precision_plugin.convert_module(module)
         if self._partition is None:
             self._partition = self._cut(module)
+            self._outside = OutsideParameters(module, self._partition.name, self._topology)
             rank_zero_info(self.describe())
         self.model_to_device()
         self._sync_metrics_within_stage_group(module)
@@ -240,7 +242,9 @@ class PipeStrategy(DDPStrategy):
                 self._async.executor = self._executor
         self.setup_precision_plugin()
         # Lightning clips with this rank's parameters only; the pipeline needs the global norm
-        self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_global_norm
+        self.precision_plugin.clip_grad_by_norm = lambda optimizer, clip_val: self._outside.clip_by_global_norm(
+            optimizer, clip_val, self.root_device
+        )
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
 
@@ -382,8 +386,8 @@ class PipeStrategy(DDPStrategy):
         self._seen_batch = True
         if asynchronous and self._ends_segment(args[1] if len(args) > 1 else kwargs.get("batch_idx", 0)):
             self._drain()
-        if self._outside_users is None and not asynchronous:
-            self._find_outside_users()
+        if not self._outside.known and not asynchronous:
+            self._outside.learn()
         self._grad_stash = [p.grad for p in params]
         for p, grad in zip(params, kept):
             p.grad = grad
@@ -432,8 +436,8 @@ class PipeStrategy(DDPStrategy):
             if self._watchdog is not None:
                 self._watchdog.report(error)
             raise
-        if self._outside_users is None:
-            self._find_outside_users(self._async.policy.used_names)
+        if not self._outside.known:
+            self._outside.learn(self._async.policy.used_names)
 
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
         """Asynchronous schedules step inside the pipeline: only run the closure (training_step and backward)."""
@@ -518,7 +522,7 @@ class PipeStrategy(DDPStrategy):
                 p.grad = grad if p.grad is None else p.grad + grad
         self._grad_stash = []
         if not module.trainer.fit_loop._should_accumulate():
-            self._sum_shared_gradients()
+            self._outside.sum_shared_gradients()
             if self.num_pipelines > 1:
                 self._average_across_pipelines(params)
         return self.precision_plugin.post_backward(closure_loss, module)
@@ -532,63 +536,6 @@ class PipeStrategy(DDPStrategy):
         flat /= self.num_pipelines
         for grad, reduced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
             grad.copy_(reduced)
-
-    # ------------------------------------------------------------------ parameters outside the trunk
-    def _is_trunk_key(self, name: str) -> bool:
-        return name.startswith(self._partition.name + ".")
-
-    def _find_outside_users(self, used: set[str] | None = None) -> None:
-        """Learn which stages use each parameter outside the trunk (those that got a gradient).
-
-        Parameters used on several stages (e.g. an embedding tied to the LM head) get their
-        gradients summed across those stages; the others are saved from the stage that trains them.
-        """
-        if used is None:
-            used = {n for n, p in self.lightning_module.named_parameters() if p.grad is not None}
-        used = sorted(n for n in used if not self._is_trunk_key(n))
-        per_stage = [used]
-        if self._topology.stages > 1:
-            per_stage = [None] * self._topology.stages
-            dist.all_gather_object(per_stage, used, group=self._topology.pipeline_group)
-        self._outside_users = {}
-        for stage, names in enumerate(per_stage):
-            for name in names:
-                self._outside_users.setdefault(name, []).append(stage)
-
-    def _owner(self) -> dict[str, int]:
-        """The stage whose copy of each non-trunk parameter is authoritative."""
-        return {name: stages[0] for name, stages in (self._outside_users or {}).items()}
-
-    def _sum_shared_gradients(self) -> None:
-        users = self._outside_users or {}
-        shared = [p for n, p in self.lightning_module.named_parameters() if len(users.get(n, ())) > 1]
-        if not shared or self._topology.stages == 1:
-            return
-        for p in shared:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-        grads = [p.grad for p in shared]
-        flat = torch._utils._flatten_dense_tensors(grads)
-        dist.all_reduce(flat, group=self._topology.pipeline_group)
-        for grad, reduced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
-            grad.copy_(reduced)
-
-    def _clip_grad_by_global_norm(self, optimizer: Any, clip_val: float) -> None:
-        """Norm clipping over the whole model: every parameter counted once, on the stage that owns it."""
-        module = self.lightning_module
-        owner, stage = self._owner(), self._topology.stage
-        squares = torch.zeros((), device=self.root_device)
-        for name, p in module.named_parameters():
-            counted = self._is_trunk_key(name) or owner.get(name, 0) == stage
-            if p.grad is not None and counted:
-                squares = squares + p.grad.detach().float().pow(2).sum()
-        if self._topology.stages > 1:
-            dist.all_reduce(squares, group=self._topology.pipeline_group)
-        coef = (float(clip_val) / (squares.sqrt() + 1e-6)).clamp(max=1.0)
-        for group in optimizer.param_groups:
-            for p in group["params"]:
-                if p.grad is not None:
-                    p.grad.detach().mul_(coef.to(p.grad.dtype))
 
     # ------------------------------------------------------------------ checkpoints
     def _gather_in_first_pipeline(self, obj: Any) -> list[Any] | None:
@@ -609,7 +556,7 @@ class PipeStrategy(DDPStrategy):
         self._drain()
         local = apply_to_collection(self.lightning_module.state_dict(), Tensor, lambda t: t.detach().cpu())
         parts = self._gather_in_first_pipeline(local)
-        return merge_state_dicts(parts, self._key_order, self._owner()) if parts else {}
+        return merge_state_dicts(parts, self._key_order, self._outside.owner()) if parts else {}
 
     def _local_param_names(self, optimizer: Any) -> list[list[str]]:
         names = {id(p): n for n, p in self.lightning_module.named_parameters()}
@@ -626,7 +573,7 @@ class PipeStrategy(DDPStrategy):
         self._drain()
         state = apply_to_collection(optimizer.state_dict(), Tensor, lambda t: t.detach().cpu())
         parts = self._gather_in_first_pipeline((state, self._local_param_names(optimizer)))
-        return merge_optimizer_states(parts, self._param_order, self._owner()) if parts else {}
+        return merge_optimizer_states(parts, self._param_order, self._outside.owner()) if parts else {}
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
         """Write on rank 0 to a temporary file in the target directory, then rename it into place,
