@@ -192,7 +192,8 @@ class Variant:
     name: str
     samples_per_step: int
 
-    def step(self) -> None:
+    def step(self) -> Tensor | None:
+        """One training step; returns the mini-batch loss on the rank that computes it."""
         raise NotImplementedError
 
     def counters(self) -> dict[str, float]:
@@ -219,16 +220,19 @@ class SingleThread(Variant):
         self.parts = split_micro_batches(workload.make_batch(workload.batch), micro_batches)
         self.stage_seconds = [0.0, 0.0]
 
-    def step(self) -> None:
+    def step(self) -> Tensor | None:
         if not self.active:
-            return
+            return None
         clock, spent = time.perf_counter, self.stage_seconds
+        total = torch.zeros(())
         for x, y in self.parts:
             t0 = clock()
             hidden = self.stages[0](x)
             t1 = clock()
             received = hidden.detach().requires_grad_()
-            (self.loss(self.stages[1](received), y) / len(self.parts)).backward()
+            loss = self.loss(self.stages[1](received), y) / len(self.parts)
+            loss.backward()
+            total += loss.detach()
             t2 = clock()
             hidden.backward(received.grad)
             t3 = clock()
@@ -239,6 +243,7 @@ class SingleThread(Variant):
             optimizer.step()
             optimizer.zero_grad()
             spent[s] += clock() - t0
+        return total
 
     def counters(self) -> dict[str, float]:
         out = {"stage0_seconds": self.stage_seconds[0], "stage1_seconds": self.stage_seconds[1]}
@@ -278,7 +283,7 @@ class StagesAtOnce(Variant):
             self.work = [(b, y) for b, (_, y) in zip(boundary, parts)]
         self.compute_seconds = 0.0
 
-    def step(self) -> None:
+    def step(self) -> None:  # no meaningful loss: fixed inputs
         start = time.perf_counter()
         for inputs, other in self.work:
             if self.rank == 0:
@@ -321,9 +326,10 @@ class Engine(Variant):
         self.optimizer.step()
         self.optimizer.zero_grad()
 
-    def step(self) -> None:
+    def step(self) -> Tensor | None:
         parts = split_micro_batches(self.batch, self.micro_batches)
-        self.executor.run(self.schedule, parts, step=self._optimizer_step)
+        losses = self.executor.run(self.schedule, parts, step=self._optimizer_step)
+        return torch.stack(losses).mean() if losses else None
 
 
 class TorchPipelining(Variant):
@@ -342,14 +348,15 @@ class TorchPipelining(Variant):
         self.schedule = cls(stage, micro_batches, loss_fn=workload.loss)
         self.x, self.y = workload.make_batch(workload.batch)
 
-    def step(self) -> None:
+    def step(self) -> Tensor | None:
+        losses: list[Tensor] = []
         if self.rank == 0:
             self.schedule.step(self.x, return_outputs=False)
         else:
-            losses: list[Tensor] = []
             self.schedule.step(target=self.y, losses=losses, return_outputs=False)
         self.optimizer.step()
         self.optimizer.zero_grad()
+        return torch.stack(losses).mean().detach() if losses else None
 
 
 def machine_busy_seconds() -> float:
@@ -396,11 +403,23 @@ def other_load(windows_per_rank: Sequence[Sequence[dict[str, float]]]) -> list[f
 
 
 def timed_windows(
-    variants: Sequence[Variant], windows: int, steps: int, warmup: int, barrier: Callable[[], None]
+    variants: Sequence[Variant],
+    windows: int,
+    steps: int,
+    warmup: int,
+    barrier: Callable[[], None],
+    first_losses: dict[str, float],
 ) -> dict[str, WindowClock]:
-    """Time every variant; windows interleave the variants in rotating order."""
+    """Time every variant; windows interleave the variants in rotating order.
+
+    Returns a clock per variant; ``first_losses`` gets the loss of every variant's first step from
+    the shared initial weights (where this rank computes it), which must agree across variants.
+    """
     for variant in variants:
-        for _ in range(warmup):
+        loss = variant.step()
+        if loss is not None:
+            first_losses[variant.name] = loss.item()
+        for _ in range(warmup - 1):
             variant.step()
         variant.counters()
         barrier()
@@ -438,8 +457,14 @@ def compare_worker(rank: int, workload_name: str, micro_batches: int, args: dict
         # every pipelined variant talks on its own process group
         variants.append(TorchPipelining(schedule, workload, micro_batches, rank, dist.new_group(backend="gloo")))
         variants.append(Engine(schedule, workload, micro_batches, rank, dist.new_group(backend="gloo")))
-    clocks = timed_windows(variants, args["windows"], args["steps_per_window"], args["warmup_steps"], dist.barrier)
-    return {"windows": gather_windows(clocks), "threads": torch.get_num_threads()}
+    first_losses: dict[str, float] = {}
+    clocks = timed_windows(
+        variants, args["windows"], args["steps_per_window"], max(1, args["warmup_steps"]), dist.barrier, first_losses
+    )
+    every_rank: list[Any] = [None] * STAGES
+    dist.all_gather_object(every_rank, first_losses)
+    losses = {name: loss for rank in every_rank for name, loss in rank.items()}
+    return {"windows": gather_windows(clocks), "threads": torch.get_num_threads(), "first_losses": losses}
 
 
 # ---------------------------------------------------------------------------------------- processes
@@ -711,6 +736,12 @@ def references(job: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def loss_spread(job: dict[str, Any]) -> float:
+    """Largest relative difference between the variants' first-step losses (same data, same initial weights)."""
+    losses = list(job["first_losses"].values())
+    return (max(losses) - min(losses)) / abs(statistics.median(losses))
+
+
 def summary(values: Sequence[float]) -> str:
     return f"{statistics.median(values):.0f} ({min(values):.0f}-{max(values):.0f})"
 
@@ -762,7 +793,10 @@ def report(jobs: list[dict[str, Any]], lightning: list[dict[str, Any]], skipped:
         "\n\nRatios are medians of per-window ratios against the reference's window of the same round. "
         "other load: cores used by other processes during the variant's windows (median). Rounds kept: "
         + ", ".join(f"{j['workload']} M={j['micro_batches']}: {j['rounds']}" for j in jobs)
-        + "."
+        + ". All variants compute the same thing: their first-step losses (same data, same initial weights) "
+        + "differ by at most "
+        + ", ".join(f"{loss_spread(j):.0e} ({j['workload']} M={j['micro_batches']})" for j in jobs)
+        + " relative."
     )
     if lightning:
         out += (
@@ -818,6 +852,11 @@ def _done(job: dict[str, Any], start: float) -> None:
     medians = ", ".join(f"{name} {statistics.median(samples_per_s(job, name)):.0f}" for name in job["windows"])
     load = max(w["other_load"] for windows in job["windows"].values() for w in windows)
     print(f"  {time.monotonic() - start:.0f} s; samples/s: {medians}; other load up to {load:.2f} cores", flush=True)
+    if "first_losses" in job:
+        losses = ", ".join(f"{name} {loss:.6f}" for name, loss in job["first_losses"].items())
+        print(f"  first-step losses: {losses}", flush=True)
+        if loss_spread(job) > 1e-4:
+            raise RuntimeError("the variants do not compute the same thing: their first-step losses differ")
 
 
 def main(argv: Sequence[str] | None = None) -> None:
