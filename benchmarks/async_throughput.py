@@ -1,0 +1,132 @@
+"""Throughput of the asynchronous schedules against gpipe and the no-bubble limit (2 stages).
+
+    python benchmarks/async_throughput.py --workloads W1 W2 --micro-batches 4 --windows 5
+
+Same workloads, processes, threads and timing method as ``benchmarks/throughput.py`` (whose
+building blocks this script reuses): one pair of gloo processes per workload builds every variant,
+then times windows of training steps in rotating order. An asynchronous variant runs one window of
+its endless stream per step (no flush, no drain inside the timing). References per window:
+
+* *no-bubble limit* = 2 × single-thread throughput (whole model on one process, same micro-batches):
+  two stages at single-thread speed and no idle time;
+* *machine bound* = both stages computing at once without any communication, limited by the slower
+  stage: what two busy processes on this machine can reach without a bubble.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from throughput import (  # noqa: E402  (a sibling script)
+    STAGES, WORKLOADS, Engine, SingleThread, StagesAtOnce, Variant, Workload, gather_windows, run_job, sgd, stage_layers,
+    timed_windows,
+)
+
+from lightning_pipe.engine import Executor, SequentialStage, Transport, Watchdog, split_micro_batches  # noqa: E402
+from lightning_pipe.engine.weights import POLICIES  # noqa: E402
+from lightning_pipe.schedules import ASYNC_SCHEDULES, async_schedule  # noqa: E402
+
+
+class AsyncEngine(Variant):
+    """One window of an asynchronous schedule per step (the stream never drains while timed)."""
+
+    def __init__(self, schedule: str, workload: Workload, micro_batches: int, rank: int, group: Any) -> None:
+        self.name = f"ours {schedule}"
+        self.schedule = schedule
+        self.samples_per_step = workload.batch
+        self.micro_batches = micro_batches
+        layers = stage_layers(workload, rank)
+        policy = POLICIES[schedule](layers, sgd(layers.parameters()), rank, STAGES, micro_batches)
+        loss = workload.loss
+        stage = SequentialStage(
+            layers,
+            input_fn=(lambda mb: mb[0]) if rank == 0 else None,
+            loss_fn=(lambda output, mb: loss(output, mb[1])) if rank == STAGES - 1 else None,
+        )
+        self.executor = Executor(rank, list(range(STAGES)), [stage], Transport(torch.device("cpu"), group=group),
+                                 Watchdog(timeout=300.0), policy=policy)
+        self.batch = workload.make_batch(workload.batch)
+        self.window = 0
+
+    def step(self) -> Tensor | None:
+        parts = split_micro_batches(self.batch, self.micro_batches)
+        schedule = async_schedule(self.schedule, STAGES, self.micro_batches, self.window)
+        losses = self.executor.run(schedule, parts, first_micro_batch=self.window * self.micro_batches, carry_over=True)
+        self.window += 1
+        return torch.stack(losses).mean() if losses else None
+
+
+def worker(rank: int, workload_name: str, micro_batches: int, args: dict[str, Any]) -> dict[str, Any]:
+    workload = WORKLOADS[workload_name]
+    variants: list[Variant] = [
+        SingleThread(workload, micro_batches, rank),
+        StagesAtOnce(workload, micro_batches, rank),
+        Engine("gpipe", workload, micro_batches, rank, dist.new_group(backend="gloo")),
+    ]
+    for schedule in args["schedules"]:
+        variants.append(AsyncEngine(schedule, workload, micro_batches, rank, dist.new_group(backend="gloo")))
+    clocks = timed_windows(variants, args["windows"], args["steps_per_window"], args["warmup_steps"], dist.barrier, {})
+    return {"workload": workload_name, "micro_batches": micro_batches, "windows": gather_windows(clocks)}
+
+
+def report(jobs: list[dict[str, Any]]) -> str:
+    lines = [
+        "| workload | M | variant | samples/s median (min-max) | vs gpipe | vs no-bubble limit | vs machine bound |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for job in jobs:
+        windows = job["windows"]
+        rate = {name: [w["samples"] / w["seconds"] for w in ws] for name, ws in windows.items()}
+        limit = [2 * x for x in rate["single thread"]]
+        machine = [w["samples"] / max(r["compute_seconds"] for r in w["ranks"]) for w in windows["stages at once, no communication"]]
+        for name in ["ours gpipe", *(f"ours {s}" for s in job["schedules"])]:
+            values = rate[name]
+
+            def ratio(reference: list[float]) -> str:
+                return f"{statistics.median(a / b for a, b in zip(values, reference)):.2f}"
+
+            lines.append(
+                f"| {job['workload']} | {job['micro_batches']} | {name} | {statistics.median(values):.0f} "
+                f"({min(values):.0f}-{max(values):.0f}) | {ratio(rate['ours gpipe'])} | {ratio(limit)} | {ratio(machine)} |"
+            )
+        lines.append(
+            f"| {job['workload']} | {job['micro_batches']} | no-bubble limit (2 × single thread) | "
+            f"{statistics.median(limit):.0f} | | 1.00 | |"
+        )
+        lines.append(
+            f"| {job['workload']} | {job['micro_batches']} | machine bound (stages at once) | {statistics.median(machine):.0f} | | | 1.00 |"
+        )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--workloads", nargs="+", default=["W1", "W2"], choices=sorted(WORKLOADS))
+    parser.add_argument("--micro-batches", type=int, nargs="+", default=[4])
+    parser.add_argument("--schedules", nargs="+", default=list(ASYNC_SCHEDULES), choices=ASYNC_SCHEDULES)
+    parser.add_argument("--windows", type=int, default=5, help="timed windows per variant")
+    parser.add_argument("--steps-per-window", type=int, default=4)
+    parser.add_argument("--warmup-steps", type=int, default=3)
+    parser.add_argument("--timeout", type=float, default=1200.0, help="seconds per job before its processes are killed")
+    args = parser.parse_args()
+    options = {k: getattr(args, k) for k in ("schedules", "windows", "steps_per_window", "warmup_steps")}
+    jobs = []
+    for workload in args.workloads:
+        for m in args.micro_batches:
+            print(f"running {workload}, M={m} ...", file=sys.stderr, flush=True)
+            job = run_job(worker, workload, m, options, timeout=args.timeout)
+            jobs.append({**job, "schedules": args.schedules})
+    print(report(jobs))
+
+
+if __name__ == "__main__":
+    main()
