@@ -166,14 +166,19 @@ class _SnapshotPolicy(WeightPolicy):
         self.version_of[g] = version
         return _reparametrize_module(self.root, self.snapshots[version])
 
+    def backward(self, g: int) -> ContextManager[Any]:
+        context = super().backward(g)
+        # autograd accumulates in place into an existing .grad: point the snapshot's at the real
+        # parameter's accumulator, so no gradient is copied or added a second time
+        for name, snap in self.snapshots[self.version_of[g]].items():
+            snap.grad = self.params[name].grad
+        return context
+
     def finished(self, g: int) -> None:
         super().finished(g)
         version = self.version_of.pop(g)
         for name, snap in self.snapshots[version].items():
-            if snap.grad is not None:
-                p = self.params[name]
-                p.grad = snap.grad if p.grad is None else p.grad + snap.grad
-                snap.grad = None
+            self.params[name].grad, snap.grad = snap.grad, None
         self.users[version] -= 1
         self._release()
 
