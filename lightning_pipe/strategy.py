@@ -438,6 +438,12 @@ class PipeStrategy(DDPStrategy):
             raise
         if not self._outside.known:
             self._outside.learn(self._async.policy.used_names)
+            shared = sorted(n for n, stages in self._outside.users.items() if len(stages) > 1)
+            if shared:  # every rank learned the same map, so every rank raises
+                raise PipeConfigError(
+                    f"parameters {', '.join(shared)} are used on several stages, which step at different times under "
+                    f"schedule={self.schedule!r}; untie them or use a synchronous schedule such as '1f1b'."
+                )
 
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
         """Asynchronous schedules step inside the pipeline: only run the closure (training_step and backward)."""

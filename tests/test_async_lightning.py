@@ -106,3 +106,9 @@ def test_sync_warmup_epochs_switch_in_the_same_run():
     assert losses[:6] == pytest.approx([m["train_loss"] for m in one_device["metrics"]], rel=1e-5)
     assert "pipe/stage0/staleness" not in records[0]["metrics"][5]
     assert records[0]["metrics"][-1]["pipe/stage0/staleness"] > 0
+
+
+def test_async_rejects_parameters_shared_across_stages():
+    code, output, _ = launch({"devices": 2, "epochs": 1, "batch_size": BATCH, "model": {"tie": True},
+                              "strategy": {"schedule": "pipedream", "micro_batches": MICRO}})
+    assert code != 0 and "parameters pre.weight are used on several stages" in output
