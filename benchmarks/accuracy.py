@@ -347,7 +347,7 @@ def goal_verdicts(args: argparse.Namespace, rows: list[dict[str, Any]]) -> list[
         d = row["diff"]
         if variant in SYNC_VARIANTS:
             worst = max((abs(x) for x in row["paired"]), default=math.nan)
-            same = "identical to gpipe on every seed" if worst < 0.01 else f"differs from gpipe by up to {worst:.2f} points (unexpected)"
+            same = "identical to gpipe on every seed" if worst < 0.01 else f"not bit-identical to gpipe: up to {worst:.2f} points apart (see the rounding floor below)"
             out.append(f"- **{variant}** ({kind}): Δ = {d:+.2f} points, {same}.")
             continue
         verdict = "**meets** the goal" if d >= -GOAL_POINTS else "**misses** the goal"
@@ -357,6 +357,8 @@ def goal_verdicts(args: argparse.Namespace, rows: list[dict[str, Any]]) -> list[
         spread = ""
         if len(paired) > 1:
             spread = f"; paired Δ {statistics.fmean(paired):+.2f} ± {statistics.stdev(paired):.2f} over {len(paired)} seeds"
+        if len(paired) > 1 and all(x < 0 for x in paired):
+            spread += ", below gpipe on every seed"
         noise = (f"; |Δ| is below the ~{SEED_SPREAD_POINTS}-point seed spread" if abs(d) < SEED_SPREAD_POINTS
                  else f"; |Δ| is larger than the ~{SEED_SPREAD_POINTS}-point seed spread")
         if row["n"] < len(args.seeds):
@@ -380,6 +382,19 @@ def identical_groups(args: argparse.Namespace, results: dict[str, dict[int, dict
             groups.setdefault(sig, []).append(variant)
     return [g for g in groups.values() if len(g) > 1]
 
+
+ROUNDING_FLOOR = """\
+**Rounding floor.** `gpipe` and `1f1b` compute mathematically the same updates (both flush every batch
+and equal one-device training), yet their final accuracies differ by up to {worst:.2f} points (paired Δ
+{paired}). Each run is deterministic (a repeated run reproduces its numbers bit for bit), and in short
+1-epoch runs (32 to 293 steps) their test accuracy and loss coincide to the last bit, but the weights are not
+bit-identical: a probe that dumps both stages' parameters after `max_steps` = 1, 2, 10, 50 finds the two
+schedules apart by about 1e-6 (stage 0) and 1e-7 (stage 1) from the very first step, i.e. float rounding
+(presumably a different summation order of the micro-batch gradients, which Adam magnifies on coordinates
+whose gradient is near zero). Training is chaotic, so over 4,690 steps this grows into differences of a few
+tenths of a point. That is the resolution of this benchmark: a difference between schedules smaller than
+about {worst:.1f} points on one seed is indistinguishable from rounding noise.
+"""
 
 OBSERVATION_PIPEMARE = """\
 Why `pipedream`, `pipemare` and `pipemare_plain` can coincide with 2 stages and this MLP (a property of the
@@ -432,14 +447,21 @@ def plot(args: argparse.Namespace, results: dict[str, dict[int, dict[str, Any]]]
               "pipemare_plain": ("tab:green", "--"), "xpipe": ("tab:red", "-")}
     fig, axes = plt.subplots(1, 2, figsize=(13, 5), gridspec_kw={"width_ratios": [1.4, 1]})
     zoom_from = max(1, args.epochs - 4)
+    same_as = {}  # variants drawn once, under the first of a bit-identical group
+    for group in identical_groups(args, results):
+        for other in group[1:]:
+            same_as[other] = group[0]
+    labels = {v: " = ".join([v, *[o for o, first in same_as.items() if first == v]]) for v in data}
     for ax, first in zip(axes, (1, zoom_from)):
         for variant, (mean, std) in data.items():
+            if variant in same_as:
+                continue
             epochs = list(range(1, len(mean) + 1))[first - 1:]
             m, s = mean[first - 1:], std[first - 1:]
             color, ls = styles.get(variant, (None, "-"))
             n = sum(r["status"] == "ok" for r in results[variant].values())
-            ax.plot(epochs, m, ls, color=color, marker="o", ms=3, label=f"{variant} (n={n})")
-            ax.fill_between(epochs, [a - b for a, b in zip(m, s)], [a + b for a, b in zip(m, s)], color=color, alpha=0.12)
+            ax.plot(epochs, m, ls, color=color, marker="o", ms=3, label=f"{labels[variant]} (n={n})" + (" (identical)" if " = " in labels[variant] else ""))
+            ax.fill_between(epochs, [a - b for a, b in zip(m, s)], [a + b for a, b in zip(m, s)], color=color, alpha=0.1)
         ax.set_xlabel("epoch")
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.grid(alpha=0.3)
@@ -505,18 +527,30 @@ def write_docs(args: argparse.Namespace, results, rows, table: str, command: str
     sync_note = ""
     if "gpipe" in sync and "1f1b" in sync and sync["1f1b"]["paired"]:
         worst = max(abs(d) for d in sync["1f1b"]["paired"])
-        sync_note = (f"\n`gpipe` and `1f1b` are both flushing schedules that equal one-device training; their "
-                     f"largest per-seed difference here is {worst:.2f} points"
-                     + (" (identical up to float rounding), which checks the setup." if worst < 0.05 else
-                        " (they should be identical: worth a look).") + "\n")
+        if worst < 0.01:
+            sync_note = ("\n`gpipe` and `1f1b` (both flushing, both equal to one-device training) give identical "
+                         "results on every seed, which checks the setup.\n")
+        else:
+            sync_note = "\n" + ROUNDING_FLOOR.format(worst=worst, paired=", ".join(f"{d:+.2f}" for d in sync["1f1b"]["paired"])) + "\n"
     groups = identical_groups(args, results)
     observations = ""
+    data = curves(args, results)
+    early = []
+    if BASELINE in data and args.epochs > 1:
+        base_curve = data[BASELINE][0]
+        for variant, (mean, _) in data.items():
+            if variant != BASELINE and len(mean) == len(base_curve):
+                early.append(f"`{variant}` {mean[0] - base_curve[0]:+.2f}")
+    if early:
+        observations = ("## Observations\n\n- Mean Δ vs gpipe after epoch 1 (points): " + ", ".join(early)
+                        + " (final Δ in the table above).\n")
     if any(not set(g) <= set(SYNC_VARIANTS) for g in groups):
-        observations = "## Observations\n\n" + "".join(
+        observations = (observations or "## Observations\n\n") + "".join(
             f"- Bit-identical test accuracy and loss after every epoch, on every seed: {', '.join(f'`{v}`' for v in g)}.\n"
             for g in groups if not set(g) <= set(SYNC_VARIANTS))
         if any({"pipedream", "pipemare"} <= set(g) or {"pipemare", "pipemare_plain"} <= set(g) for g in groups):
             observations += "\n" + OBSERVATION_PIPEMARE
+    if observations:
         observations += "\n"
     text = f"""# Statistical efficiency: test accuracy per schedule
 
@@ -550,8 +584,7 @@ a shared machine.
 above it also counts).
 
 {chr(10).join(verdicts)}
-{sync_note}
-Caveat: the seed-to-seed spread of this MLP on Fashion-MNIST at 10 epochs is about {SEED_SPREAD_POINTS} points
+{sync_note}Caveat: the seed-to-seed spread of this MLP on Fashion-MNIST at 10 epochs is about {SEED_SPREAD_POINTS} points
 (/work/shared/DATASETS.md: 89.6 / 88.9 / 88.9%), larger than the {GOAL_POINTS}-point goal. With {len(args.seeds)} seed(s)
 the standard error of a mean is about {SEED_SPREAD_POINTS}/√{len(args.seeds)} ≈ {SEED_SPREAD_POINTS / math.sqrt(len(args.seeds)):.2f} points, so a
 difference of a few tenths between means is not evidence either way; the paired per-seed differences
