@@ -76,7 +76,8 @@ class PipeStrategy(DDPStrategy):
             grows with ``micro_batches``); ``"1f1b"``: same result, at most ``stages`` micro-batches in
             flight; ``"interleaved_1f1b"``: ``chunks_per_stage`` chunks per device, bubble shrinks by that
             factor, needs ``micro_batches`` to be a multiple of ``stages``. All three equal one-device
-            training exactly.
+            training up to float rounding (micro-batch gradients are summed in schedule order; the
+            tests require 1e-5 relative).
         micro_batches: micro-batches each batch is split into (at most the batch size). More
             micro-batches shrink the pipeline bubble ``(P-1)/(M+P-1)``; about ``4 × stages`` is a good start.
         stages: processes per pipeline; default ``world_size // pipelines``.
