@@ -95,6 +95,14 @@ class Plan:
         return max(s.time for s in self.stages)
 
 
+def format_bytes(value: float) -> str:
+    """``512 B``, ``3.2 KiB``, ``1.5 MiB``, ``2.0 GiB``."""
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if value >= size:
+            return f"{value / size:.1f} {unit}"
+    return f"{value:.0f} B"
+
+
 # ---------------------------------------------------------------------------------- the DP
 def min_max_split(
     layers: int,
