@@ -149,6 +149,8 @@ def test_speeds_move_layers_to_the_faster_device():
     fast_second = split_for(profile, "1f1b", 2, 4, Machine(speeds=[1.0, 3.0]))
     assert fast_second.balance == [3, 9]
     assert [s.time for s in fast_second.stages] == pytest.approx([3.0, 3.0])
+    with pytest.raises(PlanError, match="speeds has 3 entries but the pipeline has 2 stages; give one per stage"):
+        fixed_plan(profile, "1f1b", 2, 4, Machine(speeds=[1.0, 1.0, 1.0]))
 
 
 def test_memory_limits_are_respected():

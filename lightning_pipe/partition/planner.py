@@ -215,6 +215,14 @@ class Machine:
     overlap: bool = False
     kappa: float = 4.0
 
+    def check(self, stages: int) -> None:
+        """Per-device lists must have one entry per stage; speeds must be positive."""
+        for name, values in (("memory", self.memory), ("speeds", self.speeds)):
+            if isinstance(values, Sequence) and len(values) != stages:
+                raise PlanError(f"{name} has {len(values)} entries but the pipeline has {stages} stages; give one per stage.")
+        if self.speeds is not None and min(self.speeds) <= 0:
+            raise PlanError(f"speeds {list(self.speeds)} must all be positive.")
+
     def cap(self, device: int) -> float:
         if self.memory is None:
             return math.inf
@@ -366,6 +374,7 @@ def explore(
         machine: memory limits, speeds and links.
         chunks: chunks per device for ``interleaved_1f1b``.
     """
+    machine.check(stages)
     candidates = list(micro_batches) if micro_batches is not None else candidate_micro_batches(batch)
     scaled = {m: interpolate(profiles, batch / m) for m in candidates}
     result: dict[str, Plan | None] = {}
@@ -439,6 +448,7 @@ def fixed_plan(
 ) -> Plan:
     """The min-max split for a schedule and ``M`` the user chose (what ``balance="auto"`` uses);
     raises :class:`PlanError` when nothing fits."""
+    machine.check(stages)
     found = split_for(profile, schedule, stages, micro_batches, machine, chunks, batch)
     if found is not None:
         return found
