@@ -154,6 +154,7 @@ def main() -> None:
     if args.worker:
         worker(args)
         return
+    load_before = os.getloadavg()[0]
     results: dict[str, list[dict]] = {"uniform": [], "auto": []}
     with tempfile.TemporaryDirectory() as tmp:
         cache = os.path.join(tmp, "profiles.json")
@@ -173,6 +174,8 @@ def main() -> None:
         print(f"| {balance} | {runs[0]['counts']} | {rounds} | {medians[balance]:.0f} |")
     auto = results["auto"][0]
     print(f"\nauto / uniform: {medians['auto'] / medians['uniform']:.2f}x (median over rounds)")
+    print(f"load average (1 min) before / after: {load_before:.2f} / {os.getloadavg()[0]:.2f} "
+          "(this benchmark alone keeps about 2 busy; more means other processes shared the 2 cores)")
     print(f"auto's predicted stage times (ms per micro-batch): {[round(t, 3) for t in auto['predicted_stage_ms']]}")
 
 

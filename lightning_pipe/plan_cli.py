@@ -29,7 +29,7 @@ from lightning_pipe.engine import split_micro_batches
 from lightning_pipe.log_replay import LogCapture
 from lightning_pipe.partition import find_trunk, resolve_balance
 from lightning_pipe.partition.planner import (
-    ALL_SCHEDULES, GIB, Machine, Plan, PlanError, candidate_micro_batches, evaluate, explore, format_bytes, _better,
+    ALL_SCHEDULES, GIB, Machine, Plan, PlanError, best_of, candidate_micro_batches, evaluate, explore, format_bytes,
 )
 from lightning_pipe.partition.profile import Profile, capture_trunk_input, interpolate, profile_trunk
 from lightning_pipe.schedules import ASYNC_SCHEDULES, SYNC_SCHEDULES
@@ -162,10 +162,7 @@ def plan(
     )
     chosen = list(schedules) if schedules else list(SYNC_SCHEDULES)
     plans = explore(profiles, total, stages, chosen, candidates, machine, chunks)
-    best = None
-    for found in plans.values():
-        if found is not None and _better(found, best):
-            best = found
+    best = best_of(plans.values())
     uniform = None
     if best is not None:
         v = chunks if best.schedule == "interleaved_1f1b" else 1

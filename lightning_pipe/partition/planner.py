@@ -24,7 +24,7 @@ together; asynchronous schedules ``M t*``. Ties go to fewer weight copies, then 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
 from itertools import accumulate
@@ -342,7 +342,7 @@ def candidate_micro_batches(batch: int, low: int = 1, high: int | None = None) -
     return [m for m in range(max(1, low), min(batch, high) + 1) if batch % m == 0]
 
 
-def _better(a: Plan, b: Plan | None) -> bool:
+def better(a: Plan, b: Plan | None) -> bool:
     """Higher throughput; ties (1e-9 relative) to fewer weight copies, then larger micro-batches."""
     if b is None:
         return True
@@ -386,10 +386,19 @@ def explore(
             if not allowed(schedule, stages, m, len(profiles[0].layers), chunks):
                 continue
             found = split_for(scaled[m], schedule, stages, m, machine, chunks, batch)
-            if found is not None and _better(found, best):
+            if found is not None and better(found, best):
                 best = found
         result[schedule] = best
     return result
+
+
+def best_of(plans: Iterable[Plan | None]) -> Plan | None:
+    """The best of ``plans`` by :func:`better` (``None`` entries skipped)."""
+    best = None
+    for found in plans:
+        if found is not None and better(found, best):
+            best = found
+    return best
 
 
 def plan(
@@ -403,10 +412,7 @@ def plan(
 ) -> Plan:
     """The best plan over schedules and micro-batch counts (see :func:`explore`); raises
     :class:`PlanError` naming the smallest memory any split needs when nothing fits."""
-    best = None
-    for found in explore(profiles, batch, stages, schedules, micro_batches, machine, chunks).values():
-        if found is not None and _better(found, best):
-            best = found
+    best = best_of(explore(profiles, batch, stages, schedules, micro_batches, machine, chunks).values())
     if best is not None:
         return best
     candidates = list(micro_batches) if micro_batches is not None else candidate_micro_batches(batch)
