@@ -221,7 +221,7 @@ def render(report: PlanReport, model_name: str, trunk_name: str, total: int, sta
             "",
             f"balance='uniform' {uniform.balance} with the same schedule and M: {uniform.step_time * 1e3:.2f} ms per batch, "
             f"{uniform.throughput:.0f} samples/s, bottleneck {uniform.bottleneck * 1e3:.3f} ms "
-            f"(chosen: {best.bottleneck * 1e3:.3f} ms, {uniform.step_time / best.step_time:.2f}x faster predicted)",
+            f"(chosen: {best.bottleneck * 1e3:.3f} ms); predicted speed-up of the chosen split: {uniform.step_time / best.step_time:.2f}x",
         ]
     if report.timeline:
         lines.append(f"\ntimeline of the chosen plan: {report.timeline}")

@@ -143,6 +143,16 @@ def test_unbalanced_layers_get_balanced_stages_and_predictions_follow_the_formul
     assert len(inter.balance) == 4 and inter.stages[1].device == 1 and inter.stages[2].device == 0
 
 
+@settings(max_examples=30, deadline=None)
+@given(costs=st.lists(st.floats(0.1, 10.0), min_size=4, max_size=9))
+def test_interleaved_split_is_never_worse_than_uniform(costs):
+    profile = synthetic(costs)
+    found = split_for(profile, "interleaved_1f1b", 2, 4, chunks=2)
+    base, extra = divmod(len(costs), 4)
+    uniform = evaluate(profile, "interleaved_1f1b", 2, 4, [base + (k < extra) for k in range(4)], chunks=2)
+    assert found.step_time <= uniform.step_time * (1 + 1e-12)
+
+
 def test_speeds_move_layers_to_the_faster_device():
     profile = synthetic([1.0] * 12)
     assert split_for(profile, "1f1b", 2, 4).balance == [6, 6]

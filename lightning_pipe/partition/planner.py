@@ -18,7 +18,9 @@ micro-batch size ``b = B / M``, interpolated linearly between two profiled sizes
 
 Mini-batch time from the stage times ``t_d`` and bottleneck ``t*``: flushing schedules
 ``(M-1) t* + sum t_d``; interleaved ``M t* + (sum t_d - t*) / v`` with ``t_d`` the device's chunks
-together; asynchronous schedules ``M t*``. Ties go to fewer weight copies, then larger micro-batches.
+together; asynchronous schedules ``M t*``. Ties go to fewer weight copies, then larger micro-batches,
+then lower peak memory. The DP is exact for one chunk per device; for interleaved schedules it is
+followed by a boundary-moving descent (see :func:`split_for`).
 """
 
 from __future__ import annotations
@@ -271,6 +273,11 @@ class StageCosts:
     def fits(self, i: int, j: int, k: int) -> bool:
         return self.memory(i, j, k) <= self.machine.cap(k % self.stages) / self.chunks
 
+    def feasible(self, counts: Sequence[int]) -> bool:
+        """Whether every stage of the split fits its memory limit."""
+        bounds = [0, *accumulate(counts)]
+        return all(self.fits(bounds[k], bounds[k + 1], k) for k in range(self.parts))
+
     def plan(self, counts: Sequence[int], batch: int | None = None) -> Plan:
         """The predictions for ``counts`` layers per (virtual) stage."""
         stages, bounds = [], [0, *accumulate(counts)]
@@ -300,13 +307,41 @@ def split_for(
 
     Returns ``None`` when no split fits the memory limits. For ``interleaved_1f1b`` the DP runs
     over ``stages * chunks`` virtual stages (virtual stage ``k`` on device ``k % stages``), each
-    chunk limited to ``1/chunks`` of its device's memory.
+    chunk limited to ``1/chunks`` of its device's memory; since a device's time is the sum of its
+    non-adjacent chunks, which no chain DP captures exactly, the DP's split and the uniform split are
+    then improved by moving single boundaries while the predicted mini-batch time drops.
     """
     costs = StageCosts(profile, schedule, stages, micro_batches, machine, chunks)
-    if len(profile.layers) < costs.parts:
+    n = len(profile.layers)
+    if n < costs.parts:
         return None
-    found = min_max_split(len(profile.layers), costs.parts, costs.time, costs.fits)
-    return None if found is None else costs.plan(found[1], batch)
+    found = min_max_split(n, costs.parts, costs.time, costs.fits)
+    if found is None:
+        return None
+    if costs.chunks == 1:
+        return costs.plan(found[1], batch)
+    base, extra = divmod(n, costs.parts)
+    starts = [found[1], [base + (k < extra) for k in range(costs.parts)]]
+    return min((_descend(costs, counts, batch) for counts in starts if costs.feasible(counts)), key=lambda p: p.step_time)
+
+
+def _descend(costs: StageCosts, counts: list[int], batch: int | None) -> Plan:
+    """Move one boundary by one layer at a time while the predicted mini-batch time drops."""
+    best = costs.plan(counts, batch)
+    improved = True
+    while improved:
+        improved = False
+        for k in range(len(counts) - 1):
+            for shift in (-1, 1):
+                trial = list(best.balance)
+                trial[k] += shift
+                trial[k + 1] -= shift
+                if min(trial) < 1 or not costs.feasible(trial):
+                    continue
+                candidate = costs.plan(trial, batch)
+                if candidate.step_time < best.step_time * (1 - 1e-12):
+                    best, improved = candidate, True
+    return best
 
 
 def smallest_memory(
@@ -343,14 +378,17 @@ def candidate_micro_batches(batch: int, low: int = 1, high: int | None = None) -
 
 
 def better(a: Plan, b: Plan | None) -> bool:
-    """Higher throughput; ties (1e-9 relative) to fewer weight copies, then larger micro-batches."""
+    """Higher throughput; ties (1e-9 relative) to fewer weight copies, then larger micro-batches,
+    then lower peak memory."""
     if b is None:
         return True
     if not math.isclose(a.throughput, b.throughput, rel_tol=1e-9):
         return a.throughput > b.throughput
     if a.weight_copies != b.weight_copies:
         return a.weight_copies < b.weight_copies
-    return a.micro_batch_size > b.micro_batch_size
+    if a.micro_batch_size != b.micro_batch_size:
+        return a.micro_batch_size > b.micro_batch_size
+    return max(a.memory) < max(b.memory)
 
 
 def explore(
