@@ -1,6 +1,6 @@
 """Measured training throughput of ``balance="auto"`` vs ``balance="uniform"`` on an unbalanced model.
 
-    python benchmarks/balance.py                     # 3 rounds, 30 steps each, 2 processes
+    python benchmarks/balance.py                     # 5 rounds, 20 steps each, 2 processes
     python benchmarks/balance.py --rounds 1 --steps 10
 
 The trunk of :class:`UnbalancedMLP` has 12 layers of very different widths: three wide Linear
@@ -9,7 +9,7 @@ work on stage 0. Each variant is a 2-process Lightning run (gloo on CPU, one thr
 ``schedule="1f1b"``, 8 micro-batches of 32 samples) started as its own script invocation (Lightning's
 launcher re-executes ``sys.argv``); the variants alternate round by round so machine noise hits both.
 Rank 0 times the training steps after a warm-up and reports samples/s; the table shows every round,
-the median per variant and their ratio, and the split ``balance="auto"`` chose with its predicted
+the median per variant, the per-round ratios and their median, and the split ``balance="auto"`` chose with its predicted
 per-stage times (it profiles rank 0's device at setup, cached in a temporary file, so only the
 first auto round profiles).
 """
@@ -140,8 +140,8 @@ def run_variant(args: argparse.Namespace, balance: str, cache: str) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rounds", type=int, default=3, help="rounds; each runs both variants")
-    parser.add_argument("--steps", type=int, default=30, help="timed training steps per run")
+    parser.add_argument("--rounds", type=int, default=5, help="rounds; each runs both variants")
+    parser.add_argument("--steps", type=int, default=20, help="timed training steps per run")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps first")
     parser.add_argument("--micro-batches", type=int, default=8)
     parser.add_argument("--micro-batch-size", type=int, default=32)
@@ -173,7 +173,10 @@ def main() -> None:
         rounds = ", ".join(f"{r['samples_per_s']:.0f}" for r in runs)
         print(f"| {balance} | {runs[0]['counts']} | {rounds} | {medians[balance]:.0f} |")
     auto = results["auto"][0]
-    print(f"\nauto / uniform: {medians['auto'] / medians['uniform']:.2f}x (median over rounds)")
+    ratios = [a["samples_per_s"] / u["samples_per_s"] for a, u in zip(results["auto"], results["uniform"])]
+    print(f"\nauto / uniform per round (same round, back to back): {', '.join(f'{r:.2f}' for r in ratios)}; "
+          f"median {statistics.median(ratios):.2f}x")
+    print(f"ratio of the medians: {medians['auto'] / medians['uniform']:.2f}x")
     print(f"load average (1 min) before / after: {load_before:.2f} / {os.getloadavg()[0]:.2f} "
           "(this benchmark alone keeps about 2 busy; more means other processes shared the 2 cores)")
     print(f"auto's predicted stage times (ms per micro-batch): {[round(t, 3) for t in auto['predicted_stage_ms']]}")
