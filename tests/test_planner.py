@@ -48,6 +48,19 @@ def test_profile_fields_are_positive_and_the_cache_skips_measuring(tmp_path):
     assert Counting.calls == 14  # another input shape is another key
 
 
+def test_layers_off_the_device_are_profiled_as_copies_one_at_a_time(monkeypatch):
+    from lightning_pipe.partition import profile as profile_module
+
+    monkeypatch.setattr(profile_module, "_on", lambda layer, device: False)  # as if the trunk sat on another device
+    trunk = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Linear(16, 4))
+    before = {k: v.clone() for k, v in trunk.state_dict().items()}
+    found = profile_trunk(trunk, torch.randn(4, 8), repeats=2, warmup=1)
+    assert [l.name for l in found.layers] == ["Linear", "BatchNorm1d", "Linear"]
+    assert all(l.forward > 0 and l.backward > 0 for l in found.layers)
+    for key, value in trunk.state_dict().items():  # the copies ran, the trunk's own statistics did not move
+        torch.testing.assert_close(value, before[key])
+
+
 def test_capture_trunk_input_runs_the_modules_own_code_and_stops_at_the_trunk():
     class Model(nn.Module):
         def __init__(self):

@@ -194,6 +194,11 @@ def profile_trunk(
 ) -> Profile:
     """Measure every layer of ``trunk`` on ``device``, starting from the trunk input ``sample``.
 
+    When every layer already lives on ``device`` the timed runs go round-robin over the layers
+    (``repeats`` rounds of one run per layer), so a slow phase of a shared machine hits all layers
+    alike instead of inflating one; otherwise each layer is copied to ``device`` in turn and timed
+    there before the next (only one layer's copy exists at a time).
+
     Args:
         trunk: the ``nn.Sequential`` to profile (unchanged: layers that are not already on
             ``device`` are profiled as copies moved there one at a time).
@@ -214,13 +219,28 @@ def profile_trunk(
     leaves, _ = tree_flatten(value)
     micro_batch = next((t.shape[0] for t in leaves if isinstance(t, Tensor) and t.dim()), 1)
     input_bytes = _bytes(value)
-    layers = []
+    round_robin = all(_on(layer, device) for layer in trunk)
+    runners, timings, static = [], [], []
     for layer in trunk:
-        on_device = layer if _on(layer, device) else copy.deepcopy(layer).to(device)
-        result, value = _profile_layer(on_device, value, device, repeats, warmup)
-        layers.append(result)
-        del on_device
-    profile = Profile(micro_batch, device.type, tuple(layers), input_bytes, key)
+        runner = _LayerRunner(layer if _on(layer, device) else copy.deepcopy(layer).to(device), value, device)
+        for _ in range(warmup):
+            runner.run()
+        _, _, saved, output = runner.run(measure_saved=True)
+        static.append((type(layer).__name__, sum(p.numel() * p.element_size() for p in layer.parameters()), saved, _bytes(output)))
+        value = tree_map(lambda t: t.detach() if isinstance(t, Tensor) else t, output)
+        if round_robin:
+            runners.append(runner)
+        else:
+            timings.append([runner.run()[:2] for _ in range(max(1, repeats))])
+            del runner
+    if round_robin:
+        rounds = [[runner.run()[:2] for runner in runners] for _ in range(max(1, repeats))]
+        timings = [list(per_layer) for per_layer in zip(*rounds)]
+    layers = tuple(
+        LayerProfile(name, statistics.median(f for f, _ in runs), statistics.median(b for _, b in runs), params, saved, out)
+        for (name, params, saved, out), runs in zip(static, timings)
+    )
+    profile = Profile(micro_batch, device.type, layers, input_bytes, key)
     store_cached(cache, profile)
     return profile
 
@@ -240,58 +260,43 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _profile_layer(
-    layer: nn.Module, value: Any, device: torch.device, repeats: int, warmup: int
-) -> tuple[LayerProfile, Any]:
-    """One layer's profile and its (detached) output, the next layer's input."""
-    params = [p for p in layer.parameters() if p.requires_grad]
-    param_ptrs = {p.untyped_storage().data_ptr() for p in layer.parameters()}
+class _LayerRunner:
+    """Runs one layer's forward and backward on a fixed input, timing both."""
 
-    def prepare() -> tuple[Any, list[Tensor]]:
+    def __init__(self, layer: nn.Module, value: Any, device: torch.device) -> None:
+        self.layer, self.value, self.device = layer, value, device
+        self.params = [p for p in layer.parameters() if p.requires_grad]
+        self.param_ptrs = {p.untyped_storage().data_ptr() for p in layer.parameters()}
+
+    def run(self, measure_saved: bool = False) -> tuple[float, float, int, Any]:
+        """``(forward seconds, backward seconds, bytes saved for backward, output)``."""
         inputs = tree_map(
-            lambda t: t.detach().requires_grad_(t.is_floating_point()) if isinstance(t, Tensor) else t, value
+            lambda t: t.detach().requires_grad_(t.is_floating_point()) if isinstance(t, Tensor) else t, self.value
         )
-        leaves, _ = tree_flatten(inputs)
-        return inputs, [t for t in leaves if isinstance(t, Tensor) and t.requires_grad]
-
-    def run_once(measure_saved: bool = False) -> tuple[float, float, int, Any]:
-        inputs, grad_inputs = prepare()
-        saved: dict[tuple[int, int], int] = {}
+        grad_inputs = [t for t in tree_flatten(inputs)[0] if isinstance(t, Tensor) and t.requires_grad]
+        saved: dict[int, int] = {}
 
         def pack(t: Tensor) -> Tensor:
             if measure_saved:
-                ptr = t.untyped_storage().data_ptr()
-                if ptr not in param_ptrs:
-                    saved[(ptr, t.untyped_storage().nbytes())] = t.untyped_storage().nbytes()
+                storage = t.untyped_storage()
+                if storage.data_ptr() not in self.param_ptrs:
+                    saved[storage.data_ptr()] = storage.nbytes()
             return t
 
+        device = self.device
         _sync(device)
         start = time.perf_counter()
         with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            output = layer(inputs)
+            output = self.layer(inputs)
         _sync(device)
         forward = time.perf_counter() - start
         outs = [t for t in tree_flatten(output)[0] if isinstance(t, Tensor) and t.requires_grad]
         backward = 0.0
-        if outs and (grad_inputs or params):
+        if outs and (grad_inputs or self.params):
             grads = [torch.ones_like(t) for t in outs]
             _sync(device)
             start = time.perf_counter()
-            torch.autograd.grad(outs, [*grad_inputs, *params], grads, allow_unused=True)
+            torch.autograd.grad(outs, [*grad_inputs, *self.params], grads, allow_unused=True)
             _sync(device)
             backward = time.perf_counter() - start
         return forward, backward, sum(saved.values()), output
-
-    for _ in range(warmup):
-        run_once()
-    runs = [run_once() for _ in range(max(1, repeats))]
-    _, _, saved_bytes, output = run_once(measure_saved=True)
-    profile = LayerProfile(
-        type(layer).__name__,
-        statistics.median(r[0] for r in runs),
-        statistics.median(r[1] for r in runs),
-        sum(p.numel() * p.element_size() for p in layer.parameters()),
-        saved_bytes,
-        _bytes(output),
-    )
-    return profile, tree_map(lambda t: t.detach() if isinstance(t, Tensor) else t, output)
