@@ -46,6 +46,7 @@ class PlanReport:
     layer_names: list[str]
     text: str
     timeline: str | None = None
+    simulated: Any = None  # lightning_pipe.simulate.Simulation of the chosen plan
 
 
 def table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
@@ -171,7 +172,8 @@ def plan(
                            counts, machine, chunks, total)
     report = PlanReport(profiles, plans, best, uniform, names, "")
     if best is not None and timeline:
-        report.timeline = write_timeline(best, profiles, machine, stages, chunks, timeline)
+        report.simulated = write_timeline(best, profiles, machine, stages, chunks, timeline)
+        report.timeline = timeline
     report.text = render(report, type(model).__name__, name, total, stages, machine)
     return report
 
@@ -224,12 +226,15 @@ def render(report: PlanReport, model_name: str, trunk_name: str, total: int, sta
             f"(chosen: {best.bottleneck * 1e3:.3f} ms); predicted speed-up of the chosen split: {uniform.step_time / best.step_time:.2f}x",
         ]
     if report.timeline:
-        lines.append(f"\ntimeline of the chosen plan: {report.timeline}")
+        sim = report.simulated
+        lines.append(f"\ntimeline of the chosen plan: {report.timeline} (simulated from the same costs: "
+                     f"{sim.step_time * 1e3:.2f} ms per batch, bubble {sim.bubble_fraction:.0%})")
     return "\n".join(lines)
 
 
-def write_timeline(best: Plan, profiles: Sequence[Profile], machine: Machine, stages: int, chunks: int, path: str) -> str:
-    """Simulate the chosen plan with its predicted per-stage costs and draw the timeline PNG."""
+def write_timeline(best: Plan, profiles: Sequence[Profile], machine: Machine, stages: int, chunks: int, path: str) -> Any:
+    """Simulate the chosen plan with its predicted per-stage costs (``lightning_pipe.simulate``), draw
+    the timeline PNG at ``path`` and return the simulation."""
     from lightning_pipe.plot import timeline_png
     from lightning_pipe.schedules import build_schedule
     from lightning_pipe.simulate import Costs, simulate, simulate_async
@@ -251,7 +256,7 @@ def write_timeline(best: Plan, profiles: Sequence[Profile], machine: Machine, st
         v = chunks if best.schedule == "interleaved_1f1b" else 1
         simulation = simulate(build_schedule(best.schedule, stages, best.micro_batches, v), costs)
     timeline_png(simulation.events, path, title=title)
-    return path
+    return simulation
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -28,6 +28,17 @@ def test_plan_cli_prints_schedules_and_the_chosen_partition(tmp_path, capsys):
     assert cache.exists()
 
 
+def test_plan_writes_the_timeline_of_the_chosen_plan(tmp_path):
+    path = tmp_path / "plan.png"
+    report = plan(TrunkModel(depth=3), stages=2, batch_shape=[16, 8], schedules=["1f1b"], micro_batches=[4],
+                  timeline=str(path), repeats=1)
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and report.timeline == str(path)
+    simulated = report.simulated
+    # the closed form (M-1) t* + sum t_d bounds the simulated makespan from above; M t* from below
+    assert 4 * report.best.bottleneck * (1 - 1e-9) <= simulated.step_time <= report.best.step_time * (1 + 1e-9)
+    assert f"timeline of the chosen plan: {path}" in report.text
+
+
 def test_plan_reports_the_best_plan_and_errors_without_a_batch():
     report = plan(TrunkModel(depth=4), stages=2, batch_shape=[8, 8], schedules=["1f1b", "pipedream"],
                   micro_batches=[2, 4], timeline=None, repeats=1)
