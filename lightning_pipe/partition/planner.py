@@ -476,7 +476,7 @@ def no_fit_error(layers: int, stages: int, machine: Machine, smallest: Plan | No
         return PlanError(f"no split of {layers} layers over {stages} stages exists; use at most {layers} stages.")
     return PlanError(
         f"no split of {layers} layers over {stages} stages fits {limit}; the smallest needs {_peak(smallest) / GIB:.1f} GiB: "
-        f"balance={smallest.balance} with {smallest.schedule} and {smallest.micro_batches} micro-batches; raise the memory "
+        f"balance={smallest.balance} with schedule={smallest.schedule!r}, micro_batches={smallest.micro_batches}; raise the memory "
         "limit, use more stages or micro-batches, or checkpoint_activations=True."
     )
 
