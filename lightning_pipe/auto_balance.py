@@ -139,6 +139,7 @@ def profile_and_split(
     chunks: int,
     options: AutoBalanceOptions,
     device: torch.device,
+    recompute: bool = False,
 ) -> Plan:
     """Rank 0's work: sample batch, trunk input, profile, split (see the module docstring).
 
@@ -153,7 +154,7 @@ def profile_and_split(
         with LogCapture(module):
             sample = capture_trunk_input(module, trunk, lambda: step(micro_batch, 0), hook)
         profile = profile_trunk(trunk, sample, device, cache=options.cache, module=module)
-    machine = Machine(memory=memory_limit(options, device), speeds=options.speeds)
+    machine = Machine(memory=memory_limit(options, device), speeds=options.speeds, recompute=recompute)
     return fixed_plan(profile, schedule, stages, micro_batches, machine, chunks)
 
 

@@ -91,6 +91,7 @@ def plan(
     bandwidth_gbps: float | None = None,
     latency_us: float = 0.0,
     kappa: float = 4.0,
+    checkpoint_activations: bool = False,
     module: str | None = None,
     device: str = "cpu",
     cache: str | None = None,
@@ -120,6 +121,7 @@ def plan(
         bandwidth_gbps: link bandwidth between neighbouring stages in GB/s; default: transfers cost nothing.
         latency_us: link latency per transfer in microseconds.
         kappa: bytes of weights + gradient + optimizer state per parameter byte (4 for fp32 Adam).
+        checkpoint_activations: predict with activation recomputation (less memory, one more forward).
         module: attribute path of the trunk ``nn.Sequential`` (default: the only one).
         device: where to profile (``cpu``, ``cuda:0``...).
         cache: JSON file caching the profiles.
@@ -160,6 +162,7 @@ def plan(
         bandwidth=None if bandwidth_gbps is None else bandwidth_gbps * 1e9,
         latency=latency_us * 1e-6,
         kappa=kappa,
+        recompute=checkpoint_activations,
     )
     chosen = list(schedules) if schedules else list(SYNC_SCHEDULES)
     plans = explore(profiles, total, stages, chosen, candidates, machine, chunks)

@@ -282,7 +282,8 @@ class PipeStrategy(DDPStrategy):
         def work() -> Plan:
             with self.precision_plugin.train_step_context():
                 return profile_and_split(trainer, module, self.module, self.schedule, stages, self.micro_batches,
-                                         self.chunks_per_stage, self.auto_balance, self.root_device)
+                                         self.chunks_per_stage, self.auto_balance, self.root_device,
+                                         self.checkpoint_activations)
 
         return agreed_plan(self.global_rank == 0, self.world_size, work)
 

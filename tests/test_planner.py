@@ -185,6 +185,15 @@ def test_memory_limits_are_respected():
     assert split_for(profile, "1f1b", 2, 4, Machine(memory=1000)) is None
 
 
+def test_recomputation_trades_a_forward_for_activation_memory():
+    profile = synthetic([2.0] * 4, saved=[100] * 4, output=10)
+    plain = evaluate(profile, "gpipe", 2, 4, [2, 2])
+    recompute = evaluate(profile, "gpipe", 2, 4, [2, 2], Machine(recompute=True))
+    # per stage: forward 1.0 per layer runs twice; activations 4 x 200 become 4 x 10 (inputs) + 200
+    assert [s.time for s in recompute.stages] == pytest.approx([6.0, 6.0])
+    assert plain.stages[1].memory - recompute.stages[1].memory == pytest.approx(4 * 200 - (4 * 10 + 200))
+
+
 def test_in_flight_counts_match_the_schedules():
     assert in_flight("gpipe", 4, 8) == ((8,), (8,), (8,), (8,))
     assert in_flight("1f1b", 4, 8) == ((4,), (3,), (2,), (1,))

@@ -208,6 +208,9 @@ class Machine:
         overlap: transfers overlap compute (stage time is the max, not the sum).
         kappa: bytes of weights + gradient + optimizer state per parameter byte (4 for fp32 Adam,
             3 for SGD with momentum).
+        recompute: activations are recomputed in backward (``checkpoint_activations=True``): a stage
+            keeps only its input per micro-batch in flight plus one micro-batch's saved tensors, and
+            its backward runs the forward again.
     """
 
     memory: float | Sequence[float] | None = None
@@ -216,6 +219,7 @@ class Machine:
     latency: float = 0.0
     overlap: bool = False
     kappa: float = 4.0
+    recompute: bool = False
 
     def check(self, stages: int) -> None:
         """Per-device lists must have one entry per stage; speeds must be positive."""
@@ -246,7 +250,8 @@ class StageCosts:
         self.chunks = chunks if schedule == "interleaved_1f1b" else 1
         self.parts = stages * self.chunks
         layers = profile.layers
-        self.comp = [0.0, *accumulate(l.forward + l.backward for l in layers)]
+        again = 2.0 if machine.recompute else 1.0
+        self.comp = [0.0, *accumulate(again * l.forward + l.backward for l in layers)]
         self.params = [0, *accumulate(l.params for l in layers)]
         self.saved = [0.0, *accumulate(float(l.saved) for l in layers)]
         self.outputs = [profile.input_bytes, *(l.output for l in layers)]  # outputs[j]: the value after layer j-1
@@ -268,7 +273,12 @@ class StageCosts:
         device, chunk = self.where(k)
         buffers = 2 * ((self.outputs[i] if k > 0 else 0) + (self.outputs[j] if k < self.parts - 1 else 0))
         return ((self.extra[device] + self.machine.kappa) * (self.params[j] - self.params[i])
-                + self.flight[device][chunk] * (self.saved[j] - self.saved[i]) + buffers)
+                + self._activations(i, j, self.flight[device][chunk]) + buffers)
+
+    def _activations(self, i: int, j: int, in_flight: int) -> float:
+        if self.machine.recompute:  # inputs of the micro-batches in flight, one backward's worth of saved tensors
+            return in_flight * self.outputs[i] + (self.saved[j] - self.saved[i])
+        return in_flight * (self.saved[j] - self.saved[i])
 
     def fits(self, i: int, j: int, k: int) -> bool:
         return self.memory(i, j, k) <= self.machine.cap(k % self.stages) / self.chunks
