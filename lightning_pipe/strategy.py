@@ -73,6 +73,9 @@ class PipeStrategy(DDPStrategy):
     order of the chosen schedule. Code in ``training_step`` before the trunk call runs on the first
     stage, code after it (and the loss) on the last.
 
+    ``Trainer(devices=1, strategy=PipeStrategy(schedule="pipemare", stages=4))`` emulates a 4-stage
+    pipeline in the one process with the same engine code (docs/emulation.md).
+
     Args:
         schedule: pipeline schedule. ``"gpipe"``: all forwards then all backwards (activation memory
             grows with ``micro_batches``); ``"1f1b"``: same result, at most ``stages`` micro-batches in

@@ -114,9 +114,14 @@ def test_emulation_equals_distributed_run():
 
 @pytest.mark.parametrize("schedule,extra", [("gpipe", {}), ("1f1b", {}), ("interleaved_1f1b", {"micro_batches": 4})])
 def test_sync_emulation_equals_one_device(schedule, extra):
-    one = train({"epochs": 1, "batch_size": BATCH})
-    got = train({"epochs": 1, "batch_size": BATCH, "strategy": {"schedule": schedule, "stages": 2, "micro_batches": 2, **extra}})
+    """Training, then validate / test / predict through the emulated forward-only pipeline."""
+    one = train({"epochs": 1, "batch_size": BATCH, "evaluate": True})
+    got = train({"epochs": 1, "batch_size": BATCH, "evaluate": True,
+                 "strategy": {"schedule": schedule, "stages": 2, "micro_batches": 2, **extra}})
     assert [m["train_loss"] for m in got["metrics"]] == pytest.approx([m["train_loss"] for m in one["metrics"]], rel=1e-5)
+    for key in ("validate", "test"):
+        assert got[key][0] == pytest.approx(one[key][0], rel=1e-5), key
+    torch.testing.assert_close(torch.cat(got["predict"]), torch.cat(one["predict"]), rtol=1e-5, atol=1e-6)
     for key, value in one["state"].items():
         torch.testing.assert_close(got["state"][key], value, rtol=1e-5, atol=1e-6, msg=key)
 
