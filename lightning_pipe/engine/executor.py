@@ -141,6 +141,28 @@ class Executor:
             the device holding it (the detached, unweighted loss when training; the raw output for
             a forward-only schedule); an empty list elsewhere.
         """
+        self.begin(schedule, micro_batches, loss_weights, scale_loss, first_micro_batch, carry_over)
+        try:
+            for index in range(len(schedule.actions[self.device_index])):
+                self.execute(index, step)
+            return self.end(carry_over)
+        except BaseException:
+            self.abort()
+            raise
+
+    # ------------------------------------------------------------------ one action at a time
+    # ``run`` is begin, execute every index, end. An in-process pipeline (engine/local.py) calls the
+    # same three on several executors, interleaving their actions in one valid global order.
+    def begin(
+        self,
+        schedule: Schedule,
+        micro_batches: Sequence[Any],
+        loss_weights: Sequence[float] | None = None,
+        scale_loss: Callable[[Tensor], Tensor] | None = None,
+        first_micro_batch: int = 0,
+        carry_over: bool = False,
+    ) -> None:
+        """Prepare a run (arguments as in :meth:`run`)."""
         if not carry_over and len(micro_batches) != schedule.micro_batches:
             raise ValueError(f"schedule expects {schedule.micro_batches} micro-batches, got {len(micro_batches)}.")
         self._schedule = schedule
@@ -157,19 +179,25 @@ class Executor:
             self._wait_sends(self._send_windows.popleft())
         self._sends: list[tuple[Any, Tensor]] = []
         self._send_windows.append(self._sends)
-        actions = schedule.actions[self.device_index]
-        try:
-            for index, action in enumerate(actions):
-                if action.kind.is_compute:
-                    self._post_receives(actions, index)
-                self._dispatch(action, step)
-            if not carry_over:
-                self.finish()
-        except BaseException:
-            self._in_flight.clear()
-            self._send_windows.clear()
-            raise
+
+    def execute(self, index: int, step: Callable[[], None] | None = None) -> None:
+        """Run action ``index`` of this device's list (after :meth:`begin`, in list order)."""
+        actions = self._schedule.actions[self.device_index]
+        action = actions[index]
+        if action.kind.is_compute:
+            self._post_receives(actions, index)
+        self._dispatch(action, step)
+
+    def end(self, carry_over: bool = False) -> list[Any]:
+        """Finish a run; return what :meth:`run` returns."""
+        if not carry_over:
+            self.finish()
         return [self._outputs[j] for j in sorted(self._outputs)]
+
+    def abort(self) -> None:
+        """Forget everything in flight after a failure."""
+        self._in_flight.clear()
+        self._send_windows.clear()
 
     def finish(self) -> None:
         """Wait for every pending send and forget the micro-batches in flight (end of a segment)."""
