@@ -51,6 +51,7 @@ from lightning_pipe.partition import find_trunk, stage_bounds
 from lightning_pipe.partition.split import PartitionedTrunk
 from lightning_pipe.schedules import ASYNC_SCHEDULES, SYNC_SCHEDULES, build_schedule
 from lightning_pipe.topology import Topology
+from lightning_pipe.tracing import RunTracer, check_trace_options
 
 ScheduleName = Literal["gpipe", "1f1b", "interleaved_1f1b", "pipedream", "pipedream_2bw", "pipemare", "xpipe"]
 
@@ -114,6 +115,11 @@ class PipeStrategy(DDPStrategy):
         xpipe_prediction: XPipe's update direction for weight prediction: ``"adam"`` (Adam's
             bias-corrected moments), ``"momentum"`` (SGD's momentum buffer), ``"sgd"`` (the last gradient)
             or ``"auto"`` (by optimizer type).
+        trace_dir: record when every action of every rank starts and ends during a few training steps
+            and, at the end of ``fit``, write ``timeline.png`` and ``trace.json`` (Chrome trace) there,
+            plus each rank's ``events-rank{r}.json`` (docs/simulator.md). Needs matplotlib.
+        trace_steps: training steps recorded with ``trace_dir``: steps 2 to ``trace_steps + 1`` of the fit
+            (the first pays one-time costs; a one-step fit records that one).
         accelerator: set by the Trainer.
         parallel_devices: set by the Trainer.
         cluster_environment: set by the Trainer.
@@ -141,6 +147,8 @@ class PipeStrategy(DDPStrategy):
         pipemare_correction: bool = True,
         pipemare_correction_decay: float = 0.9,
         xpipe_prediction: Prediction = "auto",
+        trace_dir: str | None = None,
+        trace_steps: int = 3,
         accelerator: Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -151,6 +159,7 @@ class PipeStrategy(DDPStrategy):
         if chunks_per_stage is None:
             chunks_per_stage = 2 if schedule == "interleaved_1f1b" else 1
         check_options(schedule, micro_batches, stages, pipelines, chunks_per_stage)
+        check_trace_options(trace_dir, trace_steps)
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -173,6 +182,8 @@ class PipeStrategy(DDPStrategy):
         self.async_options = AsyncOptions(
             pipemare_lr_reschedule, pipemare_lr_warmup_steps, pipemare_correction, pipemare_correction_decay, xpipe_prediction
         )
+        self.trace_dir, self.trace_steps = trace_dir, trace_steps
+        self._tracer: RunTracer | None = None
         self._async: AsyncRuntime | None = None
         self._async_resume: dict[str, Any] | None = None  # a checkpoint's policy state, applied at start
         self._counts: list[int] | None = None
@@ -248,6 +259,8 @@ class PipeStrategy(DDPStrategy):
             rank_zero_info(self.describe())
         self.model_to_device()
         self._sync_metrics_within_stage_group(module)
+        if self.trace_dir is not None and self._tracer is None:
+            self._tracer = RunTracer(self.trace_dir, self.trace_steps, self.global_rank)
         self._executor = self._build_executor()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
@@ -301,6 +314,7 @@ class PipeStrategy(DDPStrategy):
             transport,
             self._watchdog,
             names=[self._partition.describe_chunk(c) for c in range(len(self._partition.local))],
+            recorder=self._tracer.recorder if self._tracer is not None else None,
         )
 
     def describe(self) -> str:
@@ -406,11 +420,15 @@ class PipeStrategy(DDPStrategy):
         if not asynchronous:
             for p in params:
                 p.grad = None
+        if self._tracer is not None:
+            self._tracer.start_step()
         with self.precision_plugin.train_step_context():
             losses, sizes, n, capture = self._run_schedule("training_step", args, kwargs, True, asynchronous)
         self._seen_batch = True
         if asynchronous and self._ends_segment(args[1] if len(args) > 1 else kwargs.get("batch_idx", 0)):
             self._drain()
+        if self._tracer is not None:
+            self._tracer.end_step()
         if not self._outside.known and not asynchronous:
             self._outside.learn()
         self._grad_stash = [p.grad for p in params]
@@ -503,6 +521,10 @@ class PipeStrategy(DDPStrategy):
 
     def on_train_end(self) -> None:
         self._drain()
+        if self._tracer is not None:
+            title = f"{self.schedule}: {self.num_stages} stages, M={self.micro_batches}, measured"
+            for path in self._tracer.write(self.global_rank, self.world_size, title):
+                rank_zero_info(f"lightning_pipe: wrote {path}")
         super().on_train_end()
 
     def _log_async_diagnostics(self, batch_size_: int) -> None:

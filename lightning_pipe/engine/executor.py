@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lightning_pipe.engine.recorder import ActionRecorder
 from lightning_pipe.engine.p2p import (
     ACTIVATION_TAG, GRADIENT_TAG, Header, TensorMeta, Transport, is_differentiable,
 )
@@ -87,6 +88,8 @@ class Executor:
         names: human names of the chunks for error messages (e.g. ``"stage 1 (trunk layers 4-7)"``).
         policy: the weight policy of an asynchronous schedule (``None``: the current weights, and
             STEP calls the ``step`` given to :meth:`run`).
+        recorder: while ``recorder.enabled``, every action's start and end are recorded (a receive
+            when its compute waits for it); ``None``: nothing is timed.
     """
 
     def __init__(
@@ -98,6 +101,7 @@ class Executor:
         watchdog: Watchdog | None = None,
         names: Sequence[str] | None = None,
         policy: WeightPolicy | None = None,
+        recorder: ActionRecorder | None = None,
     ) -> None:
         self.device_index = schedule_device
         self.ranks = list(ranks)
@@ -106,6 +110,9 @@ class Executor:
         self.watchdog = watchdog or Watchdog(timeout=1800.0)
         self.names = list(names) if names else [f"stage {schedule_device} chunk {c}" for c in range(len(chunks))]
         self.policy = policy
+        self.recorder = recorder
+        self._recording: ActionRecorder | None = None
+        self._started = 0.0
         self._in_flight: dict[tuple[int, int], _InFlight] = {}
         self._send_windows: deque[list[tuple[Any, Tensor]]] = deque()
         if len(self.ranks) > 1 and transport is None:
@@ -179,6 +186,7 @@ class Executor:
             self._wait_sends(self._send_windows.popleft())
         self._sends: list[tuple[Any, Tensor]] = []
         self._send_windows.append(self._sends)
+        self._recording = self.recorder if self.recorder is not None and self.recorder.enabled else None
 
     def execute(self, index: int, step: Callable[[], None] | None = None) -> None:
         """Run action ``index`` of this device's list (after :meth:`begin`, in list order)."""
@@ -186,7 +194,13 @@ class Executor:
         action = actions[index]
         if action.kind.is_compute:
             self._post_receives(actions, index)
+        recording = self._recording
+        if recording is None or action.kind.is_recv:  # receives are timed where they are waited for
+            self._dispatch(action, step)
+            return
+        self._started = recording.clock()
         self._dispatch(action, step)
+        recording.record(action, self._started, recording.clock())
 
     def end(self, carry_over: bool = False) -> list[Any]:
         """Finish a run; return what :meth:`run` returns."""
@@ -331,11 +345,15 @@ class Executor:
                 raise RuntimeError(f"{action} cannot be received before its forward ran.")
         pending = self._received.pop(key)
         what = f"{action} from rank {pending.src}"
+        start = self._recording.clock() if self._recording is not None else 0.0
         if pending.payload is None:
             self.watchdog.wait(pending.header[0], f"the header of {what}")
             self._post_payload(pending)
         for work, _ in pending.payload:
             self.watchdog.wait(work, what)
+        if self._recording is not None:  # the wait, then the compute that needed it
+            self._started = self._recording.clock()
+            self._recording.record(action, start, self._started)
         return pending
 
     def _take_activation(self, forward: Action) -> Activation:
