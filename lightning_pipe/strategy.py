@@ -39,6 +39,7 @@ from torchmetrics import Metric
 from lightning_pipe.checkpoint import check_keys, merge_optimizer_states, merge_state_dicts, slice_optimizer_state
 from lightning_pipe.async_options import AsyncOptions, Prediction
 from lightning_pipe.async_runtime import AsyncRuntime, make_clip
+from lightning_pipe.auto_balance import AutoBalanceOptions, agreed_plan, profile_and_split
 from lightning_pipe.config import PipeConfigError, check_async_trainer, check_module, check_options, resolve_stages
 from lightning_pipe.emulated import EmulatedAsyncRuntime, SharedParameterError, stage_parameter_names
 from lightning_pipe.engine import Executor, Transport, Watchdog, batch_size, split_micro_batches
@@ -48,6 +49,7 @@ from lightning_pipe.module_stages import ModuleStages, step_loss
 from lightning_pipe.outputs import detach_to_cpu, merge_outputs
 from lightning_pipe.outside_params import OutsideParameters
 from lightning_pipe.partition import find_trunk, stage_bounds
+from lightning_pipe.partition.planner import Plan, format_bytes
 from lightning_pipe.partition.split import PartitionedTrunk
 from lightning_pipe.schedules import ASYNC_SCHEDULES, SYNC_SCHEDULES, build_schedule
 from lightning_pipe.topology import Topology
@@ -94,8 +96,10 @@ class PipeStrategy(DDPStrategy):
         pipelines: data-parallel pipeline replicas; each gets its own shard of the data and gradients
             are averaged across them, so ``pipelines=N`` equals one device at ``N ×`` the batch size.
         balance: how many trunk layers each stage gets: a list of counts (one per stage, or per virtual
-            stage for interleaved), ``"uniform"`` (equal counts) or ``"parameters"`` (balanced parameter
-            counts).
+            stage for interleaved), ``"uniform"`` (equal counts), ``"parameters"`` (balanced parameter
+            counts) or ``"auto"`` (rank 0 profiles every trunk layer on its device with the first batch
+            and picks the split that minimises the slowest stage's predicted time under the memory limits,
+            for the given schedule and ``micro_batches``; every rank uses that split; docs/planning.md).
         module: attribute path of the trunk ``nn.Sequential``; default: the module's only
             ``nn.Sequential`` attribute.
         chunks_per_stage: chunks (virtual stages) per device for ``"interleaved_1f1b"``; must stay 1 for
@@ -120,6 +124,12 @@ class PipeStrategy(DDPStrategy):
             plus each rank's ``events-rank{r}.json`` (docs/simulator.md). Needs matplotlib.
         trace_steps: training steps recorded with ``trace_dir``: steps 2 to ``trace_steps + 1`` of the fit
             (the first pays one-time costs; a one-step fit records that one).
+        auto_balance_memory: ``balance="auto"`` only: memory limit per device in GiB (one value, or one per
+            stage); default: the device's total memory on CUDA, no limit on CPU.
+        auto_balance_speeds: ``balance="auto"`` only: relative speed of each stage's device (e.g.
+            ``[1.0, 2.0]`` when the second is twice as fast); default: all equal.
+        profile_cache: ``balance="auto"`` only: JSON file caching the per-layer profiles (keyed by model
+            structure, input shape and device); default: profile at every start.
         accelerator: set by the Trainer.
         parallel_devices: set by the Trainer.
         cluster_environment: set by the Trainer.
@@ -149,6 +159,9 @@ class PipeStrategy(DDPStrategy):
         xpipe_prediction: Prediction = "auto",
         trace_dir: str | None = None,
         trace_steps: int = 3,
+        auto_balance_memory: float | list[float] | None = None,
+        auto_balance_speeds: list[float] | None = None,
+        profile_cache: str | None = None,
         accelerator: Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -184,6 +197,9 @@ class PipeStrategy(DDPStrategy):
         )
         self.trace_dir, self.trace_steps = trace_dir, trace_steps
         self._tracer: RunTracer | None = None
+        self.auto_balance = AutoBalanceOptions(auto_balance_memory, auto_balance_speeds, profile_cache)
+        self._plan: Plan | None = None  # balance="auto": the chosen split and its predictions
+        self._layer_params: list[int] = []
         self._async: AsyncRuntime | None = None
         self._async_resume: dict[str, Any] | None = None  # a checkpoint's policy state, applied at start
         self._counts: list[int] | None = None
@@ -235,8 +251,8 @@ class PipeStrategy(DDPStrategy):
     def connect(self, model: LightningModule) -> None:
         super().connect(model)
         stages = self.num_stages
-        self._counts = check_module(
-            model, self.module, self.balance, stages * self.chunks_per_stage, self.schedule, stages, self.micro_batches
+        self._counts = check_module(  # balance="auto" is resolved in setup; check the layer count now
+            model, self.module, "uniform" if self.balance == "auto" else self.balance, stages * self.chunks_per_stage, self.schedule, stages, self.micro_batches
         )
 
     def setup_environment(self) -> None:
@@ -254,6 +270,9 @@ class PipeStrategy(DDPStrategy):
         module = self.lightning_module
         self.precision_plugin.convert_module(module)
         if self._partition is None:
+            if self.balance == "auto":
+                self._plan = self._auto_balance(trainer, module)
+                self._counts = self._plan.balance
             self._partition = self._cut(module)
             self._outside = OutsideParameters(module, self._partition.name, self._topology)
             rank_zero_info(self.describe())
@@ -287,6 +306,18 @@ class PipeStrategy(DDPStrategy):
             if isinstance(metric, Metric):
                 metric.process_group = self._topology.stage_group
 
+    def _auto_balance(self, trainer: Trainer, module: LightningModule) -> Plan:
+        """Rank 0 profiles and splits (auto_balance.py); every rank receives the same plan."""
+        stages = self._topology.stages
+
+        def work() -> Plan:
+            with self.precision_plugin.train_step_context():
+                return profile_and_split(trainer, module, self.module, self.schedule, stages, self.micro_batches,
+                                         self.chunks_per_stage, self.auto_balance, self.root_device,
+                                         self.checkpoint_activations)
+
+        return agreed_plan(self.global_rank == 0, self.world_size, work)
+
     def _cut(self, module: LightningModule) -> PartitionedTrunk:
         assert self._topology is not None and self._counts is not None
         name, trunk = find_trunk(module, self.module)
@@ -295,6 +326,7 @@ class PipeStrategy(DDPStrategy):
         if self.emulating:  # this process holds every virtual stage
             local = list(range(self.num_stages * self.chunks_per_stage))
         self._layer_names = [type(layer).__name__ for layer in trunk]  # before other stages' layers go
+        self._layer_params = [sum(p.numel() for p in layer.parameters()) for layer in trunk]
         self._key_order = list(module.state_dict().keys())
         self._param_order = [n for n, _ in module.named_parameters()]
         return PartitionedTrunk(trunk, name, stage_bounds(self._counts), local, self.checkpoint_activations)
@@ -325,14 +357,27 @@ class PipeStrategy(DDPStrategy):
             f"{self.micro_batches} micro-batches per batch"
             + (f", {self.chunks_per_stage} chunks per stage" if self.chunks_per_stage > 1 else "")
             + (", emulated in one process" if self.emulating else "")
+            + (", balance='auto'" if self._plan is not None else "")
         ]
         if self._counts is not None and self._partition is not None:
             name = self._partition.name
+            header = ["stage", "layers", "parameters"] + (["predicted time", "predicted peak memory"] if self._plan else [])
+            rows = []
             for vs, (start, end) in enumerate(stage_bounds(self._counts)):
                 device, chunk = vs % stages, vs // stages
-                where = f"stage {device}" + (f" chunk {chunk}" if self.chunks_per_stage > 1 else "")
-                layers = ", ".join(self._layer_names[start:end])
-                lines.append(f"  {where}: {name}[{start}:{end}] ({end - start} layers): {layers}")
+                where = f"{device}" + (f" chunk {chunk}" if self.chunks_per_stage > 1 else "")
+                row = [where, f"{name}[{start}:{end}] {', '.join(self._layer_names[start:end])}",
+                       f"{sum(self._layer_params[start:end]):,}"]
+                if self._plan is not None:
+                    predicted = self._plan.stages[vs]
+                    row += [f"{predicted.time * 1e3:.2f} ms/micro-batch", format_bytes(predicted.memory)]
+                rows.append(row)
+            widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+            for row in [header, *rows]:
+                lines.append("  " + "  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip())
+            if self._plan is not None:
+                lines.append(f"  predicted: {self._plan.step_time * 1e3:.1f} ms per batch of {self._plan.micro_batches} "
+                             f"micro-batches of {self._plan.micro_batch_size:g} samples")
         return "\n".join(lines)
 
     # ------------------------------------------------------------------ training
