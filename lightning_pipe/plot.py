@@ -123,8 +123,9 @@ def timeline_png(
     if any(k.is_recv for k, _ in kinds):
         handles.append(Patch(facecolor=_WAIT, hatch="////", label="waiting for a receive"))
     handles.append(Patch(facecolor=_IDLE, label="idle"))
-    ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.5 / (0.55 * len(devices) + 1.3) - 0.18),
-              ncol=min(len(handles), 6), fontsize=7, frameon=False)
+    height = 0.55 * len(devices) + 1.3
+    ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.5 / height - 0.18),
+              ncol=min(len(handles), max(2, int(width / 1.6))), fontsize=7, frameon=False)
     if title:
         ax.set_title(title, fontsize=10)
     for side in ("top", "right"):

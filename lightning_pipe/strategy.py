@@ -41,7 +41,9 @@ from lightning_pipe.async_options import AsyncOptions, Prediction
 from lightning_pipe.async_runtime import AsyncRuntime, make_clip
 from lightning_pipe.auto_balance import AutoBalanceOptions, agreed_plan, profile_and_split
 from lightning_pipe.config import PipeConfigError, check_async_trainer, check_module, check_options, resolve_stages
+from lightning_pipe.emulated import EmulatedAsyncRuntime, SharedParameterError, stage_parameter_names
 from lightning_pipe.engine import Executor, Transport, Watchdog, batch_size, split_micro_batches
+from lightning_pipe.engine.local import LocalPipeline
 from lightning_pipe.log_replay import LogCapture, combine, replay
 from lightning_pipe.module_stages import ModuleStages, step_loss
 from lightning_pipe.outputs import detach_to_cpu, merge_outputs
@@ -51,6 +53,7 @@ from lightning_pipe.partition.planner import Plan, format_bytes
 from lightning_pipe.partition.split import PartitionedTrunk
 from lightning_pipe.schedules import ASYNC_SCHEDULES, SYNC_SCHEDULES, build_schedule
 from lightning_pipe.topology import Topology
+from lightning_pipe.tracing import RunTracer, check_trace_options
 
 ScheduleName = Literal["gpipe", "1f1b", "interleaved_1f1b", "pipedream", "pipedream_2bw", "pipemare", "xpipe"]
 
@@ -73,6 +76,9 @@ class PipeStrategy(DDPStrategy):
     order of the chosen schedule. Code in ``training_step`` before the trunk call runs on the first
     stage, code after it (and the loss) on the last.
 
+    ``Trainer(devices=1, strategy=PipeStrategy(schedule="pipemare", stages=4))`` emulates a 4-stage
+    pipeline in the one process with the same engine code (docs/emulation.md).
+
     Args:
         schedule: pipeline schedule. ``"gpipe"``: all forwards then all backwards (activation memory
             grows with ``micro_batches``); ``"1f1b"``: same result, at most ``stages`` micro-batches in
@@ -82,7 +88,11 @@ class PipeStrategy(DDPStrategy):
             tests require 1e-5 relative).
         micro_batches: micro-batches each batch is split into (at most the batch size). More
             micro-batches shrink the pipeline bubble ``(P-1)/(M+P-1)``; about ``4 × stages`` is a good start.
-        stages: processes per pipeline; default ``world_size // pipelines``.
+        stages: processes per pipeline; default ``world_size // pipelines``. With one process
+            (``devices=1``) and ``stages > 1`` the strategy *emulates* a ``stages``-stage pipeline in that
+            process: every stage runs the distributed run's code (its own weights policy, optimizer share
+            and STEPs, so an asynchronous schedule's delays, stashing and prediction are exact), which lets
+            you study a schedule's statistical efficiency without a cluster (docs/emulation.md).
         pipelines: data-parallel pipeline replicas; each gets its own shard of the data and gradients
             are averaged across them, so ``pipelines=N`` equals one device at ``N ×`` the batch size.
         balance: how many trunk layers each stage gets: a list of counts (one per stage, or per virtual
@@ -109,6 +119,11 @@ class PipeStrategy(DDPStrategy):
         xpipe_prediction: XPipe's update direction for weight prediction: ``"adam"`` (Adam's
             bias-corrected moments), ``"momentum"`` (SGD's momentum buffer), ``"sgd"`` (the last gradient)
             or ``"auto"`` (by optimizer type).
+        trace_dir: record when every action of every rank starts and ends during a few training steps
+            and, at the end of ``fit``, write ``timeline.png`` and ``trace.json`` (Chrome trace) there,
+            plus each rank's ``events-rank{r}.json`` (docs/simulator.md). Needs matplotlib.
+        trace_steps: training steps recorded with ``trace_dir``: steps 2 to ``trace_steps + 1`` of the fit
+            (the first pays one-time costs; a one-step fit records that one).
         auto_balance_memory: ``balance="auto"`` only: memory limit per device in GiB (one value, or one per
             stage); default: the device's total memory on CUDA, no limit on CPU.
         auto_balance_speeds: ``balance="auto"`` only: relative speed of each stage's device (e.g.
@@ -142,6 +157,8 @@ class PipeStrategy(DDPStrategy):
         pipemare_correction: bool = True,
         pipemare_correction_decay: float = 0.9,
         xpipe_prediction: Prediction = "auto",
+        trace_dir: str | None = None,
+        trace_steps: int = 3,
         auto_balance_memory: float | list[float] | None = None,
         auto_balance_speeds: list[float] | None = None,
         profile_cache: str | None = None,
@@ -155,6 +172,7 @@ class PipeStrategy(DDPStrategy):
         if chunks_per_stage is None:
             chunks_per_stage = 2 if schedule == "interleaved_1f1b" else 1
         check_options(schedule, micro_batches, stages, pipelines, chunks_per_stage)
+        check_trace_options(trace_dir, trace_steps)
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -177,6 +195,8 @@ class PipeStrategy(DDPStrategy):
         self.async_options = AsyncOptions(
             pipemare_lr_reschedule, pipemare_lr_warmup_steps, pipemare_correction, pipemare_correction_decay, xpipe_prediction
         )
+        self.trace_dir, self.trace_steps = trace_dir, trace_steps
+        self._tracer: RunTracer | None = None
         self.auto_balance = AutoBalanceOptions(auto_balance_memory, auto_balance_speeds, profile_cache)
         self._plan: Plan | None = None  # balance="auto": the chosen split and its predictions
         self._layer_params: list[int] = []
@@ -213,7 +233,12 @@ class PipeStrategy(DDPStrategy):
 
     @property
     def num_pipelines(self) -> int:
-        return self.world_size // self.num_stages
+        return 1 if self.emulating else self.world_size // self.num_stages
+
+    @property
+    def emulating(self) -> bool:
+        """One process running every stage of a ``stages``-stage pipeline (docs/emulation.md)."""
+        return self.world_size == 1 and (self.stages or 1) > 1
 
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
@@ -232,7 +257,9 @@ class PipeStrategy(DDPStrategy):
 
     def setup_environment(self) -> None:
         super().setup_environment()
-        self._topology = Topology(self.num_stages, self.num_pipelines, self.global_rank)
+        # the processes' topology: an emulated pipeline is one process holding every stage
+        stages = 1 if self.emulating else self.num_stages
+        self._topology = Topology(stages, self.num_pipelines, self.global_rank)
         self._topology.create_groups()
         self._generation += 1
         self._watchdog = Watchdog.from_process_group(self.timeout, self._generation)
@@ -251,11 +278,15 @@ class PipeStrategy(DDPStrategy):
             rank_zero_info(self.describe())
         self.model_to_device()
         self._sync_metrics_within_stage_group(module)
+        if self.trace_dir is not None and self._tracer is None:
+            self._tracer = RunTracer(self.trace_dir, self.trace_steps, self.global_rank)
         self._executor = self._build_executor()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
             check_async_trainer(self.schedule, trainer.accumulate_grad_batches, len(self.optimizers))
-            if self.schedule in ASYNC_SCHEDULES and self._async is None:
+            if self.schedule in ASYNC_SCHEDULES and self._async is None and self.emulating:
+                self._async = EmulatedAsyncRuntime(self.schedule, self._executor, self.num_stages, self.micro_batches)
+            elif self.schedule in ASYNC_SCHEDULES and self._async is None:
                 stages = self._topology.stages
                 self._async = AsyncRuntime(self.schedule, self._executor, self._topology.stage, stages, self.micro_batches)
             elif self._async is not None:
@@ -292,14 +323,19 @@ class PipeStrategy(DDPStrategy):
         name, trunk = find_trunk(module, self.module)
         topology = self._topology
         local = [chunk * topology.stages + topology.stage for chunk in range(self.chunks_per_stage)]
+        if self.emulating:  # this process holds every virtual stage
+            local = list(range(self.num_stages * self.chunks_per_stage))
         self._layer_names = [type(layer).__name__ for layer in trunk]  # before other stages' layers go
         self._layer_params = [sum(p.numel() for p in layer.parameters()) for layer in trunk]
         self._key_order = list(module.state_dict().keys())
         self._param_order = [n for n, _ in module.named_parameters()]
         return PartitionedTrunk(trunk, name, stage_bounds(self._counts), local, self.checkpoint_activations)
 
-    def _build_executor(self) -> Executor:
+    def _build_executor(self) -> Executor | LocalPipeline:
         assert self._topology is not None and self._partition is not None
+        if self.emulating:
+            names = [self._partition.describe_chunk(c) for c in range(len(self._partition.local))]
+            return LocalPipeline(self.num_stages, self.chunks_per_stage, self._watchdog, names)
         transport = None
         if self._topology.stages > 1:
             transport = Transport(self.root_device, tagged=self._get_process_group_backend() == "gloo")
@@ -310,6 +346,7 @@ class PipeStrategy(DDPStrategy):
             transport,
             self._watchdog,
             names=[self._partition.describe_chunk(c) for c in range(len(self._partition.local))],
+            recorder=self._tracer.recorder if self._tracer is not None else None,
         )
 
     def describe(self) -> str:
@@ -319,6 +356,7 @@ class PipeStrategy(DDPStrategy):
             f"lightning_pipe: {self.schedule}, {stages} stage(s) × {self.num_pipelines} pipeline(s), "
             f"{self.micro_batches} micro-batches per batch"
             + (f", {self.chunks_per_stage} chunks per stage" if self.chunks_per_stage > 1 else "")
+            + (", emulated in one process" if self.emulating else "")
             + (", balance='auto'" if self._plan is not None else "")
         ]
         if self._counts is not None and self._partition is not None:
@@ -379,7 +417,7 @@ class PipeStrategy(DDPStrategy):
         sizes = [batch_size(mb) for mb in micro_batches]
         capture = LogCapture(module)
         user_step = getattr(module, hook)
-        virtual_stages = self._topology.stages * self.chunks_per_stage
+        virtual_stages = self.num_stages * self.chunks_per_stage
         stages = ModuleStages(
             lambda mb: user_step(mb, *rest, **kwargs),
             self._partition,
@@ -388,6 +426,8 @@ class PipeStrategy(DDPStrategy):
             (lambda out: step_loss(out, hook)) if training else (lambda out: out),
         )
         self._executor.chunks = stages.chunk_callables()
+        if asynchronous and self._async.policy is None:
+            self._start_async(stages, micro_batches[0])
         weights = [s / n / module.trainer.accumulate_grad_batches for s in sizes] if training else None
         scaler = getattr(self.precision_plugin, "scaler", None) if training else None
         scale = scaler.scale if scaler else None
@@ -397,7 +437,7 @@ class PipeStrategy(DDPStrategy):
                     outputs = self._async.run_window(micro_batches, weights, scale)
                 else:
                     sync_name = self.schedule if self.schedule in SYNC_SCHEDULES else "1f1b"  # warm-up, evaluation
-                    schedule = build_schedule(sync_name, self._topology.stages, count, self.chunks_per_stage, not training)
+                    schedule = build_schedule(sync_name, self.num_stages, count, self.chunks_per_stage, not training)
                     outputs = self._executor.run(schedule, micro_batches, weights, scale_loss=scale)
         except BaseException as error:
             if self._watchdog is not None:
@@ -418,8 +458,6 @@ class PipeStrategy(DDPStrategy):
         """
         module = self.lightning_module
         asynchronous = self._asynchronous_now()
-        if asynchronous and self._async.policy is None:
-            self._start_async()
         params = self._trainable_parameters()
         # a flushed step starts from empty gradients (kept ones belong to gradient accumulation);
         # an asynchronous window keeps accumulating into the gradients of unfinished mini-batches
@@ -427,11 +465,15 @@ class PipeStrategy(DDPStrategy):
         if not asynchronous:
             for p in params:
                 p.grad = None
+        if self._tracer is not None:
+            self._tracer.start_step()
         with self.precision_plugin.train_step_context():
             losses, sizes, n, capture = self._run_schedule("training_step", args, kwargs, True, asynchronous)
         self._seen_batch = True
         if asynchronous and self._ends_segment(args[1] if len(args) > 1 else kwargs.get("batch_idx", 0)):
             self._drain()
+        if self._tracer is not None:
+            self._tracer.end_step()
         if not self._outside.known and not asynchronous:
             self._outside.learn()
         self._grad_stash = [p.grad for p in params]
@@ -445,8 +487,11 @@ class PipeStrategy(DDPStrategy):
         return torch.tensor(loss, device=self.root_device)
 
     # ------------------------------------------------------------------ asynchronous schedules
-    def _start_async(self) -> None:
-        """Create the weight policy at the first asynchronous step; Lightning stops stepping."""
+    def _start_async(self, stages: ModuleStages, micro_batch: Any) -> None:
+        """Create the weight policy at the first asynchronous step; Lightning stops stepping.
+
+        An emulated pipeline first finds which stage uses each parameter outside the trunk, on
+        ``micro_batch``, and gives every stage its own optimizer share and scheduler copy."""
         trainer = self.lightning_module.trainer
         optimizer = self.optimizers[0]
         optimizer = optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
@@ -455,14 +500,32 @@ class PipeStrategy(DDPStrategy):
             raise PipeConfigError(f"schedule={self.schedule!r} supports one step-interval lr scheduler, got {len(step_schedulers)}.")
         for config in step_schedulers:
             config.interval = "pipeline stage step"  # hidden from Lightning: the policy steps it per STEP
-        self._async.start(
-            self.lightning_module, optimizer, self.async_options,
-            step_schedulers[0].scheduler if step_schedulers else None,
-            make_clip(trainer.gradient_clip_val, trainer.gradient_clip_algorithm), trainer.global_step,
-        )
+        scheduler = step_schedulers[0].scheduler if step_schedulers else None
+        clip = make_clip(trainer.gradient_clip_val, trainer.gradient_clip_algorithm)
+        if isinstance(self._async, EmulatedAsyncRuntime):
+            self._start_emulated(stages, micro_batch, optimizer, scheduler, clip)
+        else:
+            self._async.start(self.lightning_module, optimizer, self.async_options, scheduler, clip, trainer.global_step)
         if self._async_resume is not None:
-            self._async.policy.load_state_dict(self._async_resume)
+            for policy, state in zip(self._async.policies, self._async_resume):
+                policy.load_state_dict(state)
             self._async_resume = None
+
+    def _start_emulated(self, stages: ModuleStages, micro_batch: Any, optimizer: Any, scheduler: Any, clip: Any) -> None:
+        module, trainer = self.lightning_module, self.lightning_module.trainer
+        probe = ModuleStages(stages.step, stages.partition, stages.virtual_stages, LogCapture(module), stages.output_to_loss)
+        try:
+            with probe.capture:
+                names = stage_parameter_names(
+                    module, self._partition.bounds, self._partition.trunk, probe.chunk_callables(), micro_batch
+                )
+        except SharedParameterError as error:
+            raise PipeConfigError(str(error).replace("an asynchronous schedule", f"schedule={self.schedule!r}")) from None
+        self._async.start_stages(module, optimizer, self.async_options, scheduler, clip, trainer.global_step, names)
+        for config in trainer.lr_scheduler_configs:  # Lightning saves (and LearningRateMonitor reads) stage 0's
+            if config.scheduler is scheduler:
+                config.scheduler = self._async.schedulers[0]
+        self._outside.users = {n: [s] for s, owned in enumerate(names) for n in owned if not self._outside.in_trunk(n)}
 
     def _ends_segment(self, batch_idx: int) -> bool:
         """Whether this batch is the last one before the epoch (or the run) ends."""
@@ -482,7 +545,7 @@ class PipeStrategy(DDPStrategy):
             if self._watchdog is not None:
                 self._watchdog.report(error)
             raise
-        if not self._outside.known:
+        if not self._outside.known and not self.emulating:
             self._outside.learn(self._async.policy.used_names)
             shared = sorted(n for n, stages in self._outside.users.items() if len(stages) > 1)
             if shared:  # every rank learned the same map, so every rank raises
@@ -503,6 +566,10 @@ class PipeStrategy(DDPStrategy):
 
     def on_train_end(self) -> None:
         self._drain()
+        if self._tracer is not None:
+            title = f"{self.schedule}: {self.num_stages} stages, M={self.micro_batches}, measured"
+            for path in self._tracer.write(self.global_rank, self.world_size, title):
+                rank_zero_info(f"lightning_pipe: wrote {path}")
         super().on_train_end()
 
     def _log_async_diagnostics(self, batch_size_: int) -> None:
@@ -510,16 +577,9 @@ class PipeStrategy(DDPStrategy):
         trainer = self.lightning_module.trainer
         if not trainer._logger_connector.should_update_logs:
             return
-        policy = self._async.policy
-        mine = {
-            "staleness": policy.staleness_sum / max(policy.backwards, 1),
-            "weight_copies": float(policy.max_copies),
-        }
-        norm = getattr(policy, "prediction_norm", getattr(policy, "correction_norm", None))
-        if norm is not None:
-            mine["prediction_norm" if hasattr(policy, "prediction_norm") else "correction_norm"] = norm
-        stages = [mine]
+        stages = [_diagnostics(policy) for policy in self._async.policies]
         if self._topology.stages > 1:
+            mine = stages[0]
             stages = [None] * self._topology.stages
             dist.all_gather_object(stages, mine, group=self._topology.pipeline_group)
         for stage, values in enumerate(stages):
@@ -612,8 +672,8 @@ class PipeStrategy(DDPStrategy):
 
     def _local_param_names(self, optimizer: Any) -> list[list[str]]:
         names = {id(p): n for n, p in self.lightning_module.named_parameters()}
-        if self._async is not None and self._async.policy is not None:  # live policies step master copies
-            names.update({id(m): n for n, m in getattr(self._async.policy, "masters", {}).items()})
+        for policy in self._async.policies if self._async is not None else []:  # live policies step master copies
+            names.update({id(m): n for n, m in getattr(policy, "masters", {}).items()})
         return [[names[id(p)] for p in group["params"]] for group in optimizer.param_groups]
 
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
@@ -623,6 +683,12 @@ class PipeStrategy(DDPStrategy):
         if self._partition is None:
             return optimizer.state_dict()
         self._drain()
+        if isinstance(self._async, EmulatedAsyncRuntime) and self._async.policies:  # every stage's optimizer share
+            parts = [
+                (apply_to_collection(o.state_dict(), Tensor, lambda t: t.detach().cpu()), self._async.param_names(s))
+                for s, o in enumerate(self._async.optimizers)
+            ]
+            return merge_optimizer_states(parts, self._param_order, {})
         state = apply_to_collection(optimizer.state_dict(), Tensor, lambda t: t.detach().cpu())
         parts = self._gather_in_first_pipeline((state, self._local_param_names(optimizer)))
         return merge_optimizer_states(parts, self._param_order, self._outside.owner()) if parts else {}
@@ -632,7 +698,10 @@ class PipeStrategy(DDPStrategy):
         so a save killed half-way never leaves a truncated file under the final name."""
         if self._async is not None and self._async.policy is not None and self._partition is not None:
             self._drain()
-            parts = self._gather_in_first_pipeline(self._async.policy.state_dict())
+            if self.emulating:
+                parts = [policy.state_dict() for policy in self._async.policies]
+            else:
+                parts = self._gather_in_first_pipeline(self._async.policy.state_dict())
             if parts:
                 checkpoint["pipe_async_state"] = parts  # per stage: what resuming exactly needs
         if not self.is_global_zero:
@@ -662,8 +731,8 @@ class PipeStrategy(DDPStrategy):
 
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:
         states = checkpoint.get("pipe_async_state")
-        if states is not None and self._topology is not None and len(states) == self._topology.stages:
-            self._async_resume = states[self._topology.stage]
+        if states is not None and self._topology is not None and len(states) == self.num_stages:
+            self._async_resume = states if self.emulating else [states[self._topology.stage]]
         for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
             raw = optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
             raw.load_state_dict(slice_optimizer_state(state, self._local_param_names(raw), self._param_order))
@@ -688,3 +757,12 @@ class PipeStrategy(DDPStrategy):
         if self._watchdog is not None:
             self._watchdog.report(exception)
         super().on_exception(exception)
+
+
+def _diagnostics(policy: Any) -> dict[str, float]:
+    """One stage's staleness, weight copies and prediction/correction norm."""
+    values = {"staleness": policy.staleness_sum / max(policy.backwards, 1), "weight_copies": float(policy.max_copies)}
+    norm = getattr(policy, "prediction_norm", getattr(policy, "correction_norm", None))
+    if norm is not None:
+        values["prediction_norm" if hasattr(policy, "prediction_norm") else "correction_norm"] = norm
+    return values
