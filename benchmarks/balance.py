@@ -143,8 +143,20 @@ def worker(args: argparse.Namespace) -> None:
             "other_load": clock.other_load,
             "predicted_stage_ms": [s.time * 1e3 for s in plan.stages] if plan else None,
             "predicted_step_ms": plan.step_time * 1e3 if plan else None,
+            "predicted_uniform_step_ms": predicted_uniform_ms(args, strategy) if plan else None,
         }
         Path(args.out).write_text(json.dumps(result))
+
+
+def predicted_uniform_ms(args: argparse.Namespace, strategy: lightning_pipe.PipeStrategy) -> float:
+    """The planner's prediction for balance="uniform" from the profile balance="auto" cached."""
+    from lightning_pipe.partition import resolve_balance
+    from lightning_pipe.partition.planner import evaluate
+    from lightning_pipe.partition.profile import Profile
+
+    (entry,) = json.loads(Path(args.cache).read_text()).values()
+    counts = resolve_balance("uniform", UnbalancedMLP().trunk, 2)
+    return evaluate(Profile.from_json(entry), "1f1b", 2, args.micro_batches, counts).step_time * 1e3
 
 
 def run_variant(args: argparse.Namespace, balance: str, cache: str) -> dict:
@@ -221,7 +233,10 @@ def main() -> None:
           f"auto / uniform: median of per-round ratios {statistics.median(ratios):.2f}x, "
           f"ratio of medians {medians['auto'] / medians['uniform']:.2f}x")
     auto = results["auto"][0]
-    print(f"auto's predicted stage times (ms per micro-batch): {[round(t, 3) for t in auto['predicted_stage_ms']]}")
+    print(f"auto's predicted stage times (ms per micro-batch): {[round(t, 3) for t in auto['predicted_stage_ms']]}; "
+          f"predicted step {auto['predicted_step_ms']:.1f} ms vs {auto['predicted_uniform_step_ms']:.1f} ms for uniform "
+          f"(predicted auto / uniform {auto['predicted_uniform_step_ms'] / auto['predicted_step_ms']:.2f}x, both from rank 0's "
+          "profile taken at the first auto run's setup)")
 
 
 if __name__ == "__main__":
