@@ -86,3 +86,12 @@ def test_profiling_at_setup_changes_nothing_about_the_run(tmp_path):
     assert losses == pytest.approx(want_losses, rel=1e-6)
     for key, value in want_state.items():
         torch.testing.assert_close(state[key], value, msg=key)
+
+
+def test_nothing_fits_the_memory_limit_fails_at_setup_with_the_smallest_need():
+    from lightning_pipe import PipeConfigError, PipeStrategy
+
+    strategy = PipeStrategy(schedule="1f1b", micro_batches=2, stages=2, balance="auto", auto_balance_memory=2.0**-20)
+    with pytest.raises(PipeConfigError, match=r"no split of 5 layers over 2 stages fits 1\.0 KiB per device; the smallest "
+                                              r"needs [\d.]+ KiB: balance=\[\d, \d\] with schedule='1f1b', micro_batches=2"):
+        _fit(strategy)
