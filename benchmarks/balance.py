@@ -23,6 +23,7 @@ import json
 import math
 import os
 import signal
+import socket
 import statistics
 import subprocess
 import sys
@@ -165,7 +166,10 @@ def run_variant(args: argparse.Namespace, balance: str, cache: str) -> dict:
         command = [sys.executable, os.path.abspath(__file__), "--worker", "--balance", balance, "--out", out,
                    "--cache", cache, "--steps", str(args.steps), "--warmup", str(args.warmup),
                    "--micro-batches", str(args.micro_batches), "--micro-batch-size", str(args.micro_batch_size)]
-        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+        with socket.socket() as probe:  # our own rendezvous port: Lightning's pick races with other jobs
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
                                 start_new_session=True)
         try:
