@@ -271,8 +271,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--workloads", nargs="+", default=["W1", "W2"], choices=sorted(WORKLOADS))
     parser.add_argument("--micro-batches", type=int, nargs="+", default=[4])
-    parser.add_argument("--windows", type=int, default=5, help="timed windows per schedule")
-    parser.add_argument("--steps-per-window", type=int, default=4)
+    parser.add_argument("--windows", type=int, default=4, help="rounds: cost measurement, then one timed window per schedule")
+    parser.add_argument("--steps-per-window", type=int, default=3)
     parser.add_argument("--warmup-steps", type=int, default=3)
     parser.add_argument("--cost-windows", type=int, default=1,
                         help="windows (steps) of every stage's solo run per round and schedule, after one of warm-up")
@@ -303,6 +303,11 @@ def write_traces(jobs: list[dict[str, Any]], directory: Path) -> None:
     from lightning_pipe.plot import timeline_png
     from lightning_pipe.tracing import events_from_rows
 
+    print("\nOne recorded step per schedule (--trace), ms per stage 0/1: compute = forward + backward + STEP as "
+          "recorded, simulated = the same from the last round's costs (together), waits = receives waiting, "
+          "gaps = time between consecutive recorded actions of a stage (executor and Python overhead).\n")
+    print("| workload | M | schedule | step (measured) | compute | compute simulated | waits | gaps |")
+    print("|---|---|---|---|---|---|---|---|")
     for job in jobs:
         wl, m = job["workload"], job["micro_batches"]
         for schedule in (*SYNC, *ASYNC_SCHEDULES):
@@ -315,6 +320,23 @@ def write_traces(jobs: list[dict[str, Any]], directory: Path) -> None:
             else:
                 sim = simulate(build_schedule(schedule, STAGES, m), costs)
             timeline_png(sim.events, f"{stem}-simulated.png", title=f"{wl}, {schedule}, M={m}: simulated")
+            begin, end = min(e.start for e in events), max(e.end for e in events)
+            cells = {"compute": [], "simulated": [], "waits": [], "rest": []}
+            for rank in range(STAGES):
+                mine = [e for e in events if e.device == rank]
+                compute = sum(e.duration for e in mine if e.action.kind.is_compute or e.action.kind is Kind.STEP)
+                waits = sum(e.duration for e in mine if e.action.kind.is_recv)
+                simulated = sum(
+                    e.duration for e in sim.events
+                    if e.device == rank and (e.action.kind.is_compute or e.action.kind is Kind.STEP)
+                ) if schedule in SYNC else sim.busy[rank]
+                cells["compute"].append(compute)
+                cells["simulated"].append(simulated)
+                cells["waits"].append(waits)
+                mine.sort(key=lambda e: e.start)
+                cells["rest"].append(sum(max(0.0, b.start - a.end) for a, b in zip(mine, mine[1:])))
+            row = " | ".join("/".join(f"{x * 1e3:.1f}" for x in values) for values in cells.values())
+            print(f"| {wl} | {m} | {schedule} | {(end - begin) * 1e3:.1f} | {row} |")
             print(f"wrote {stem}-measured.png, {stem}-simulated.png", file=sys.stderr)
 
 
