@@ -18,8 +18,8 @@ Model (the assumptions behind every number here):
 * a micro-batch's activations are held from the start of its forward to the end of its backward
   (forward-only lists: only during the forward).
 
-Dependencies are keyed by ``(virtual stage, micro-batch)``, never by schedule name, so lists with
-any micro-batch numbering work.
+Dependencies are keyed by ``(virtual stage, micro-batch)`` (and ``replica``, for actions that carry
+one), never by schedule name, so lists with any micro-batch numbering work.
 """
 
 from __future__ import annotations
@@ -185,29 +185,29 @@ def _timeline(
     last = virtual_stages - 1
     # with SEND actions in the lists, a message leaves at its SEND; without, when its compute ends
     explicit = any(a.kind.is_send for device in actions for a in device)
-    # (payload, receiving virtual stage, micro-batch) -> time the message is available there
-    arrival: dict[tuple[Kind, int, int | None], float] = {}
+    # (payload, receiving virtual stage, micro-batch, replica) -> time the message is available there
+    arrival: dict[tuple[Kind, int, int | None, int], float] = {}
     clock = [0.0] * stages
     position = [0] * stages
     timed: list[list[TimedAction]] = [[] for _ in range(stages)]
     held = [0] * stages
     peak = [0] * stages
 
-    def needs(action: Action, vs: int) -> tuple[Kind, int, int | None] | None:
+    def needs(action: Action, vs: int) -> tuple[Kind, int, int | None, int] | None:
         """The message ``action`` waits for, if any."""
-        kind = action.kind
+        kind, replica = action.kind, getattr(action, "replica", 0)  # merged lists of parallel pipelines
         if kind in (Kind.FORWARD, Kind.RECV_ACTIVATION) and vs > 0:
-            return (Kind.SEND_ACTIVATION, vs, action.micro_batch)
+            return (Kind.SEND_ACTIVATION, vs, action.micro_batch, replica)
         if kind in (Kind.BACKWARD, Kind.RECV_GRADIENT) and vs < last:
-            return (Kind.SEND_GRADIENT, vs, action.micro_batch)
+            return (Kind.SEND_GRADIENT, vs, action.micro_batch, replica)
         return None
 
     def publish(action: Action, vs: int, when: float) -> None:
-        payload = _PAYLOAD[action.kind]
+        payload, replica = _PAYLOAD[action.kind], getattr(action, "replica", 0)
         if payload is Kind.SEND_ACTIVATION and vs < last:
-            arrival[(payload, vs + 1, action.micro_batch)] = when + costs.link(vs)
+            arrival[(payload, vs + 1, action.micro_batch, replica)] = when + costs.link(vs)
         elif payload is Kind.SEND_GRADIENT and vs > 0:
-            arrival[(payload, vs - 1, action.micro_batch)] = when + costs.link(vs - 1)
+            arrival[(payload, vs - 1, action.micro_batch, replica)] = when + costs.link(vs - 1)
 
     progress = True
     while progress:
