@@ -283,6 +283,10 @@ def _exchange(a: Tensor, b: Tensor) -> None:
 class _LivePolicy(WeightPolicy):
     """The module's parameters are a storage; the optimizer steps master copies."""
 
+    #: load values by exchanging storage data pointers where possible (``False``: always copy; the
+    #: throughput benchmark measures the difference)
+    exchange_values = True
+
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.masters = {n: nn.Parameter(p.detach().clone()) for n, p in self.params.items()}
@@ -330,7 +334,7 @@ class PipeMarePolicy(_LivePolicy):
         self.delta = {n: torch.zeros_like(m) for n, m in self.masters.items()} if self.options.pipemare_correction else None
         self.correction_norm = 0.0
         # the parameters share the masters' storage: they hold W_s at all times, with no copies
-        self.aliased = all(_exchangeable(m, torch.empty_like(m)) for m in self.masters.values())
+        self.aliased = self.exchange_values and all(_exchangeable(m, torch.empty_like(m)) for m in self.masters.values())
         if self.aliased:
             for name, p in self.params.items():
                 p.data = self.masters[name].detach()
@@ -486,7 +490,7 @@ class XPipePolicy(_LivePolicy):
         if self._holding == token:
             return
         values = self._slots.pop(token)
-        if not all(_exchangeable(p, values[n]) for n, p in self.params.items()):
+        if not (self.exchange_values and all(_exchangeable(p, values[n]) for n, p in self.params.items())):
             self._slots[token] = values
             self.load(values, token)
             return
