@@ -315,6 +315,19 @@ class Executor:
             if action.kind.is_recv and not self._post(action):
                 break
             self._posted += 1
+        self._post_arrived_payloads()
+
+    def _post_arrived_payloads(self) -> None:
+        """Post the payload of every activation whose header has arrived, so the tensors travel while
+        this rank computes instead of after the compute that needs them asks (in posting order, which
+        is each channel's message order)."""
+        for key, pending in self._received.items():
+            if pending.payload is not None:
+                continue
+            if not pending.header[0].is_completed():
+                break
+            self.watchdog.wait(pending.header[0], f"the header of {Action(key[0], key[2], key[1])} from rank {pending.src}")
+            self._post_payload(pending)
 
     def _post(self, action: Action) -> bool:
         """Post one receive; ``False`` if it cannot be posted yet (gradient shapes unknown)."""
