@@ -8,8 +8,10 @@ layers (1024 features) then narrow ones (64), so an equal layer count per stage 
 work on stage 0. Each variant is a 2-process Lightning run (gloo on CPU, one thread per process,
 ``schedule="1f1b"``, 8 micro-batches of 32 samples) started as its own script invocation (Lightning's
 launcher re-executes ``sys.argv``); the variants alternate round by round so machine noise hits both.
-Rank 0 times the training steps after a warm-up and reports samples/s; the table shows every round,
-the median per variant, the per-round ratios and their median, and the split ``balance="auto"`` chose with its predicted
+Rank 0 times the training steps after a warm-up and reports samples/s and the cores other processes
+used meanwhile (``/proc/stat`` minus both ranks' CPU time); before each run the script waits up to
+``--quiet-wait`` seconds for the machine to go idle. The table shows every round; medians and ratios
+use the rounds whose other load stayed below ``--max-other-load`` cores (all rounds if none did), and the split ``balance="auto"`` chose with its predicted
 per-stage times (it profiles rank 0's device at setup, cached in a temporary file, so only the
 first auto round profiles).
 """
@@ -18,8 +20,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import signal
+import socket
 import statistics
 import subprocess
 import sys
@@ -69,21 +73,50 @@ class UnbalancedMLP(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
 
 
+def machine_busy_seconds() -> float:
+    """CPU seconds every process of the machine has used so far (``/proc/stat``; nan elsewhere)."""
+    try:
+        with open("/proc/stat") as f:
+            user, nice, system, _idle, _iowait, irq, softirq, steal = (int(v) for v in f.readline().split()[1:9])
+    except (OSError, ValueError):
+        return math.nan
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+
 class StepClock(L.Callback):
-    """Rank 0: seconds from the end of the warm-up steps to the end of the last step."""
+    """Times the steps after the warm-up on every rank: wall seconds, own CPU seconds and the machine's
+    busy CPU seconds, so rank 0 can tell how many cores other processes used meanwhile."""
 
     def __init__(self, warmup: int) -> None:
         self.warmup = warmup
-        self.start = 0.0
-        self.end = 0.0
+        self.start = (0.0, 0.0, 0.0)
+        self.end = (0.0, 0.0, 0.0)
         self.timed = 0
+        self.other_load = math.nan
 
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):  # noqa: ANN001
-        now = time.perf_counter()
+        now = (time.perf_counter(), time.process_time(), machine_busy_seconds())
         if batch_idx + 1 == self.warmup:
             self.start = now
         elif batch_idx + 1 > self.warmup:
             self.end, self.timed = now, self.timed + 1
+
+    def on_train_end(self, trainer, module):  # noqa: ANN001
+        own = [0.0] * trainer.world_size
+        torch.distributed.all_gather_object(own, self.end[1] - self.start[1])
+        seconds = self.end[0] - self.start[0]
+        self.other_load = max(0.0, (self.end[2] - self.start[2] - sum(own)) / seconds)
+
+
+def wait_until_quiet(max_wait: float, threshold: float) -> float:
+    """Wait (up to ``max_wait`` s) until other processes use less than ``threshold`` cores over 2 s."""
+    deadline = time.monotonic() + max_wait
+    while True:
+        before = machine_busy_seconds()
+        time.sleep(2.0)
+        load = (machine_busy_seconds() - before) / 2.0
+        if not load >= threshold or time.monotonic() >= deadline:
+            return load
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -107,11 +140,24 @@ def worker(args: argparse.Namespace) -> None:
         result = {
             "balance": args.balance,
             "counts": strategy._counts,
-            "samples_per_s": clock.timed * batch / (clock.end - clock.start),
+            "samples_per_s": clock.timed * batch / (clock.end[0] - clock.start[0]),
+            "other_load": clock.other_load,
             "predicted_stage_ms": [s.time * 1e3 for s in plan.stages] if plan else None,
             "predicted_step_ms": plan.step_time * 1e3 if plan else None,
+            "predicted_uniform_step_ms": predicted_uniform_ms(args, strategy) if plan else None,
         }
         Path(args.out).write_text(json.dumps(result))
+
+
+def predicted_uniform_ms(args: argparse.Namespace, strategy: lightning_pipe.PipeStrategy) -> float:
+    """The planner's prediction for balance="uniform" from the profile balance="auto" cached."""
+    from lightning_pipe.partition import resolve_balance
+    from lightning_pipe.partition.planner import evaluate
+    from lightning_pipe.partition.profile import Profile
+
+    (entry,) = json.loads(Path(args.cache).read_text()).values()
+    counts = resolve_balance("uniform", UnbalancedMLP().trunk, 2)
+    return evaluate(Profile.from_json(entry), "1f1b", 2, args.micro_batches, counts).step_time * 1e3
 
 
 def run_variant(args: argparse.Namespace, balance: str, cache: str) -> dict:
@@ -120,7 +166,10 @@ def run_variant(args: argparse.Namespace, balance: str, cache: str) -> dict:
         command = [sys.executable, os.path.abspath(__file__), "--worker", "--balance", balance, "--out", out,
                    "--cache", cache, "--steps", str(args.steps), "--warmup", str(args.warmup),
                    "--micro-batches", str(args.micro_batches), "--micro-batch-size", str(args.micro_batch_size)]
-        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+        with socket.socket() as probe:  # our own rendezvous port: Lightning's pick races with other jobs
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
                                 start_new_session=True)
         try:
@@ -146,6 +195,10 @@ def main() -> None:
     parser.add_argument("--micro-batches", type=int, default=8)
     parser.add_argument("--micro-batch-size", type=int, default=32)
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds per run before it is killed")
+    parser.add_argument("--quiet-wait", type=float, default=60.0,
+                        help="before each run wait up to this many seconds for other processes to go idle")
+    parser.add_argument("--max-other-load", type=float, default=0.3,
+                        help="rounds in which other processes used more cores than this are left out of the medians")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--balance", default="auto", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
@@ -154,32 +207,40 @@ def main() -> None:
     if args.worker:
         worker(args)
         return
-    load_before = os.getloadavg()[0]
     results: dict[str, list[dict]] = {"uniform": [], "auto": []}
     with tempfile.TemporaryDirectory() as tmp:
         cache = os.path.join(tmp, "profiles.json")
         for round_ in range(args.rounds):
             order = ("uniform", "auto") if round_ % 2 == 0 else ("auto", "uniform")
             for balance in order:
+                if args.quiet_wait > 0:
+                    wait_until_quiet(args.quiet_wait, 0.15)
                 results[balance].append(run_variant(args, balance, cache))
     batch = args.micro_batches * args.micro_batch_size
     print(f"UnbalancedMLP widths {WIDTHS}, 2 stages x 2 processes (gloo, 1 thread each), 1f1b, "
           f"{args.micro_batches} micro-batches x {args.micro_batch_size} = batch {batch}, {args.steps} timed steps per run\n")
-    print("| balance | split | samples/s per round | median samples/s |")
-    print("|---|---|---|---|")
-    medians = {}
-    for balance, runs in results.items():
-        medians[balance] = statistics.median(r["samples_per_s"] for r in runs)
-        rounds = ", ".join(f"{r['samples_per_s']:.0f}" for r in runs)
-        print(f"| {balance} | {runs[0]['counts']} | {rounds} | {medians[balance]:.0f} |")
+    rounds = list(zip(results["uniform"], results["auto"]))
+    quiet = [i for i, pair in enumerate(rounds) if all(r["other_load"] <= args.max_other_load for r in pair)]
+    used, note = (quiet, f"{len(quiet)} of {len(rounds)} rounds with other load <= {args.max_other_load} cores")
+    if not quiet:
+        used, note = list(range(len(rounds))), f"all {len(rounds)} rounds (none was quiet)"
+    print("| round | uniform samples/s | auto samples/s | auto / uniform | other load (cores) uniform / auto |")
+    print("|---|---|---|---|---|")
+    for i, (u, a) in enumerate(rounds):
+        mark = "" if i in used else " (left out)"
+        print(f"| {i + 1}{mark} | {u['samples_per_s']:.0f} | {a['samples_per_s']:.0f} | "
+              f"{a['samples_per_s'] / u['samples_per_s']:.2f} | {u['other_load']:.2f} / {a['other_load']:.2f} |")
+    medians = {name: statistics.median(results[name][i]["samples_per_s"] for i in used) for name in results}
+    ratios = [rounds[i][1]["samples_per_s"] / rounds[i][0]["samples_per_s"] for i in used]
+    print(f"\nsplits: uniform {results['uniform'][0]['counts']}, auto {results['auto'][0]['counts']}")
+    print(f"medians over {note}: uniform {medians['uniform']:.0f}, auto {medians['auto']:.0f} samples/s; "
+          f"auto / uniform: median of per-round ratios {statistics.median(ratios):.2f}x, "
+          f"ratio of medians {medians['auto'] / medians['uniform']:.2f}x")
     auto = results["auto"][0]
-    ratios = [a["samples_per_s"] / u["samples_per_s"] for a, u in zip(results["auto"], results["uniform"])]
-    print(f"\nauto / uniform per round (same round, back to back): {', '.join(f'{r:.2f}' for r in ratios)}; "
-          f"median {statistics.median(ratios):.2f}x")
-    print(f"ratio of the medians: {medians['auto'] / medians['uniform']:.2f}x")
-    print(f"load average (1 min) before / after: {load_before:.2f} / {os.getloadavg()[0]:.2f} "
-          "(this benchmark alone keeps about 2 busy; more means other processes shared the 2 cores)")
-    print(f"auto's predicted stage times (ms per micro-batch): {[round(t, 3) for t in auto['predicted_stage_ms']]}")
+    print(f"auto's predicted stage times (ms per micro-batch): {[round(t, 3) for t in auto['predicted_stage_ms']]}; "
+          f"predicted step {auto['predicted_step_ms']:.1f} ms vs {auto['predicted_uniform_step_ms']:.1f} ms for uniform "
+          f"(predicted auto / uniform {auto['predicted_uniform_step_ms'] / auto['predicted_step_ms']:.2f}x, both from rank 0's "
+          "profile taken at the first auto run's setup)")
 
 
 if __name__ == "__main__":

@@ -308,7 +308,7 @@ class PipeStrategy(DDPStrategy):
 
     def _auto_balance(self, trainer: Trainer, module: LightningModule) -> Plan:
         """Rank 0 profiles and splits (auto_balance.py); every rank receives the same plan."""
-        stages = self._topology.stages
+        stages = self.num_stages  # of the pipeline, also when one process emulates it
 
         def work() -> Plan:
             with self.precision_plugin.train_step_context():

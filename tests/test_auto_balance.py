@@ -75,13 +75,23 @@ def _fit(strategy, cache=None):
 
 def test_profiling_at_setup_changes_nothing_about_the_run(tmp_path):
     """The sample batch comes from the datamodule (shuffled); random states and BatchNorm statistics
-    are restored, so the run equals the same run with balance="uniform"."""
+    are restored, so the run equals the same run with the chosen split given as a list (one process
+    emulating 2 stages)."""
     from lightning_pipe import PipeStrategy
 
-    want_losses, want_state = _fit(PipeStrategy(schedule="1f1b", micro_batches=2))
-    strategy = PipeStrategy(schedule="1f1b", micro_batches=2, balance="auto", profile_cache=str(tmp_path / "p.json"))
+    strategy = PipeStrategy(schedule="1f1b", micro_batches=2, stages=2, balance="auto", profile_cache=str(tmp_path / "p.json"))
     losses, state = _fit(strategy)
-    assert strategy._counts == [5] and strategy._plan is not None
+    assert len(strategy._counts) == 2 and sum(strategy._counts) == 5 and strategy._plan is not None
+    want_losses, want_state = _fit(PipeStrategy(schedule="1f1b", micro_batches=2, stages=2, balance=strategy._counts))
     assert losses == pytest.approx(want_losses, rel=1e-6)
     for key, value in want_state.items():
         torch.testing.assert_close(state[key], value, msg=key)
+
+
+def test_nothing_fits_the_memory_limit_fails_at_setup_with_the_smallest_need():
+    from lightning_pipe import PipeConfigError, PipeStrategy
+
+    strategy = PipeStrategy(schedule="1f1b", micro_batches=2, stages=2, balance="auto", auto_balance_memory=2.0**-20)
+    with pytest.raises(PipeConfigError, match=r"no split of 5 layers over 2 stages fits 1\.0 KiB per device; the smallest "
+                                              r"needs [\d.]+ KiB: balance=\[\d, \d\] with schedule='1f1b', micro_batches=2"):
+        _fit(strategy)

@@ -481,11 +481,11 @@ def _peak(plan_: Plan) -> float:
 def no_fit_error(layers: int, stages: int, machine: Machine, smallest: Plan | None) -> PlanError:
     """"no split of 12 layers over 4 stages fits 1.0 GiB per device; the smallest needs 1.3 GiB: ..."."""
     caps = [machine.cap(d) for d in range(stages)]
-    limit = f"{caps[0] / GIB:.1f} GiB per device" if len(set(caps)) == 1 else f"[{', '.join(f'{c / GIB:.1f}' for c in caps)}] GiB"
+    limit = f"{format_bytes(caps[0])} per device" if len(set(caps)) == 1 else f"[{', '.join(map(format_bytes, caps))}]"
     if smallest is None:
         return PlanError(f"no split of {layers} layers over {stages} stages exists; use at most {layers} stages.")
     return PlanError(
-        f"no split of {layers} layers over {stages} stages fits {limit}; the smallest needs {_peak(smallest) / GIB:.1f} GiB: "
+        f"no split of {layers} layers over {stages} stages fits {limit}; the smallest needs {format_bytes(_peak(smallest))}: "
         f"balance={smallest.balance} with schedule={smallest.schedule!r}, micro_batches={smallest.micro_batches}; raise the memory "
         "limit, use more stages or micro-batches, or checkpoint_activations=True."
     )
