@@ -78,3 +78,20 @@ def test_validator_catches_replica_mixups():
     missing_avg = tuple(a for a in good.actions[0] if not (a.kind is Kind.AVG and a.replica == 1))
     with pytest.raises(ScheduleError, match="AVG must come once after every STEP"):
         validate(Schedule("avgpipe", 2, 2, 1, (missing_avg, good.actions[1]), replicas=2))
+
+
+def test_strategy_name_and_option_errors():
+    import lightning as L
+
+    from lightning_pipe import PipeStrategy
+    from lightning_pipe.config import PipeConfigError
+
+    trainer = L.Trainer(strategy="avgpipe", accelerator="cpu", devices=2, logger=False)
+    assert trainer.strategy.schedule == "avgpipe" and trainer.strategy.avg_options.resolved_alpha == pytest.approx(0.45)
+    for bad, message in [({"avgpipe_alpha": 1.5}, "avgpipe_alpha=1.5 must lie in"),
+                         ({"parallel_pipelines": 0}, "parallel_pipelines=0 must be at least 1"),
+                         ({"avgpipe_period": 0}, "avgpipe_period=0 must be at least 1"),
+                         ({"avgpipe_averaging": "both"}, "must be 'async' or 'sync'"),
+                         ({"advance_forward": -1}, "advance_forward=-1 must be at least 0")]:
+        with pytest.raises(PipeConfigError, match=message):
+            PipeStrategy(schedule="avgpipe", **bad)
