@@ -41,6 +41,7 @@ class AsyncRuntime:
         self.stage, self.stages, self.micro_batches = stage, stages, micro_batches
         self.window = 0
         self.policy: WeightPolicy | None = None
+        self.policies: list[WeightPolicy] = []  # of every stage this process runs
 
     def start(
         self, root: nn.Module, optimizer: torch.optim.Optimizer, options: AsyncOptions, scheduler: Any | None,
@@ -50,6 +51,7 @@ class AsyncRuntime:
         policy = POLICIES[self.name](root, optimizer, self.stage, self.stages, self.micro_batches, options, scheduler, clip)
         policy.steps = policy.batches_before_segment = steps_done
         self.policy = self.executor.policy = policy
+        self.policies = [policy]
         return policy
 
     def run_window(self, micro_batches: Sequence[Any], weights: Sequence[float], scale_loss: Any = None) -> list[Any]:
@@ -77,5 +79,6 @@ class AsyncRuntime:
         drain = async_schedule(self.name, self.stages, self.micro_batches, None, self.window)
         self.executor.run(drain, [], carry_over=True)
         self.executor.finish()
-        self.policy.end_segment(self.window)
+        for policy in self.policies:
+            policy.end_segment(self.window)
         self.window = 0

@@ -68,7 +68,12 @@ def check_async_trainer(schedule: str, accumulate_grad_batches: int, optimizers:
 
 
 def resolve_stages(world_size: int, stages: int | None, pipelines: int) -> int:
-    """The number of stages per pipeline, checked against the number of processes."""
+    """The number of stages per pipeline, checked against the number of processes.
+
+    One process with ``stages > 1`` (and one pipeline) emulates the pipeline in that process.
+    """
+    if world_size == 1 and pipelines == 1 and stages is not None:
+        return stages
     if stages is None:
         if world_size % pipelines:
             raise PipeConfigError(

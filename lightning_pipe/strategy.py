@@ -39,19 +39,24 @@ from torchmetrics import Metric
 from lightning_pipe.checkpoint import check_keys, merge_optimizer_states, merge_state_dicts, slice_optimizer_state
 from lightning_pipe.async_options import AsyncOptions, Prediction
 from lightning_pipe.async_runtime import AsyncRuntime, make_clip
+from lightning_pipe.auto_balance import AutoBalanceOptions, agreed_plan, profile_and_split
 from lightning_pipe.avg_runtime import AvgOptions, AvgRuntime
 from lightning_pipe.config import (
     PipeConfigError, check_async_trainer, check_avgpipe_options, check_module, check_options, resolve_stages,
 )
+from lightning_pipe.emulated import EmulatedAsyncRuntime, SharedParameterError, stage_parameter_names
 from lightning_pipe.engine import Executor, Transport, Watchdog, batch_size, split_micro_batches
+from lightning_pipe.engine.local import LocalPipeline
 from lightning_pipe.log_replay import LogCapture, combine, replay
 from lightning_pipe.module_stages import ModuleStages, step_loss
 from lightning_pipe.outputs import detach_to_cpu, merge_outputs
 from lightning_pipe.outside_params import OutsideParameters
 from lightning_pipe.partition import find_trunk, stage_bounds
+from lightning_pipe.partition.planner import Plan, format_bytes
 from lightning_pipe.partition.split import PartitionedTrunk
 from lightning_pipe.schedules import ASYNC_SCHEDULES, SYNC_SCHEDULES, build_schedule
 from lightning_pipe.topology import Topology
+from lightning_pipe.tracing import RunTracer, check_trace_options
 
 ScheduleName = Literal["gpipe", "1f1b", "interleaved_1f1b", "pipedream", "pipedream_2bw", "pipemare", "xpipe", "avgpipe"]
 
@@ -75,6 +80,9 @@ class PipeStrategy(DDPStrategy):
     order of the chosen schedule. Code in ``training_step`` before the trunk call runs on the first
     stage, code after it (and the loss) on the last.
 
+    ``Trainer(devices=1, strategy=PipeStrategy(schedule="pipemare", stages=4))`` emulates a 4-stage
+    pipeline in the one process with the same engine code (docs/emulation.md).
+
     Args:
         schedule: pipeline schedule. ``"gpipe"``: all forwards then all backwards (activation memory
             grows with ``micro_batches``); ``"1f1b"``: same result, at most ``stages`` micro-batches in
@@ -88,12 +96,18 @@ class PipeStrategy(DDPStrategy):
             against a center copy that evaluation and checkpoints use (``docs/avgpipe.md``).
         micro_batches: micro-batches each batch is split into (at most the batch size). More
             micro-batches shrink the pipeline bubble ``(P-1)/(M+P-1)``; about ``4 × stages`` is a good start.
-        stages: processes per pipeline; default ``world_size // pipelines``.
+        stages: processes per pipeline; default ``world_size // pipelines``. With one process
+            (``devices=1``) and ``stages > 1`` the strategy *emulates* a ``stages``-stage pipeline in that
+            process: every stage runs the distributed run's code (its own weights policy, optimizer share
+            and STEPs, so an asynchronous schedule's delays, stashing and prediction are exact), which lets
+            you study a schedule's statistical efficiency without a cluster (docs/emulation.md).
         pipelines: data-parallel pipeline replicas; each gets its own shard of the data and gradients
             are averaged across them, so ``pipelines=N`` equals one device at ``N ×`` the batch size.
         balance: how many trunk layers each stage gets: a list of counts (one per stage, or per virtual
-            stage for interleaved), ``"uniform"`` (equal counts) or ``"parameters"`` (balanced parameter
-            counts).
+            stage for interleaved), ``"uniform"`` (equal counts), ``"parameters"`` (balanced parameter
+            counts) or ``"auto"`` (rank 0 profiles every trunk layer on its device with the first batch
+            and picks the split that minimises the slowest stage's predicted time under the memory limits,
+            for the given schedule and ``micro_batches``; every rank uses that split; docs/planning.md).
         module: attribute path of the trunk ``nn.Sequential``; default: the module's only
             ``nn.Sequential`` attribute.
         chunks_per_stage: chunks (virtual stages) per device for ``"interleaved_1f1b"``; must stay 1 for
@@ -122,6 +136,17 @@ class PipeStrategy(DDPStrategy):
             ``"sync"`` (after all replicas stepped, against the round's starting center).
         advance_forward: avgpipe: extra warm-up forwards ``a`` on every stage but the last (1F1B when 0;
             ``micro_batches`` or more: all forwards first); costs ``a`` more micro-batches of activations.
+        trace_dir: record when every action of every rank starts and ends during a few training steps
+            and, at the end of ``fit``, write ``timeline.png`` and ``trace.json`` (Chrome trace) there,
+            plus each rank's ``events-rank{r}.json`` (docs/simulator.md). Needs matplotlib.
+        trace_steps: training steps recorded with ``trace_dir``: steps 2 to ``trace_steps + 1`` of the fit
+            (the first pays one-time costs; a one-step fit records that one).
+        auto_balance_memory: ``balance="auto"`` only: memory limit per device in GiB (one value, or one per
+            stage); default: the device's total memory on CUDA, no limit on CPU.
+        auto_balance_speeds: ``balance="auto"`` only: relative speed of each stage's device (e.g.
+            ``[1.0, 2.0]`` when the second is twice as fast); default: all equal.
+        profile_cache: ``balance="auto"`` only: JSON file caching the per-layer profiles (keyed by model
+            structure, input shape and device); default: profile at every start.
         accelerator: set by the Trainer.
         parallel_devices: set by the Trainer.
         cluster_environment: set by the Trainer.
@@ -154,6 +179,11 @@ class PipeStrategy(DDPStrategy):
         avgpipe_period: int = 1,
         avgpipe_averaging: Literal["async", "sync"] = "async",
         advance_forward: int = 0,
+        trace_dir: str | None = None,
+        trace_steps: int = 3,
+        auto_balance_memory: float | list[float] | None = None,
+        auto_balance_speeds: list[float] | None = None,
+        profile_cache: str | None = None,
         accelerator: Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -165,6 +195,7 @@ class PipeStrategy(DDPStrategy):
             chunks_per_stage = 2 if schedule == "interleaved_1f1b" else 1
         check_options(schedule, micro_batches, stages, pipelines, chunks_per_stage)
         check_avgpipe_options(parallel_pipelines, avgpipe_alpha, avgpipe_period, avgpipe_averaging, advance_forward)
+        check_trace_options(trace_dir, trace_steps)
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -190,6 +221,11 @@ class PipeStrategy(DDPStrategy):
         self.avg_options = AvgOptions(parallel_pipelines, avgpipe_alpha, avgpipe_period, avgpipe_averaging, advance_forward)
         self._avg: AvgRuntime | None = None
         self._avg_resume: dict[str, Any] | None = None  # a checkpoint's replicas, applied at the first round
+        self.trace_dir, self.trace_steps = trace_dir, trace_steps
+        self._tracer: RunTracer | None = None
+        self.auto_balance = AutoBalanceOptions(auto_balance_memory, auto_balance_speeds, profile_cache)
+        self._plan: Plan | None = None  # balance="auto": the chosen split and its predictions
+        self._layer_params: list[int] = []
         self._async: AsyncRuntime | None = None
         self._async_resume: dict[str, Any] | None = None  # a checkpoint's policy state, applied at start
         self._counts: list[int] | None = None
@@ -223,7 +259,12 @@ class PipeStrategy(DDPStrategy):
 
     @property
     def num_pipelines(self) -> int:
-        return self.world_size // self.num_stages
+        return 1 if self.emulating else self.world_size // self.num_stages
+
+    @property
+    def emulating(self) -> bool:
+        """One process running every stage of a ``stages``-stage pipeline (docs/emulation.md)."""
+        return self.world_size == 1 and (self.stages or 1) > 1
 
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
@@ -236,13 +277,15 @@ class PipeStrategy(DDPStrategy):
     def connect(self, model: LightningModule) -> None:
         super().connect(model)
         stages = self.num_stages
-        self._counts = check_module(
-            model, self.module, self.balance, stages * self.chunks_per_stage, self.schedule, stages, self.micro_batches
+        self._counts = check_module(  # balance="auto" is resolved in setup; check the layer count now
+            model, self.module, "uniform" if self.balance == "auto" else self.balance, stages * self.chunks_per_stage, self.schedule, stages, self.micro_batches
         )
 
     def setup_environment(self) -> None:
         super().setup_environment()
-        self._topology = Topology(self.num_stages, self.num_pipelines, self.global_rank)
+        # the processes' topology: an emulated pipeline is one process holding every stage
+        stages = 1 if self.emulating else self.num_stages
+        self._topology = Topology(stages, self.num_pipelines, self.global_rank)
         self._topology.create_groups()
         self._generation += 1
         self._watchdog = Watchdog.from_process_group(self.timeout, self._generation)
@@ -253,21 +296,33 @@ class PipeStrategy(DDPStrategy):
         module = self.lightning_module
         self.precision_plugin.convert_module(module)
         if self._partition is None:
+            if self.balance == "auto":
+                self._plan = self._auto_balance(trainer, module)
+                self._counts = self._plan.balance
             self._partition = self._cut(module)
             self._outside = OutsideParameters(module, self._partition.name, self._topology)
             rank_zero_info(self.describe())
         self.model_to_device()
         self._sync_metrics_within_stage_group(module)
+        if self.trace_dir is not None and self._tracer is None:
+            self._tracer = RunTracer(self.trace_dir, self.trace_steps, self.global_rank)
         self._executor = self._build_executor()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
             check_async_trainer(self.schedule, trainer.accumulate_grad_batches, len(self.optimizers))
-            if self.schedule in ASYNC_SCHEDULES and self._async is None:
+            if self.schedule in ASYNC_SCHEDULES and self._async is None and self.emulating:
+                self._async = EmulatedAsyncRuntime(self.schedule, self._executor, self.num_stages, self.micro_batches)
+            elif self.schedule in ASYNC_SCHEDULES and self._async is None:
                 stages = self._topology.stages
                 self._async = AsyncRuntime(self.schedule, self._executor, self._topology.stage, stages, self.micro_batches)
             elif self._async is not None:
                 self._async.executor = self._executor
             if self.schedule == "avgpipe":
+                if self.emulating:
+                    raise PipeConfigError(
+                        "schedule='avgpipe' runs one process per stage and cannot be emulated in one process; "
+                        "set devices to the number of stages (or stages=None)."
+                    )
                 tagged = self._get_process_group_backend() == "gloo" or self._topology.stages == 1
                 if self._avg is None:
                     self._avg = AvgRuntime(self._executor, self._topology.stage, self._topology.stages, self.avg_options, tagged)
@@ -287,18 +342,36 @@ class PipeStrategy(DDPStrategy):
             if isinstance(metric, Metric):
                 metric.process_group = self._topology.stage_group
 
+    def _auto_balance(self, trainer: Trainer, module: LightningModule) -> Plan:
+        """Rank 0 profiles and splits (auto_balance.py); every rank receives the same plan."""
+        stages = self._topology.stages
+
+        def work() -> Plan:
+            with self.precision_plugin.train_step_context():
+                return profile_and_split(trainer, module, self.module, self.schedule, stages, self.micro_batches,
+                                         self.chunks_per_stage, self.auto_balance, self.root_device,
+                                         self.checkpoint_activations)
+
+        return agreed_plan(self.global_rank == 0, self.world_size, work)
+
     def _cut(self, module: LightningModule) -> PartitionedTrunk:
         assert self._topology is not None and self._counts is not None
         name, trunk = find_trunk(module, self.module)
         topology = self._topology
         local = [chunk * topology.stages + topology.stage for chunk in range(self.chunks_per_stage)]
+        if self.emulating:  # this process holds every virtual stage
+            local = list(range(self.num_stages * self.chunks_per_stage))
         self._layer_names = [type(layer).__name__ for layer in trunk]  # before other stages' layers go
+        self._layer_params = [sum(p.numel() for p in layer.parameters()) for layer in trunk]
         self._key_order = list(module.state_dict().keys())
         self._param_order = [n for n, _ in module.named_parameters()]
         return PartitionedTrunk(trunk, name, stage_bounds(self._counts), local, self.checkpoint_activations)
 
-    def _build_executor(self) -> Executor:
+    def _build_executor(self) -> Executor | LocalPipeline:
         assert self._topology is not None and self._partition is not None
+        if self.emulating:
+            names = [self._partition.describe_chunk(c) for c in range(len(self._partition.local))]
+            return LocalPipeline(self.num_stages, self.chunks_per_stage, self._watchdog, names)
         transport = None
         if self._topology.stages > 1:
             transport = Transport(self.root_device, tagged=self._get_process_group_backend() == "gloo")
@@ -309,6 +382,7 @@ class PipeStrategy(DDPStrategy):
             transport,
             self._watchdog,
             names=[self._partition.describe_chunk(c) for c in range(len(self._partition.local))],
+            recorder=self._tracer.recorder if self._tracer is not None else None,
         )
 
     def describe(self) -> str:
@@ -319,14 +393,28 @@ class PipeStrategy(DDPStrategy):
             f"{self.micro_batches} micro-batches per batch"
             + (f", {self.avg_options.parallel_pipelines} parallel pipelines per device" if self.schedule == "avgpipe" else "")
             + (f", {self.chunks_per_stage} chunks per stage" if self.chunks_per_stage > 1 else "")
+            + (", emulated in one process" if self.emulating else "")
+            + (", balance='auto'" if self._plan is not None else "")
         ]
         if self._counts is not None and self._partition is not None:
             name = self._partition.name
+            header = ["stage", "layers", "parameters"] + (["predicted time", "predicted peak memory"] if self._plan else [])
+            rows = []
             for vs, (start, end) in enumerate(stage_bounds(self._counts)):
                 device, chunk = vs % stages, vs // stages
-                where = f"stage {device}" + (f" chunk {chunk}" if self.chunks_per_stage > 1 else "")
-                layers = ", ".join(self._layer_names[start:end])
-                lines.append(f"  {where}: {name}[{start}:{end}] ({end - start} layers): {layers}")
+                where = f"{device}" + (f" chunk {chunk}" if self.chunks_per_stage > 1 else "")
+                row = [where, f"{name}[{start}:{end}] {', '.join(self._layer_names[start:end])}",
+                       f"{sum(self._layer_params[start:end]):,}"]
+                if self._plan is not None:
+                    predicted = self._plan.stages[vs]
+                    row += [f"{predicted.time * 1e3:.2f} ms/micro-batch", format_bytes(predicted.memory)]
+                rows.append(row)
+            widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+            for row in [header, *rows]:
+                lines.append("  " + "  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip())
+            if self._plan is not None:
+                lines.append(f"  predicted: {self._plan.step_time * 1e3:.1f} ms per batch of {self._plan.micro_batches} "
+                             f"micro-batches of {self._plan.micro_batch_size:g} samples")
         return "\n".join(lines)
 
     # ------------------------------------------------------------------ training
@@ -370,7 +458,7 @@ class PipeStrategy(DDPStrategy):
         sizes = [batch_size(mb) for mb in micro_batches]
         capture = LogCapture(module)
         user_step = getattr(module, hook)
-        virtual_stages = self._topology.stages * self.chunks_per_stage
+        virtual_stages = self.num_stages * self.chunks_per_stage
         stages = ModuleStages(
             lambda mb: user_step(mb, *rest, **kwargs),
             self._partition,
@@ -379,6 +467,8 @@ class PipeStrategy(DDPStrategy):
             (lambda out: step_loss(out, hook)) if training else (lambda out: out),
         )
         self._executor.chunks = stages.chunk_callables()
+        if asynchronous and self._async.policy is None:
+            self._start_async(stages, micro_batches[0])
         weights = [s / n / module.trainer.accumulate_grad_batches for s in sizes] if training else None
         if averaging:  # each replica's gradient is the mean over its own mini-batch
             replicas = self.avg_options.parallel_pipelines
@@ -393,7 +483,7 @@ class PipeStrategy(DDPStrategy):
                     outputs = self._async.run_window(micro_batches, weights, scale)
                 else:
                     sync_name = self.schedule if self.schedule in SYNC_SCHEDULES else "1f1b"  # warm-up, evaluation
-                    schedule = build_schedule(sync_name, self._topology.stages, count, self.chunks_per_stage, not training)
+                    schedule = build_schedule(sync_name, self.num_stages, count, self.chunks_per_stage, not training)
                     outputs = self._executor.run(schedule, micro_batches, weights, scale_loss=scale)
         except BaseException as error:
             if self._watchdog is not None:
@@ -467,8 +557,6 @@ class PipeStrategy(DDPStrategy):
             return self._avg_training_step(args, kwargs)
         module = self.lightning_module
         asynchronous = self._asynchronous_now()
-        if asynchronous and self._async.policy is None:
-            self._start_async()
         params = self._trainable_parameters()
         # a flushed step starts from empty gradients (kept ones belong to gradient accumulation);
         # an asynchronous window keeps accumulating into the gradients of unfinished mini-batches
@@ -476,11 +564,15 @@ class PipeStrategy(DDPStrategy):
         if not asynchronous:
             for p in params:
                 p.grad = None
+        if self._tracer is not None:
+            self._tracer.start_step()
         with self.precision_plugin.train_step_context():
             losses, sizes, n, capture = self._run_schedule("training_step", args, kwargs, True, asynchronous)
         self._seen_batch = True
         if asynchronous and self._ends_segment(args[1] if len(args) > 1 else kwargs.get("batch_idx", 0)):
             self._drain()
+        if self._tracer is not None:
+            self._tracer.end_step()
         if not self._outside.known and not asynchronous:
             self._outside.learn()
         self._grad_stash = [p.grad for p in params]
@@ -494,8 +586,11 @@ class PipeStrategy(DDPStrategy):
         return torch.tensor(loss, device=self.root_device)
 
     # ------------------------------------------------------------------ asynchronous schedules
-    def _start_async(self) -> None:
-        """Create the weight policy at the first asynchronous step; Lightning stops stepping."""
+    def _start_async(self, stages: ModuleStages, micro_batch: Any) -> None:
+        """Create the weight policy at the first asynchronous step; Lightning stops stepping.
+
+        An emulated pipeline first finds which stage uses each parameter outside the trunk, on
+        ``micro_batch``, and gives every stage its own optimizer share and scheduler copy."""
         trainer = self.lightning_module.trainer
         optimizer = self.optimizers[0]
         optimizer = optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
@@ -504,14 +599,32 @@ class PipeStrategy(DDPStrategy):
             raise PipeConfigError(f"schedule={self.schedule!r} supports one step-interval lr scheduler, got {len(step_schedulers)}.")
         for config in step_schedulers:
             config.interval = "pipeline stage step"  # hidden from Lightning: the policy steps it per STEP
-        self._async.start(
-            self.lightning_module, optimizer, self.async_options,
-            step_schedulers[0].scheduler if step_schedulers else None,
-            make_clip(trainer.gradient_clip_val, trainer.gradient_clip_algorithm), trainer.global_step,
-        )
+        scheduler = step_schedulers[0].scheduler if step_schedulers else None
+        clip = make_clip(trainer.gradient_clip_val, trainer.gradient_clip_algorithm)
+        if isinstance(self._async, EmulatedAsyncRuntime):
+            self._start_emulated(stages, micro_batch, optimizer, scheduler, clip)
+        else:
+            self._async.start(self.lightning_module, optimizer, self.async_options, scheduler, clip, trainer.global_step)
         if self._async_resume is not None:
-            self._async.policy.load_state_dict(self._async_resume)
+            for policy, state in zip(self._async.policies, self._async_resume):
+                policy.load_state_dict(state)
             self._async_resume = None
+
+    def _start_emulated(self, stages: ModuleStages, micro_batch: Any, optimizer: Any, scheduler: Any, clip: Any) -> None:
+        module, trainer = self.lightning_module, self.lightning_module.trainer
+        probe = ModuleStages(stages.step, stages.partition, stages.virtual_stages, LogCapture(module), stages.output_to_loss)
+        try:
+            with probe.capture:
+                names = stage_parameter_names(
+                    module, self._partition.bounds, self._partition.trunk, probe.chunk_callables(), micro_batch
+                )
+        except SharedParameterError as error:
+            raise PipeConfigError(str(error).replace("an asynchronous schedule", f"schedule={self.schedule!r}")) from None
+        self._async.start_stages(module, optimizer, self.async_options, scheduler, clip, trainer.global_step, names)
+        for config in trainer.lr_scheduler_configs:  # Lightning saves (and LearningRateMonitor reads) stage 0's
+            if config.scheduler is scheduler:
+                config.scheduler = self._async.schedulers[0]
+        self._outside.users = {n: [s] for s, owned in enumerate(names) for n in owned if not self._outside.in_trunk(n)}
 
     def _ends_segment(self, batch_idx: int) -> bool:
         """Whether this batch is the last one before the epoch (or the run) ends."""
@@ -531,7 +644,7 @@ class PipeStrategy(DDPStrategy):
             if self._watchdog is not None:
                 self._watchdog.report(error)
             raise
-        if not self._outside.known:
+        if not self._outside.known and not self.emulating:
             self._outside.learn(self._async.policy.used_names)
             shared = sorted(n for n, stages in self._outside.users.items() if len(stages) > 1)
             if shared:  # every rank learned the same map, so every rank raises
@@ -552,6 +665,10 @@ class PipeStrategy(DDPStrategy):
 
     def on_train_end(self) -> None:
         self._drain()
+        if self._tracer is not None:
+            title = f"{self.schedule}: {self.num_stages} stages, M={self.micro_batches}, measured"
+            for path in self._tracer.write(self.global_rank, self.world_size, title):
+                rank_zero_info(f"lightning_pipe: wrote {path}")
         super().on_train_end()
 
     def _log_async_diagnostics(self, batch_size_: int) -> None:
@@ -559,16 +676,9 @@ class PipeStrategy(DDPStrategy):
         trainer = self.lightning_module.trainer
         if not trainer._logger_connector.should_update_logs:
             return
-        policy = self._async.policy
-        mine = {
-            "staleness": policy.staleness_sum / max(policy.backwards, 1),
-            "weight_copies": float(policy.max_copies),
-        }
-        norm = getattr(policy, "prediction_norm", getattr(policy, "correction_norm", None))
-        if norm is not None:
-            mine["prediction_norm" if hasattr(policy, "prediction_norm") else "correction_norm"] = norm
-        stages = [mine]
+        stages = [_diagnostics(policy) for policy in self._async.policies]
         if self._topology.stages > 1:
+            mine = stages[0]
             stages = [None] * self._topology.stages
             dist.all_gather_object(stages, mine, group=self._topology.pipeline_group)
         for stage, values in enumerate(stages):
@@ -661,8 +771,8 @@ class PipeStrategy(DDPStrategy):
 
     def _local_param_names(self, optimizer: Any) -> list[list[str]]:
         names = {id(p): n for n, p in self.lightning_module.named_parameters()}
-        if self._async is not None and self._async.policy is not None:  # live policies step master copies
-            names.update({id(m): n for n, m in getattr(self._async.policy, "masters", {}).items()})
+        for policy in self._async.policies if self._async is not None else []:  # live policies step master copies
+            names.update({id(m): n for n, m in getattr(policy, "masters", {}).items()})
         return [[names[id(p)] for p in group["params"]] for group in optimizer.param_groups]
 
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
@@ -672,6 +782,12 @@ class PipeStrategy(DDPStrategy):
         if self._partition is None:
             return optimizer.state_dict()
         self._drain()
+        if isinstance(self._async, EmulatedAsyncRuntime) and self._async.policies:  # every stage's optimizer share
+            parts = [
+                (apply_to_collection(o.state_dict(), Tensor, lambda t: t.detach().cpu()), self._async.param_names(s))
+                for s, o in enumerate(self._async.optimizers)
+            ]
+            return merge_optimizer_states(parts, self._param_order, {})
         state = apply_to_collection(optimizer.state_dict(), Tensor, lambda t: t.detach().cpu())
         parts = self._gather_in_first_pipeline((state, self._local_param_names(optimizer)))
         return merge_optimizer_states(parts, self._param_order, self._outside.owner()) if parts else {}
@@ -681,7 +797,10 @@ class PipeStrategy(DDPStrategy):
         so a save killed half-way never leaves a truncated file under the final name."""
         if self._async is not None and self._async.policy is not None and self._partition is not None:
             self._drain()
-            parts = self._gather_in_first_pipeline(self._async.policy.state_dict())
+            if self.emulating:
+                parts = [policy.state_dict() for policy in self._async.policies]
+            else:
+                parts = self._gather_in_first_pipeline(self._async.policy.state_dict())
             if parts:
                 checkpoint["pipe_async_state"] = parts  # per stage: what resuming exactly needs
         if self._avg is not None and self._avg.policy is not None and self._partition is not None:
@@ -715,8 +834,8 @@ class PipeStrategy(DDPStrategy):
 
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:
         states = checkpoint.get("pipe_async_state")
-        if states is not None and self._topology is not None and len(states) == self._topology.stages:
-            self._async_resume = states[self._topology.stage]
+        if states is not None and self._topology is not None and len(states) == self.num_stages:
+            self._async_resume = states if self.emulating else [states[self._topology.stage]]
         states = checkpoint.get("pipe_avgpipe_state")
         if states is not None and self._topology is not None and len(states) == self._topology.stages:
             self._avg_resume = states[self._topology.stage]
@@ -747,3 +866,12 @@ class PipeStrategy(DDPStrategy):
         if self._watchdog is not None:
             self._watchdog.report(exception)
         super().on_exception(exception)
+
+
+def _diagnostics(policy: Any) -> dict[str, float]:
+    """One stage's staleness, weight copies and prediction/correction norm."""
+    values = {"staleness": policy.staleness_sum / max(policy.backwards, 1), "weight_copies": float(policy.max_copies)}
+    norm = getattr(policy, "prediction_norm", getattr(policy, "correction_norm", None))
+    if norm is not None:
+        values["prediction_norm" if hasattr(policy, "prediction_norm") else "correction_norm"] = norm
+    return values

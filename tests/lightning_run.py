@@ -184,6 +184,7 @@ def train(config: dict[str, Any]) -> dict[str, Any]:
         "grads": recorder.first_grads,
         "state": {k: v.clone() for k, v in model.state_dict().items()},
         "global_step": trainer.global_step,
+        "counts": getattr(trainer.strategy, "_counts", None),
     }
 
 

@@ -141,3 +141,11 @@ def test_pipeline_report_prints_epoch_summary(capsys: pytest.CaptureFixture[str]
     assert "dataset: digits, 512 train / 360 test samples" in out
     assert "epoch 0 | train_loss " in out and "512 samples in" in out
     assert "fit finished in" in out
+
+
+def test_emulate_example_runs_a_four_stage_pipemare_pipeline(capsys: pytest.CaptureFixture[str]) -> None:
+    from emulate import main
+
+    main(["--dataset", "digits", "--epochs", "1", "--limit-train", "768", "--batch-size", "64"])
+    out = capsys.readouterr().out
+    assert "epoch 0 | train_loss" in out and "stage 0: staleness 0." in out and "stage 3: staleness 0.00" in out

@@ -2,10 +2,11 @@
 
 from lightning_pipe.engine.executor import Executor, StageOutputError
 from lightning_pipe.engine.p2p import Transport
+from lightning_pipe.engine.recorder import ActionRecorder
 from lightning_pipe.engine.stage import SequentialStage, batch_size, run_layers, split_micro_batches
 from lightning_pipe.engine.watchdog import PeerFailure, PipelineTimeout, Watchdog
 
 __all__ = [
-    "Executor", "PeerFailure", "PipelineTimeout", "SequentialStage", "StageOutputError", "Transport",
+    "ActionRecorder", "Executor", "PeerFailure", "PipelineTimeout", "SequentialStage", "StageOutputError", "Transport",
     "Watchdog", "batch_size", "run_layers", "split_micro_batches",
 ]

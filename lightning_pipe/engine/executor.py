@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lightning_pipe.engine.recorder import ActionRecorder
 from lightning_pipe.engine.p2p import (
     ACTIVATION_TAG, GRADIENT_TAG, Header, TensorMeta, Transport, is_differentiable, replica_tag,
 )
@@ -88,6 +89,8 @@ class Executor:
         names: human names of the chunks for error messages (e.g. ``"stage 1 (trunk layers 4-7)"``).
         policy: the weight policy of an asynchronous schedule (``None``: the current weights, and
             STEP calls the ``step`` given to :meth:`run`).
+        recorder: while ``recorder.enabled``, every action's start and end are recorded (a receive
+            when its compute waits for it); ``None``: nothing is timed.
     """
 
     def __init__(
@@ -99,6 +102,7 @@ class Executor:
         watchdog: Watchdog | None = None,
         names: Sequence[str] | None = None,
         policy: WeightPolicy | None = None,
+        recorder: ActionRecorder | None = None,
     ) -> None:
         self.device_index = schedule_device
         self.ranks = list(ranks)
@@ -107,6 +111,9 @@ class Executor:
         self.watchdog = watchdog or Watchdog(timeout=1800.0)
         self.names = list(names) if names else [f"stage {schedule_device} chunk {c}" for c in range(len(chunks))]
         self.policy = policy
+        self.recorder = recorder
+        self._recording: ActionRecorder | None = None
+        self._started = 0.0
         self._in_flight: dict[tuple[int, int, int], _InFlight] = {}  # (replica, chunk, micro-batch)
         self._send_windows: deque[list[tuple[Any, Tensor]]] = deque()
         if len(self.ranks) > 1 and transport is None:
@@ -144,6 +151,28 @@ class Executor:
             the order of ``micro_batches``), on the device holding it (the detached, unweighted loss when training; the raw output for
             a forward-only schedule); an empty list elsewhere.
         """
+        self.begin(schedule, micro_batches, loss_weights, scale_loss, first_micro_batch, carry_over)
+        try:
+            for index in range(len(schedule.actions[self.device_index])):
+                self.execute(index, step)
+            return self.end(carry_over)
+        except BaseException:
+            self.abort()
+            raise
+
+    # ------------------------------------------------------------------ one action at a time
+    # ``run`` is begin, execute every index, end. An in-process pipeline (engine/local.py) calls the
+    # same three on several executors, interleaving their actions in one valid global order.
+    def begin(
+        self,
+        schedule: Schedule,
+        micro_batches: Sequence[Any],
+        loss_weights: Sequence[float] | None = None,
+        scale_loss: Callable[[Tensor], Tensor] | None = None,
+        first_micro_batch: int = 0,
+        carry_over: bool = False,
+    ) -> None:
+        """Prepare a run (arguments as in :meth:`run`)."""
         if not carry_over and len(micro_batches) != schedule.micro_batches * schedule.replicas:
             raise ValueError(
                 f"schedule expects {schedule.micro_batches * schedule.replicas} micro-batches, got {len(micro_batches)}."
@@ -162,19 +191,32 @@ class Executor:
             self._wait_sends(self._send_windows.popleft())
         self._sends: list[tuple[Any, Tensor]] = []
         self._send_windows.append(self._sends)
-        actions = schedule.actions[self.device_index]
-        try:
-            for index, action in enumerate(actions):
-                if action.kind.is_compute:
-                    self._post_receives(actions, index)
-                self._dispatch(action, step)
-            if not carry_over:
-                self.finish()
-        except BaseException:
-            self._in_flight.clear()
-            self._send_windows.clear()
-            raise
+        self._recording = self.recorder if self.recorder is not None and self.recorder.enabled else None
+
+    def execute(self, index: int, step: Callable[[], None] | None = None) -> None:
+        """Run action ``index`` of this device's list (after :meth:`begin`, in list order)."""
+        actions = self._schedule.actions[self.device_index]
+        action = actions[index]
+        if action.kind.is_compute:
+            self._post_receives(actions, index)
+        recording = self._recording
+        if recording is None or action.kind.is_recv:  # receives are timed where they are waited for
+            self._dispatch(action, step)
+            return
+        self._started = recording.clock()
+        self._dispatch(action, step)
+        recording.record(action, self._started, recording.clock())
+
+    def end(self, carry_over: bool = False) -> list[Any]:
+        """Finish a run; return what :meth:`run` returns."""
+        if not carry_over:
+            self.finish()
         return [self._outputs[key] for key in sorted(self._outputs)]
+
+    def abort(self) -> None:
+        """Forget everything in flight after a failure."""
+        self._in_flight.clear()
+        self._send_windows.clear()
 
     def finish(self) -> None:
         """Wait for every pending send and forget the micro-batches in flight (end of a segment)."""
@@ -320,11 +362,15 @@ class Executor:
                 raise RuntimeError(f"{action} cannot be received before its forward ran.")
         pending = self._received.pop(key)
         what = f"{action} from rank {pending.src}"
+        start = self._recording.clock() if self._recording is not None else 0.0
         if pending.payload is None:
             self.watchdog.wait(pending.header[0], f"the header of {what}")
             self._post_payload(pending)
         for work, _ in pending.payload:
             self.watchdog.wait(work, what)
+        if self._recording is not None:  # the wait, then the compute that needed it
+            self._started = self._recording.clock()
+            self._recording.record(action, start, self._started)
         return pending
 
     def _take_activation(self, forward: Action) -> Activation:

@@ -15,7 +15,7 @@ the trunk it holds) and performs the stage's STEP. Two bindings exist (ALGORITHM
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from contextlib import nullcontext
 from typing import Any, ContextManager
 
@@ -39,11 +39,14 @@ class WeightPolicy:
         options: the schedules' knobs.
         scheduler: a step-interval LR scheduler, stepped after each STEP.
         clip: called on the gradients (of the tensors the optimizer updates) before each STEP.
+        names: the parameters of ``root`` this stage owns (default: all); one-device emulation gives
+            each stage's policy its own share of one module.
     """
 
     def __init__(
         self, root: nn.Module, optimizer: torch.optim.Optimizer, stage: int, stages: int, micro_batches: int,
         options: AsyncOptions = AsyncOptions(), scheduler: Any | None = None, clip: Clip | None = None,
+        names: Collection[str] | None = None,
     ) -> None:
         self.root = root
         self.optimizer = optimizer
@@ -51,7 +54,9 @@ class WeightPolicy:
         self.options = options
         self.scheduler = scheduler
         self.clip = clip
-        self.params = {name: p for name, p in root.named_parameters() if p.requires_grad}
+        self.params = {
+            name: p for name, p in root.named_parameters() if p.requires_grad and (names is None or name in names)
+        }
         self.steps = 0  # global STEPs of this stage
         self.batches_before_segment = 0  # mini-batches trained in earlier segments
         self.max_copies = 0

@@ -1,0 +1,203 @@
+"""Every device of one pipeline in this process: the emulation mode's engine.
+
+:class:`LocalPipeline` holds one :class:`~.executor.Executor` per device, each with its own chunks
+and (for asynchronous schedules) its own weight policy, and connects them with a
+:class:`LocalTransport` whose messages are Python queues. It interleaves the devices' action lists
+in a valid global order, the same rule as the validator's dry run
+(:func:`lightning_pipe.schedules.dry_run`): visit the devices in turn and run each until its next
+action is a receive whose message has not been sent yet. A device's state changes only through its
+own actions, so the numbers do not depend on which valid order is used; they are those of the
+distributed run, computed by the very same executor code.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from torch import Tensor
+
+from lightning_pipe.engine.executor import Executor
+from lightning_pipe.engine.p2p import ACTIVATION_TAG, GRADIENT_TAG, Header, TensorMeta
+from lightning_pipe.engine.watchdog import Watchdog
+from lightning_pipe.schedules.communication import peer
+from lightning_pipe.schedules.ir import Kind, Schedule
+
+Channel = tuple[int, int, str]  # (source device, destination device, "activation" | "gradient")
+
+
+class _Done:
+    """A completed request: local messages are delivered when sent."""
+
+    def wait(self) -> None:
+        return None
+
+
+class LocalTransport:
+    """The :class:`~.p2p.Transport` interface over in-process queues, for device ``rank``.
+
+    It is untagged (the executor receives at the compute action, in channel order), and a receive
+    takes the oldest message of its channel, so it must only run after the send (the pipeline's
+    order guarantees it).
+
+    Args:
+        rank: this device's index in the pipeline.
+        queues: the pipeline's channels, shared by every device's transport.
+        sent: messages ever sent per channel (the pipeline reads it to decide what may run).
+    """
+
+    tagged = False
+
+    def __init__(self, rank: int, queues: dict[Channel, deque[Any]], sent: dict[Channel, int]) -> None:
+        self.rank = rank
+        self.queues = queues
+        self.sent = sent
+        self._payload: dict[int, tuple[Tensor, ...]] = {}
+
+    def _put(self, dst: int, what: str, message: Any) -> None:
+        channel = (self.rank, dst, what)
+        self.queues.setdefault(channel, deque()).append(message)
+        self.sent[channel] = self.sent.get(channel, 0) + 1
+
+    def _take(self, src: int, what: str) -> Any:
+        queue = self.queues.get((src, self.rank, what))
+        if not queue:
+            raise RuntimeError(f"device {self.rank} receives a {what} from device {src} before it was sent.")
+        return queue.popleft()
+
+    def send_activation(self, value: Tensor | tuple[Tensor, ...], dst: int) -> list[tuple[Any, Tensor]]:
+        tensors = value if isinstance(value, tuple) else (value,)
+        header = Header.of(value).encode(tensors[0].device)
+        self._put(dst, "activation", (header, tuple(t.detach() for t in tensors)))
+        return []
+
+    def send_gradients(self, grads: Sequence[Tensor], dst: int) -> list[tuple[Any, Tensor]]:
+        self._put(dst, "gradient", tuple(g.detach() for g in grads))
+        return []
+
+    def post_header(self, src: int) -> tuple[Any, Tensor]:
+        header, tensors = self._take(src, "activation")
+        self._payload[src] = tensors
+        return _Done(), header
+
+    def post_payload(self, metas: Sequence[TensorMeta], src: int, tag: int) -> list[tuple[Any, Tensor]]:
+        if tag == ACTIVATION_TAG:
+            tensors = self._payload.pop(src)
+        elif tag == GRADIENT_TAG:
+            tensors = self._take(src, "gradient")
+        else:  # pragma: no cover - the executor only receives these two
+            raise ValueError(f"unknown tag {tag}")
+        if len(tensors) != len(metas):
+            raise RuntimeError(f"device {self.rank} expected {len(metas)} tensors from device {src}, got {len(tensors)}.")
+        return [(_Done(), t) for t in tensors]
+
+
+class LocalPipeline:
+    """Runs schedules of a ``stages``-device pipeline in this process; used like one :class:`Executor`.
+
+    Args:
+        stages: devices of the emulated pipeline.
+        chunks_per_stage: chunks each device holds (``interleaved_1f1b``).
+        watchdog: passed to every executor (local waits never block).
+        names: human names of the virtual stages, indexed by virtual stage.
+    """
+
+    def __init__(
+        self, stages: int, chunks_per_stage: int = 1, watchdog: Watchdog | None = None, names: Sequence[str] | None = None
+    ) -> None:
+        self.stages, self.chunks_per_stage = stages, chunks_per_stage
+        self.queues: dict[Channel, deque[Any]] = {}
+        self.sent: dict[Channel, int] = {}
+        self._claimed: dict[Channel, int] = {}  # receive actions already passed, per channel
+        ranks = list(range(stages))
+        self.executors = [
+            Executor(
+                d, ranks, [], LocalTransport(d, self.queues, self.sent), watchdog,
+                names=[names[c * stages + d] for c in range(chunks_per_stage)] if names else None,
+            )
+            for d in range(stages)
+        ]
+
+    @property
+    def chunks(self) -> list[Callable[[Any, Any], Any]]:
+        """The chunk callables of every virtual stage, indexed by virtual stage."""
+        return [self.executors[vs % self.stages].chunks[vs // self.stages] for vs in range(self.stages * self.chunks_per_stage)]
+
+    @chunks.setter
+    def chunks(self, callables: Sequence[Callable[[Any, Any], Any]]) -> None:
+        for d, executor in enumerate(self.executors):
+            executor.chunks = [callables[c * self.stages + d] for c in range(self.chunks_per_stage)]
+
+    @property
+    def policies(self) -> list[Any]:
+        return [executor.policy for executor in self.executors]
+
+    def run(
+        self,
+        schedule: Schedule,
+        micro_batches: Sequence[Any],
+        loss_weights: Sequence[float] | None = None,
+        step: Callable[[], None] | None = None,
+        scale_loss: Callable[[Tensor], Tensor] | None = None,
+        first_micro_batch: int = 0,
+        carry_over: bool = False,
+    ) -> list[Any]:
+        """Run every device's actions (arguments and result as :meth:`Executor.run`; ``step`` is
+        called at every device's STEP when it has no weight policy)."""
+        if schedule.stages != self.stages or schedule.chunks != self.chunks_per_stage:
+            raise ValueError(
+                f"this pipeline emulates {self.stages} stages × {self.chunks_per_stage} chunks; the schedule has "
+                f"{schedule.stages} × {schedule.chunks}."
+            )
+        for executor in self.executors:
+            executor.begin(schedule, micro_batches, loss_weights, scale_loss, first_micro_batch, carry_over)
+        position = [0] * self.stages
+        try:
+            progress = True
+            while progress:
+                progress = False
+                for d, executor in enumerate(self.executors):
+                    actions = schedule.actions[d]
+                    while position[d] < len(actions) and self._may_run(schedule, d, actions[position[d]]):
+                        executor.execute(position[d], step)
+                        position[d] += 1
+                        progress = True
+            stuck = [d for d in range(self.stages) if position[d] < len(schedule.actions[d])]
+            if stuck:
+                where = ", ".join(f"stage {d} at {schedule.actions[d][position[d]]}" for d in stuck)
+                raise RuntimeError(f"the emulated pipeline cannot go on: {where} wait for messages never sent.")
+            outputs = [executor.end(carry_over) for executor in self.executors]
+        except BaseException:
+            self.abort()
+            raise
+        last_device, _ = schedule.locate(schedule.virtual_stages - 1)
+        return outputs[last_device]
+
+    def _may_run(self, schedule: Schedule, device: int, action: Any) -> bool:
+        """A receive may pass once its channel holds a message no earlier receive has claimed."""
+        if not action.kind.is_recv:
+            return True
+        other, _ = peer(action.kind, device, action.chunk, schedule.stages)
+        channel = (other, device, "activation" if action.kind is Kind.RECV_ACTIVATION else "gradient")
+        claimed = self._claimed.get(channel, 0)
+        if self.sent.get(channel, 0) <= claimed:
+            return False
+        self._claimed[channel] = claimed + 1
+        return True
+
+    def finish(self) -> None:
+        """End of a segment: every message was received and nothing is in flight."""
+        for executor in self.executors:
+            executor.finish()
+        leftover = {channel: len(q) for channel, q in self.queues.items() if q}
+        if leftover:
+            raise RuntimeError(f"the emulated pipeline ended a segment with messages nobody received: {leftover}.")
+
+    def abort(self) -> None:
+        """Forget everything in flight after a failure."""
+        for executor in self.executors:
+            executor.abort()
+        self.queues.clear()
+        self.sent.clear()
+        self._claimed.clear()

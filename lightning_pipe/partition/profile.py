@@ -1,0 +1,302 @@
+"""Per-layer profiles of a trunk: time, parameter bytes, bytes kept for backward, output bytes.
+
+The profiler walks the trunk layer by layer from a sample trunk input: each layer's output is the
+next layer's input, exactly as the pipeline runs it. Per layer it measures, at one micro-batch size
+on one device:
+
+* forward and backward time: the median of ``repeats`` runs after ``warmup`` runs; backward is
+  ``torch.autograd.grad`` of the output with respect to the input and the layer's trainable
+  parameters (what a pipeline stage computes), so no ``.grad`` of the model is touched;
+* parameter bytes;
+* bytes kept for backward: every tensor autograd saves during the forward
+  (``torch.autograd.graph.saved_tensors_hooks``), each storage counted once, parameters excluded;
+* output bytes: what a stage boundary after this layer would send.
+
+The sample trunk input comes from the module's own code (:func:`capture_trunk_input`): a forward
+pre-hook on the trunk stops the user's step (or ``forward``) at the trunk call, the same stop-early
+pattern as :class:`~lightning_pipe.partition.split.StageStop`, so code before the trunk (embeddings,
+reshapes) runs as in training and the profile sees the real trunk input.
+
+Profiles are cached in a JSON file keyed by the module class, the trunk's layer structure and
+parameter shapes, the input's shapes and dtypes and the device; a cache hit returns without
+running any layer.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import os
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.utils._pytree import tree_flatten, tree_map
+
+from lightning_pipe.partition.split import StageStop
+
+
+@dataclass(frozen=True)
+class LayerProfile:
+    """Costs of one trunk layer at one micro-batch size.
+
+    Args:
+        name: the layer's class name.
+        forward: forward time in seconds.
+        backward: backward time in seconds.
+        params: parameter bytes.
+        saved: bytes autograd keeps for backward (activations, parameters excluded).
+        output: bytes of the layer's output.
+    """
+
+    name: str
+    forward: float
+    backward: float
+    params: int
+    saved: int
+    output: int
+
+
+@dataclass(frozen=True)
+class Profile:
+    """Costs of every trunk layer at micro-batch size ``micro_batch`` on ``device``.
+
+    Args:
+        micro_batch: samples per micro-batch the profile was measured at.
+        device: the device type it was measured on (``"cpu"``, ``"cuda"``...).
+        layers: one entry per trunk layer, in order.
+        input_bytes: bytes of the trunk input (what the first stage boundary may carry).
+        key: the cache key it was stored under.
+    """
+
+    micro_batch: int
+    device: str
+    layers: tuple[LayerProfile, ...]
+    input_bytes: int = 0
+    key: str = field(default="", compare=False)
+
+    def to_json(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["layers"] = [asdict(layer) for layer in self.layers]
+        return data
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Profile:
+        layers = tuple(LayerProfile(**layer) for layer in data["layers"])
+        return cls(data["micro_batch"], data["device"], layers, data.get("input_bytes", 0), data.get("key", ""))
+
+
+def interpolate(profiles: Sequence[Profile], micro_batch: float) -> Profile:
+    """Costs at ``micro_batch`` samples, linear in the micro-batch size through the two profiles
+    measured at the smallest and largest sizes (extrapolated beyond them, never below zero).
+
+    Parameter bytes do not depend on the size. With one profile, times and activation bytes are
+    scaled proportionally to the size.
+    """
+    ordered = sorted(profiles, key=lambda p: p.micro_batch)
+    lo, hi = ordered[0], ordered[-1]
+    if hi.micro_batch == lo.micro_batch:
+        def line(a: float, _b: float) -> float:
+            return a * micro_batch / lo.micro_batch
+    else:
+        w = (micro_batch - lo.micro_batch) / (hi.micro_batch - lo.micro_batch)
+
+        def line(a: float, b: float) -> float:
+            return max(0.0, a + w * (b - a))
+
+    layers = tuple(
+        LayerProfile(
+            a.name,
+            line(a.forward, b.forward),
+            line(a.backward, b.backward),
+            a.params,
+            round(line(a.saved, b.saved)),
+            round(line(a.output, b.output)),
+        )
+        for a, b in zip(lo.layers, hi.layers)
+    )
+    return Profile(round(micro_batch) or 1, lo.device, layers, round(line(lo.input_bytes, hi.input_bytes)))
+
+
+def capture_trunk_input(
+    module: nn.Module, trunk: nn.Module, run: Callable[[], Any], what: str = "the step"
+) -> Any:
+    """The value ``trunk`` is called with when ``run()`` executes the module's own code.
+
+    A forward pre-hook on the trunk raises :class:`StageStop` with the trunk's input, so nothing
+    after the trunk call runs. ``run`` is e.g. ``lambda: module.training_step(micro_batch, 0)`` or
+    ``lambda: module(x)``; it runs under ``torch.no_grad``. The captured input is detached.
+    """
+
+    def stop(_module: nn.Module, args: tuple[Any, ...]) -> None:
+        raise StageStop(args[0] if len(args) == 1 else args)
+
+    handle = trunk.register_forward_pre_hook(stop)
+    try:
+        with torch.no_grad():
+            run()
+    except StageStop as done:
+        return tree_map(lambda t: t.detach() if isinstance(t, Tensor) else t, done.output)
+    finally:
+        handle.remove()
+    raise RuntimeError(
+        f"{what} of {type(module).__name__} finished without calling its trunk; profiling needs the step (or "
+        "forward) to call the nn.Sequential trunk once."
+    )
+
+
+def profile_key(module: nn.Module, trunk: nn.Sequential, sample: Any, device: torch.device | str) -> str:
+    """Cache key: module class, each layer's repr and parameter shapes/dtypes, input shapes/dtypes, device."""
+    leaves, _ = tree_flatten(sample)
+    parts = [
+        f"{type(module).__module__}.{type(module).__qualname__}",
+        *(f"{layer!r}|{[(tuple(p.shape), str(p.dtype), p.requires_grad) for p in layer.parameters()]}" for layer in trunk),
+        repr([(tuple(t.shape), str(t.dtype)) if isinstance(t, Tensor) else repr(t) for t in leaves]),
+        torch.device(device).type,
+    ]
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:24]
+
+
+def load_cached(path: str | os.PathLike | None, key: str) -> Profile | None:
+    if path is None or not os.path.exists(path):
+        return None
+    with open(path) as handle:
+        entry = json.load(handle).get(key)
+    return Profile.from_json(entry) if entry is not None else None
+
+
+def store_cached(path: str | os.PathLike | None, profile: Profile) -> None:
+    if path is None:
+        return
+    path = Path(path)
+    data = json.loads(path.read_text()) if path.exists() else {}
+    data[profile.key] = profile.to_json()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(f"{path.name}.partial-{os.getpid()}")
+    partial.write_text(json.dumps(data, indent=1))
+    os.replace(partial, path)  # a concurrent reader never sees half a file
+
+
+def profile_trunk(
+    trunk: nn.Sequential,
+    sample: Any,
+    device: torch.device | str = "cpu",
+    repeats: int = 5,
+    warmup: int = 2,
+    cache: str | os.PathLike | None = None,
+    module: nn.Module | None = None,
+) -> Profile:
+    """Measure every layer of ``trunk`` on ``device``, starting from the trunk input ``sample``.
+
+    When every layer already lives on ``device`` the timed runs go round-robin over the layers
+    (``repeats`` rounds of one run per layer), so a slow phase of a shared machine hits all layers
+    alike instead of inflating one; otherwise each layer is copied to ``device`` in turn and timed
+    there before the next (only one layer's copy exists at a time).
+
+    Args:
+        trunk: the ``nn.Sequential`` to profile (unchanged: layers that are not already on
+            ``device`` are profiled as copies moved there one at a time).
+        sample: a trunk input for one micro-batch (its dim 0 is the micro-batch size).
+        device: where to measure (the device the stage will run on).
+        repeats: timed runs per layer; the median is kept.
+        warmup: untimed runs per layer first.
+        cache: JSON file of profiles; a profile with the same key is returned without measuring,
+            a new one is added.
+        module: the owning module (its class goes into the cache key).
+    """
+    device = torch.device(device)
+    key = profile_key(module if module is not None else trunk, trunk, sample, device)
+    cached = load_cached(cache, key)
+    if cached is not None:
+        return cached
+    value = tree_map(lambda t: t.to(device) if isinstance(t, Tensor) else t, sample)
+    leaves, _ = tree_flatten(value)
+    micro_batch = next((t.shape[0] for t in leaves if isinstance(t, Tensor) and t.dim()), 1)
+    input_bytes = _bytes(value)
+    round_robin = all(_on(layer, device) for layer in trunk)
+    runners, timings, static = [], [], []
+    for layer in trunk:
+        runner = _LayerRunner(layer if _on(layer, device) else copy.deepcopy(layer).to(device), value, device)
+        for _ in range(warmup):
+            runner.run()
+        _, _, saved, output = runner.run(measure_saved=True)
+        static.append((type(layer).__name__, sum(p.numel() * p.element_size() for p in layer.parameters()), saved, _bytes(output)))
+        value = tree_map(lambda t: t.detach() if isinstance(t, Tensor) else t, output)
+        if round_robin:
+            runners.append(runner)
+        else:
+            timings.append([runner.run()[:2] for _ in range(max(1, repeats))])
+            del runner
+    if round_robin:
+        rounds = [[runner.run()[:2] for runner in runners] for _ in range(max(1, repeats))]
+        timings = [list(per_layer) for per_layer in zip(*rounds)]
+    layers = tuple(
+        LayerProfile(name, statistics.median(f for f, _ in runs), statistics.median(b for _, b in runs), params, saved, out)
+        for (name, params, saved, out), runs in zip(static, timings)
+    )
+    profile = Profile(micro_batch, device.type, layers, input_bytes, key)
+    store_cached(cache, profile)
+    return profile
+
+
+def _on(layer: nn.Module, device: torch.device) -> bool:
+    tensors = [*layer.parameters(), *layer.buffers()]
+    return all(t.device.type == device.type and (device.index is None or t.device == device) for t in tensors)
+
+
+def _bytes(value: Any) -> int:
+    leaves, _ = tree_flatten(value)
+    return sum(t.numel() * t.element_size() for t in leaves if isinstance(t, Tensor))
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class _LayerRunner:
+    """Runs one layer's forward and backward on a fixed input, timing both."""
+
+    def __init__(self, layer: nn.Module, value: Any, device: torch.device) -> None:
+        self.layer, self.value, self.device = layer, value, device
+        self.params = [p for p in layer.parameters() if p.requires_grad]
+        self.param_ptrs = {p.untyped_storage().data_ptr() for p in layer.parameters()}
+
+    def run(self, measure_saved: bool = False) -> tuple[float, float, int, Any]:
+        """``(forward seconds, backward seconds, bytes saved for backward, output)``."""
+        inputs = tree_map(
+            lambda t: t.detach().requires_grad_(t.is_floating_point()) if isinstance(t, Tensor) else t, self.value
+        )
+        grad_inputs = [t for t in tree_flatten(inputs)[0] if isinstance(t, Tensor) and t.requires_grad]
+        saved: dict[int, int] = {}
+
+        def pack(t: Tensor) -> Tensor:
+            if measure_saved:
+                storage = t.untyped_storage()
+                if storage.data_ptr() not in self.param_ptrs:
+                    saved[storage.data_ptr()] = storage.nbytes()
+            return t
+
+        device = self.device
+        _sync(device)
+        start = time.perf_counter()
+        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            output = self.layer(inputs)
+        _sync(device)
+        forward = time.perf_counter() - start
+        outs = [t for t in tree_flatten(output)[0] if isinstance(t, Tensor) and t.requires_grad]
+        backward = 0.0
+        if outs and (grad_inputs or self.params):
+            grads = [torch.ones_like(t) for t in outs]
+            _sync(device)
+            start = time.perf_counter()
+            torch.autograd.grad(outs, [*grad_inputs, *self.params], grads, allow_unused=True)
+            _sync(device)
+            backward = time.perf_counter() - start
+        return forward, backward, sum(saved.values()), output

@@ -1,0 +1,279 @@
+"""``lightning-pipe plan``: profile a LightningModule's trunk and predict every schedule before launching.
+
+    lightning-pipe plan --model demo.MLPClassifier --model.num_features 784 --model.num_classes 10 \\
+        --batch_shape [256,784] --stages 2 --memory_gib 1.0 --timeline plan.png
+
+It builds the module from its class path and init arguments, captures the trunk input by running the
+module's own code on one micro-batch (its ``forward`` on a random tensor of ``batch_shape``, or its
+``training_step`` on the first batch of ``datamodule``), profiles every trunk layer at the smallest and
+the largest candidate micro-batch size, and for every schedule and candidate micro-batch count runs the
+exact min-max split (ALGORITHMS.md section 12). It prints schedules × predicted throughput and memory,
+the chosen plan's partition, the same schedule with ``balance="uniform"`` for comparison, and writes a
+timeline PNG of the chosen plan. Class paths also resolve from the current directory.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from lightning.pytorch import LightningDataModule, LightningModule
+
+from lightning_pipe.auto_balance import preserved_random_state
+from lightning_pipe.engine import batch_size as batch_size_of
+from lightning_pipe.engine import split_micro_batches
+from lightning_pipe.log_replay import LogCapture
+from lightning_pipe.partition import find_trunk, resolve_balance
+from lightning_pipe.partition.planner import (
+    ALL_SCHEDULES, GIB, Machine, Plan, PlanError, best_of, candidate_micro_batches, evaluate, explore, format_bytes,
+)
+from lightning_pipe.partition.profile import Profile, capture_trunk_input, interpolate, profile_trunk
+from lightning_pipe.schedules import ASYNC_SCHEDULES, SYNC_SCHEDULES
+
+
+@dataclass
+class PlanReport:
+    """What ``lightning-pipe plan`` computed (the printed text is :attr:`text`)."""
+
+    profiles: list[Profile]
+    plans: dict[str, Plan | None]
+    best: Plan | None
+    uniform: Plan | None
+    layer_names: list[str]
+    text: str
+    timeline: str | None = None
+    simulated: Any = None  # lightning_pipe.simulate.Simulation of the chosen plan
+
+
+def table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    """A plain fixed-width table (Markdown-compatible pipes)."""
+    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
+
+    def line(row: Sequence[str]) -> str:
+        return "| " + " | ".join(str(c).ljust(w) for c, w in zip(row, widths)) + " |"
+
+    return "\n".join([line(header), "|" + "|".join("-" * (w + 2) for w in widths) + "|", *map(line, rows)])
+
+
+def _sample_input(
+    model: LightningModule, trunk: torch.nn.Module, micro_batch: int, batch_shape: Sequence[int] | None,
+    batch_dtype: str, batch: Any,
+) -> Any:
+    """The trunk input for one micro-batch of ``micro_batch`` samples, from the module's own code."""
+    if batch is not None:
+        total = batch_size_of(batch)
+        part = split_micro_batches(batch, max(1, total // micro_batch))[0]
+        with LogCapture(model):
+            return capture_trunk_input(model, trunk, lambda: model.training_step(part, 0), "training_step")
+    dtype = getattr(torch, batch_dtype)
+    shape = (micro_batch, *batch_shape[1:])
+    x = torch.randn(shape, dtype=dtype) if dtype.is_floating_point else torch.zeros(shape, dtype=dtype)
+    return capture_trunk_input(model, trunk, lambda: model(x), "forward")
+
+
+def plan(
+    model: LightningModule,
+    stages: int,
+    batch_shape: list[int] | None = None,
+    batch_dtype: str = "float32",
+    datamodule: LightningDataModule | None = None,
+    memory_gib: float | list[float] | None = None,
+    speeds: list[float] | None = None,
+    schedules: list[str] | None = None,
+    micro_batches: list[int] | None = None,
+    min_micro_batches: int = 1,
+    max_micro_batches: int | None = None,
+    chunks: int = 2,
+    bandwidth_gbps: float | None = None,
+    latency_us: float = 0.0,
+    kappa: float = 4.0,
+    checkpoint_activations: bool = False,
+    module: str | None = None,
+    device: str = "cpu",
+    cache: str | None = None,
+    timeline: str | None = "plan.png",
+    repeats: int = 5,
+    threads: int | None = None,
+) -> PlanReport:
+    """Profile ``model``'s trunk, predict every schedule × micro-batch count, print the best plan.
+
+    Args:
+        model: the LightningModule (class path and init arguments).
+        stages: pipeline stages (processes per pipeline).
+        batch_shape: shape of one mini-batch as the module's ``forward`` takes it, e.g. ``[256, 784]``
+            (dim 0 is the batch size ``B``); the forward runs on a random tensor (zeros for integer dtypes).
+        batch_dtype: torch dtype name of that tensor (``float32``, ``int64``...).
+        datamodule: instead of ``batch_shape``: a LightningDataModule whose first training batch (its
+            size is ``B``) goes through the module's ``training_step``.
+        memory_gib: memory limit per device in GiB (one value or one per stage); default: none.
+        speeds: relative speed of each stage's device; default: all equal to the profiling device.
+        schedules: schedules to explore; default: the synchronous ones (``gpipe``, ``1f1b``,
+            ``interleaved_1f1b``); asynchronous ones change the training semantics, name them to include them.
+        micro_batches: candidate micro-batch counts ``M``; default: the divisors of ``B`` within
+            ``min_micro_batches`` .. ``max_micro_batches``.
+        min_micro_batches: smallest candidate ``M``.
+        max_micro_batches: largest candidate ``M`` (default ``B``).
+        chunks: chunks per device for ``interleaved_1f1b``.
+        bandwidth_gbps: link bandwidth between neighbouring stages in GB/s; default: transfers cost nothing.
+        latency_us: link latency per transfer in microseconds.
+        kappa: bytes of weights + gradient + optimizer state per parameter byte (4 for fp32 Adam).
+        checkpoint_activations: predict with activation recomputation (less memory, one more forward).
+        module: attribute path of the trunk ``nn.Sequential`` (default: the only one).
+        device: where to profile (``cpu``, ``cuda:0``...).
+        cache: JSON file caching the profiles.
+        timeline: PNG path for the chosen plan's simulated timeline; ``None`` to skip.
+        repeats: timed runs per layer (median kept).
+        threads: torch CPU threads while profiling; match what each stage process will get (Lightning's
+            launcher gives each of ``n`` processes ``cores / n`` threads); default: torch's default.
+    """
+    if threads is not None:
+        torch.set_num_threads(threads)
+    name, trunk = find_trunk(model, module)
+    names = [type(layer).__name__ for layer in trunk]
+    batch = None
+    if datamodule is not None:
+        with preserved_random_state():
+            datamodule.prepare_data()
+            datamodule.setup("fit")
+            batch = next(iter(datamodule.train_dataloader()))
+        total = batch_size_of(batch)
+    elif batch_shape:
+        total = int(batch_shape[0])
+    else:
+        raise PlanError("give batch_shape (e.g. --batch_shape [256,784]) or a datamodule to take a batch from.")
+    candidates = list(micro_batches) if micro_batches else candidate_micro_batches(total, min_micro_batches, max_micro_batches)
+    if not candidates:
+        raise PlanError(f"no micro-batch count between {min_micro_batches} and {max_micro_batches} divides the batch of {total}.")
+    sizes = sorted({total // max(candidates), total // min(candidates)})
+    model.train()
+    profiles = [
+        profile_trunk(trunk, _sample_input(model, trunk, size, batch_shape, batch_dtype, batch), device,
+                      repeats=repeats, cache=cache, module=model)
+        for size in sizes
+    ]
+    machine = Machine(
+        memory=None if memory_gib is None else (
+            [m * GIB for m in memory_gib] if isinstance(memory_gib, list) else memory_gib * GIB),
+        speeds=speeds,
+        bandwidth=None if bandwidth_gbps is None else bandwidth_gbps * 1e9,
+        latency=latency_us * 1e-6,
+        kappa=kappa,
+        recompute=checkpoint_activations,
+    )
+    chosen = list(schedules) if schedules else list(SYNC_SCHEDULES)
+    plans = explore(profiles, total, stages, chosen, candidates, machine, chunks)
+    best = best_of(plans.values())
+    uniform = None
+    if best is not None:
+        v = chunks if best.schedule == "interleaved_1f1b" else 1
+        counts = resolve_balance("uniform", trunk, stages * v)
+        uniform = evaluate(interpolate(profiles, best.micro_batch_size), best.schedule, stages, best.micro_batches,
+                           counts, machine, chunks, total)
+    report = PlanReport(profiles, plans, best, uniform, names, "")
+    if best is not None and timeline:
+        report.simulated = write_timeline(best, profiles, machine, stages, chunks, timeline)
+        report.timeline = timeline
+    report.text = render(report, type(model).__name__, name, total, stages, machine)
+    return report
+
+
+def render(report: PlanReport, model_name: str, trunk_name: str, total: int, stages: int, machine: Machine) -> str:
+    """The printed report."""
+    layers = len(report.layer_names)
+    limit = "no memory limit" if machine.memory is None else f"memory limit {format_bytes(machine.cap(0))}" + (
+        " per device" if not isinstance(machine.memory, Sequence) else " (stage 0; per stage: "
+        + ", ".join(format_bytes(machine.cap(d)) for d in range(stages)) + ")")
+    sizes = " and ".join(str(p.micro_batch) for p in report.profiles)
+    lines = [
+        f"{model_name}: trunk {trunk_name} with {layers} layers, batch {total}, {stages} stages, {limit}",
+        f"profiled on {report.profiles[0].device} at micro-batch sizes {sizes}",
+        "",
+    ]
+    rows = []
+    for schedule, found in report.plans.items():
+        kind = "async" if schedule in ASYNC_SCHEDULES else "sync"
+        if found is None:
+            rows.append([schedule, kind, "-", "-", "-", "-", "-", "does not fit / not allowed"])
+            continue
+        rows.append([
+            schedule, kind, str(found.micro_batches), str(found.balance), f"{found.step_time * 1e3:.2f}",
+            f"{found.throughput:.0f}", format_bytes(max(found.memory)), str(found.weight_copies),
+        ])
+    lines.append(table(["schedule", "kind", "M", "balance", "step ms", "samples/s", "peak memory", "weight copies"], rows))
+    best = report.best
+    if best is None:
+        lines.append("\nno schedule fits; raise the memory limit or use more stages.")
+        return "\n".join(lines)
+    lines += [
+        "",
+        f"chosen: {best.schedule}, M={best.micro_batches} micro-batches of {best.micro_batch_size:g} samples, "
+        f"balance={best.balance}: {best.step_time * 1e3:.2f} ms per batch, {best.throughput:.0f} samples/s (predicted)",
+        "",
+    ]
+    rows = []
+    for k, stage in enumerate(best.stages):
+        where = f"{stage.device}" + (f" chunk {stage.chunk}" if best.schedule == "interleaved_1f1b" else "")
+        rows.append([where, f"{trunk_name}[{stage.start}:{stage.end}]", ", ".join(report.layer_names[stage.start:stage.end]),
+                     format_bytes(stage.params), f"{stage.time * 1e3:.3f}", format_bytes(stage.memory)])
+    lines.append(table(["stage", "layers", "modules", "parameters", "ms per micro-batch", "peak memory"], rows))
+    if report.uniform is not None:
+        uniform = report.uniform
+        lines += [
+            "",
+            f"balance='uniform' {uniform.balance} with the same schedule and M: {uniform.step_time * 1e3:.2f} ms per batch, "
+            f"{uniform.throughput:.0f} samples/s, bottleneck {uniform.bottleneck * 1e3:.3f} ms "
+            f"(chosen: {best.bottleneck * 1e3:.3f} ms); predicted speed-up of the chosen split: {uniform.step_time / best.step_time:.2f}x",
+        ]
+    if report.timeline:
+        sim = report.simulated
+        lines.append(f"\ntimeline of the chosen plan: {report.timeline} (simulated from the same costs: "
+                     f"{sim.step_time * 1e3:.2f} ms per batch, bubble {sim.bubble_fraction:.0%})")
+    return "\n".join(lines)
+
+
+def write_timeline(best: Plan, profiles: Sequence[Profile], machine: Machine, stages: int, chunks: int, path: str) -> Any:
+    """Simulate the chosen plan with its predicted per-stage costs (``lightning_pipe.simulate``), draw
+    the timeline PNG at ``path`` and return the simulation."""
+    from lightning_pipe.plot import timeline_png
+    from lightning_pipe.schedules import build_schedule
+    from lightning_pipe.simulate import Costs, simulate, simulate_async
+
+    profile = interpolate(profiles, best.micro_batch_size)
+    forward, backward, transfer = [], [], []
+    for stage in best.stages:
+        layers = profile.layers[stage.start:stage.end]
+        speed = machine.speed(stage.device)
+        forward.append(sum(l.forward for l in layers) / speed)
+        backward.append(sum(l.backward for l in layers) / speed)
+        out = layers[-1].output
+        transfer.append(0.0 if machine.bandwidth is None else machine.latency + out / machine.bandwidth)
+    costs = Costs(forward=forward, backward=backward, transfer=transfer, step=0.0)
+    title = f"{best.schedule}, {stages} stages, M={best.micro_batches}, balance={best.balance} (predicted)"
+    if best.schedule in ASYNC_SCHEDULES:
+        simulation = simulate_async(best.schedule, stages, best.micro_batches, costs, windows=3)
+    else:
+        v = chunks if best.schedule == "interleaved_1f1b" else 1
+        simulation = simulate(build_schedule(best.schedule, stages, best.micro_batches, v), costs)
+    timeline_png(simulation.events, path, title=title)
+    return simulation
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Entry point of the ``lightning-pipe`` console script."""
+    from jsonargparse import CLI
+
+    if os.getcwd() not in sys.path:  # class paths of the user's own modules, like ``python -m``
+        sys.path.insert(0, os.getcwd())
+    report = CLI({"plan": plan}, args=list(argv) if argv is not None else None, as_positional=False)
+    print(report.text)
+
+
+if __name__ == "__main__":
+    main()
+
+
+__all__ = ["ALL_SCHEDULES", "PlanReport", "main", "plan", "render", "table"]

@@ -1,0 +1,386 @@
+"""Discrete-event simulation of a schedule's action lists: step time, bubble, memory.
+
+The simulator reads the very lists the executor runs (:mod:`lightning_pipe.schedules.ir`), so any
+schedule the executor accepts, including merged per-device lists of several pipelines, can be
+simulated before anything is launched.
+
+Model (the assumptions behind every number here):
+
+* every device runs its list in order, one action at a time, starting at time 0;
+* a forward of virtual stage ``vs`` takes ``costs.forward[vs]``, a backward ``costs.backward[vs]``,
+  a STEP ``costs.step``; sends and receives take no compute time;
+* a message is available to its receiver ``transfer[i]`` seconds after the sender reaches its SEND
+  (or, in lists without communication actions, after the producing forward/backward ends); ``i`` is
+  the boundary ``i -> i+1`` it crosses (activation forward, gradient backward, same time);
+* sends never block the sender (the executor's sends are asynchronous); a receive, or a compute
+  action whose input has not arrived, waits; messages never contend for a link (no bandwidth
+  sharing) and a device's compute is not slowed by communication in the background;
+* a micro-batch's activations are held from the start of its forward to the end of its backward
+  (forward-only lists: only during the forward).
+
+Dependencies are keyed by ``(virtual stage, micro-batch)``, never by schedule name, so lists with
+any micro-batch numbering work.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from lightning_pipe.schedules import (
+    ASYNC_SCHEDULES, Action, Kind, Schedule, ScheduleError, async_schedule, validate_async,
+)
+
+
+@dataclass(frozen=True)
+class Costs:
+    """Durations in seconds, per virtual stage (``len = stages * chunks``).
+
+    Args:
+        forward: forward time of one micro-batch on each virtual stage.
+        backward: backward time of one micro-batch on each virtual stage.
+        transfer: one-way time of a message across boundary ``i -> i+1`` (activation forward,
+            gradient backward); ``()`` means 0. Length ``virtual_stages - 1`` (a trailing entry
+            for the last stage is ignored).
+        step: time of one optimizer STEP action on a device.
+    """
+
+    forward: Sequence[float]
+    backward: Sequence[float]
+    transfer: Sequence[float] = ()
+    step: float = 0.0
+
+    def __post_init__(self) -> None:
+        if len(self.forward) != len(self.backward):
+            raise ValueError(
+                f"Costs has {len(self.forward)} forward and {len(self.backward)} backward times; give one of each per virtual stage."
+            )
+        if any(t < 0 for t in (*self.forward, *self.backward, *self.transfer, self.step)):
+            raise ValueError("Costs must not be negative; pass durations in seconds.")
+
+    @classmethod
+    def uniform(
+        cls, virtual_stages: int, forward: float, backward: float, transfer: float = 0.0, step: float = 0.0
+    ) -> Costs:
+        """The same forward, backward and transfer time on every virtual stage."""
+        return cls(
+            (forward,) * virtual_stages, (backward,) * virtual_stages, (transfer,) * max(virtual_stages - 1, 0), step
+        )
+
+    def link(self, boundary: int) -> float:
+        """One-way transfer time across ``boundary -> boundary+1``."""
+        return self.transfer[boundary] if boundary < len(self.transfer) else 0.0
+
+    def duration(self, action: Action, virtual_stage: int) -> float:
+        """Compute time of ``action`` (0 for communication)."""
+        if action.kind is Kind.FORWARD:
+            return self.forward[virtual_stage]
+        if action.kind is Kind.BACKWARD:
+            return self.backward[virtual_stage]
+        if action.kind is Kind.STEP:
+            return self.step
+        return 0.0
+
+
+@dataclass(frozen=True)
+class TimedAction:
+    """One action of one device with its start and end (seconds); simulated and measured alike.
+
+    For a receive, ``start``-``end`` is the time spent waiting for the message.
+    """
+
+    device: int
+    action: Action
+    start: float
+    end: float
+
+    @property
+    def duration(self) -> float:
+        return self.end - self.start
+
+
+@dataclass
+class Simulation:
+    """What :func:`simulate` predicts.
+
+    Attributes:
+        events: every action of every device with its simulated start and end.
+        step_time: seconds per training step (flushing schedules: the makespan; asynchronous
+            schedules: the steady-state time per window of ``M`` micro-batches).
+        bubble_fraction: ``1 - sum(busy) / (devices * step_time)``: the idle share of device time.
+        busy: per device, seconds of compute (forward, backward, STEP) per step.
+        peak_activations: per device, the most micro-batches (per chunk) whose activations are held
+            at once.
+        weight_copies: per device, weight-sized copies of the stage from ALGORITHMS.md section 11
+            (the module's own weights included), by schedule name; see :func:`weight_copies`.
+    """
+
+    events: list[TimedAction]
+    step_time: float
+    bubble_fraction: float
+    busy: list[float]
+    peak_activations: list[int]
+    weight_copies: list[int] = field(default_factory=list)
+
+    def describe(self) -> str:
+        """A few lines for a console: step time, bubble, per-device busy time and memory."""
+        lines = [f"step time {self.step_time * 1e3:.3f} ms, bubble {self.bubble_fraction:.1%}"]
+        for d, busy in enumerate(self.busy):
+            copies = f", {self.weight_copies[d]} weight copies" if self.weight_copies else ""
+            lines.append(
+                f"  stage {d}: busy {busy * 1e3:.3f} ms, peak activations {self.peak_activations[d]} micro-batches{copies}"
+            )
+        return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------- weight copies
+def _tau_bar(stage: int, stages: int, micro_batches: int) -> int:
+    """Most optimizer steps between a micro-batch's forward and backward (ALGORITHMS.md section 5)."""
+    return math.ceil((stages - 1 - stage) / micro_batches)
+
+
+#: Weight copies per device (the module's own weights included) by schedule name, from the
+#: "weights/stage" column of ALGORITHMS.md section 11 with the optional copies that the default
+#: options use: pipedream keeps ``tau_bar + 1`` stashed versions plus the master copy, pipemare's
+#: discrepancy correction a velocity, xpipe a forward and a backward prediction. Functions take
+#: ``(stage, stages, micro_batches, replicas)``; other schedules may register theirs here.
+WEIGHT_COPIES: dict[str, Callable[[int, int, int, int], int]] = {
+    "gpipe": lambda s, p, m, n: 1,
+    "1f1b": lambda s, p, m, n: 1,
+    "interleaved_1f1b": lambda s, p, m, n: 1,
+    "pipedream": lambda s, p, m, n: _tau_bar(s, p, m) + 2,
+    "pipedream_2bw": lambda s, p, m, n: 2,
+    "pipemare": lambda s, p, m, n: 2,
+    "xpipe": lambda s, p, m, n: 3,
+    "avgpipe": lambda s, p, m, n: n + 1,
+}
+
+
+def weight_copies(name: str, stages: int, micro_batches: int, replicas: int = 1) -> list[int]:
+    """Weight copies of every device for schedule ``name`` (``[]`` for a name not in :data:`WEIGHT_COPIES`).
+
+    ``replicas`` is the number of parallel pipelines a device holds (avgpipe's ``N``).
+    """
+    rule = WEIGHT_COPIES.get(name)
+    return [rule(s, stages, micro_batches, replicas) for s in range(stages)] if rule else []
+
+
+# ---------------------------------------------------------------------------------------- the engine
+_PAYLOAD = {
+    Kind.FORWARD: Kind.SEND_ACTIVATION, Kind.SEND_ACTIVATION: Kind.SEND_ACTIVATION, Kind.RECV_ACTIVATION: Kind.SEND_ACTIVATION,
+    Kind.BACKWARD: Kind.SEND_GRADIENT, Kind.SEND_GRADIENT: Kind.SEND_GRADIENT, Kind.RECV_GRADIENT: Kind.SEND_GRADIENT,
+}
+
+
+def _timeline(
+    actions: Sequence[Sequence[Action]], stages: int, virtual_stages: int, costs: Costs, forward_only: bool = False
+) -> tuple[list[list[TimedAction]], list[int]]:
+    """Simulate; return every device's timed actions (aligned with its list) and peak activations."""
+    if len(costs.forward) != virtual_stages:
+        raise ValueError(
+            f"Costs give {len(costs.forward)} virtual stages but the schedule has {virtual_stages}; "
+            "give one forward and backward time per virtual stage."
+        )
+    last = virtual_stages - 1
+    # with SEND actions in the lists, a message leaves at its SEND; without, when its compute ends
+    explicit = any(a.kind.is_send for device in actions for a in device)
+    # (payload, receiving virtual stage, micro-batch) -> time the message is available there
+    arrival: dict[tuple[Kind, int, int | None], float] = {}
+    clock = [0.0] * stages
+    position = [0] * stages
+    timed: list[list[TimedAction]] = [[] for _ in range(stages)]
+    held = [0] * stages
+    peak = [0] * stages
+
+    def needs(action: Action, vs: int) -> tuple[Kind, int, int | None] | None:
+        """The message ``action`` waits for, if any."""
+        kind = action.kind
+        if kind in (Kind.FORWARD, Kind.RECV_ACTIVATION) and vs > 0:
+            return (Kind.SEND_ACTIVATION, vs, action.micro_batch)
+        if kind in (Kind.BACKWARD, Kind.RECV_GRADIENT) and vs < last:
+            return (Kind.SEND_GRADIENT, vs, action.micro_batch)
+        return None
+
+    def publish(action: Action, vs: int, when: float) -> None:
+        payload = _PAYLOAD[action.kind]
+        if payload is Kind.SEND_ACTIVATION and vs < last:
+            arrival[(payload, vs + 1, action.micro_batch)] = when + costs.link(vs)
+        elif payload is Kind.SEND_GRADIENT and vs > 0:
+            arrival[(payload, vs - 1, action.micro_batch)] = when + costs.link(vs - 1)
+
+    progress = True
+    while progress:
+        progress = False
+        for d in range(stages):
+            own = actions[d]
+            while position[d] < len(own):
+                action = own[position[d]]
+                vs = action.chunk * stages + d
+                start = clock[d]
+                wait = needs(action, vs)
+                if wait is not None:
+                    if wait not in arrival:
+                        break  # blocked until the producer has been simulated
+                    if action.kind.is_recv or action.kind.is_compute:
+                        ready = arrival[wait]
+                        if action.kind.is_recv:
+                            end = max(start, ready)
+                        else:
+                            start = max(start, ready)
+                if not action.kind.is_recv:
+                    end = start + costs.duration(action, vs)
+                if action.kind is Kind.FORWARD:
+                    held[d] += 1
+                    peak[d] = max(peak[d], held[d])
+                    if forward_only:
+                        held[d] -= 1
+                elif action.kind is Kind.BACKWARD:
+                    held[d] -= 1
+                if action.kind.is_send or (not explicit and action.kind.is_compute):
+                    publish(action, vs, end)
+                timed[d].append(TimedAction(d, action, start, end))
+                clock[d] = end
+                position[d] += 1
+                progress = True
+    stuck = [d for d in range(stages) if position[d] < len(actions[d])]
+    if stuck:
+        where = ", ".join(f"stage {d} at {actions[d][position[d]]}" for d in stuck)
+        raise ScheduleError(f"the action lists deadlock: {where} wait for a message that is never sent.")
+    return timed, peak
+
+
+def _summary(
+    timed: list[list[TimedAction]], peak: list[int], step_time: float, busy: list[float], copies: list[int]
+) -> Simulation:
+    events = sorted((e for device in timed for e in device), key=lambda e: (e.start, e.device))
+    total = len(busy) * step_time
+    bubble = 1.0 - sum(busy) / total if total > 0 else 0.0
+    return Simulation(events, step_time, bubble, busy, peak, copies)
+
+
+def _busy(events: Sequence[TimedAction]) -> float:
+    return sum(e.duration for e in events if e.action.kind.is_compute or e.action.kind is Kind.STEP)
+
+
+def simulate(schedule: Schedule, costs: Costs, replicas: int = 1) -> Simulation:
+    """Simulate one training step of ``schedule`` (every device starts idle at time 0).
+
+    Args:
+        schedule: any schedule: ``build_schedule(...)``, an asynchronous segment
+            (``validate_async``), or merged per-device lists of several pipelines.
+        costs: per-virtual-stage durations.
+        replicas: parallel pipelines per device, for :func:`weight_copies` (avgpipe's ``N``).
+
+    Returns:
+        The timeline; ``step_time`` is the makespan (last action's end).
+    """
+    timed, peak = _timeline(schedule.actions, schedule.stages, schedule.virtual_stages, costs, schedule.forward_only)
+    step_time = max((device[-1].end for device in timed if device), default=0.0)
+    busy = [_busy(device) for device in timed]
+    return _summary(timed, peak, step_time, busy, weight_copies(schedule.name, schedule.stages, schedule.micro_batches, replicas))
+
+
+def simulate_async(name: str, stages: int, micro_batches: int, costs: Costs, windows: int = 8) -> Simulation:
+    """Simulate a segment of an asynchronous schedule: ``windows`` windows of ``micro_batches``
+    micro-batches each, then the drain (the lists ``validate_async`` proves and the executor runs).
+
+    ``step_time`` is the steady-state time per window (per Lightning training step), measured between
+    the ends of windows ``windows // 2`` and ``windows - 1`` (the latest window end over devices), and
+    ``busy`` is compute per window over the same range; ``events`` cover the whole segment.
+    """
+    if windows < 3:
+        raise ValueError(f"simulate_async needs windows >= 3 to reach a steady state, got {windows}.")
+    segment = validate_async(name, stages, micro_batches, windows)
+    timed, peak = _timeline(segment.actions, stages, stages, costs)
+    # index of the last action of every window on every device
+    ends: list[list[int]] = []
+    for d in range(stages):
+        lengths = [len(async_schedule(name, stages, micro_batches, t).actions[d]) for t in range(windows)]
+        cumulative, total = [], 0
+        for n in lengths:
+            total += n
+            cumulative.append(total - 1)
+        ends.append(cumulative)
+    first, last = windows // 2, windows - 1
+
+    def window_end(t: int) -> float:
+        return max(timed[d][ends[d][t]].end for d in range(stages))
+
+    span = last - first
+    step_time = (window_end(last) - window_end(first)) / span
+    busy = [_busy(timed[d][ends[d][first] + 1 : ends[d][last] + 1]) / span for d in range(stages)]
+    return _summary(timed, peak, step_time, busy, weight_copies(name, stages, micro_batches))
+
+
+def closed_form_step_time(name: str, stage_times: Sequence[float], micro_batches: int, chunks: int = 1) -> float:
+    """ALGORITHMS.md section 12 step 2: predicted time per mini-batch from per-device times ``t_d``
+    (forward + backward of one micro-batch, all chunks of the device summed).
+
+    Flushing schedules ``(M-1) t* + sum t_d``; interleaved ``M t* + (sum t_d - t*) / v``;
+    asynchronous ``M t*``, with ``t* = max t_d``.
+    """
+    worst, total = max(stage_times), sum(stage_times)
+    if name == "interleaved_1f1b":
+        return micro_batches * worst + (total - worst) / chunks
+    if name in ASYNC_SCHEDULES:
+        return micro_batches * worst
+    return (micro_batches - 1) * worst + total
+
+
+def main(
+    schedule: str = "1f1b",
+    stages: int = 4,
+    micro_batches: int = 8,
+    chunks: int = 1,
+    forward: float = 1.0,
+    backward: float = 2.0,
+    transfer: float = 0.0,
+    step: float = 0.0,
+    windows: int = 4,
+    png: str | None = None,
+    trace: str | None = None,
+) -> Simulation:
+    """Simulate a schedule on uniform costs, print the result, optionally draw it.
+
+    Args:
+        schedule: any synchronous or asynchronous schedule name.
+        stages: devices ``P``.
+        micro_batches: micro-batches per step ``M``.
+        chunks: chunks per device (``interleaved_1f1b``).
+        forward: forward time of one micro-batch on one virtual stage (milliseconds).
+        backward: backward time (milliseconds).
+        transfer: one-way time of a boundary message (milliseconds).
+        step: time of one optimizer STEP (milliseconds).
+        windows: asynchronous schedules: windows simulated before the drain.
+        png: write the timeline picture here.
+        trace: write a Chrome-trace JSON here.
+    """
+    ms = 1e-3
+    costs = Costs.uniform(stages * chunks, forward * ms, backward * ms, transfer * ms, step * ms)
+    if schedule in ASYNC_SCHEDULES:
+        sim = simulate_async(schedule, stages, micro_batches, costs, windows)
+        title = f"{schedule}: {stages} stages, M={micro_batches}, {windows} windows and the drain"
+    else:
+        from lightning_pipe.schedules import build_schedule
+
+        sim = simulate(build_schedule(schedule, stages, micro_batches, chunks), costs)
+        title = f"{schedule}: {stages} stages, M={micro_batches}" + (f", {chunks} chunks" if chunks > 1 else "")
+    print(f"{title}\n{sim.describe()}")
+    if png:
+        from lightning_pipe.plot import timeline_png
+
+        timeline_png(sim.events, png, title=f"{title} (simulated)")
+        print(f"wrote {png}")
+    if trace:
+        from lightning_pipe.plot import chrome_trace
+
+        chrome_trace(sim.events, trace)
+        print(f"wrote {trace}")
+    return sim
+
+
+if __name__ == "__main__":  # python -m lightning_pipe.simulate --schedule 1f1b --png timeline.png
+    from jsonargparse import CLI
+
+    CLI(main, as_positional=False)

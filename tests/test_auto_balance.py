@@ -1,0 +1,87 @@
+"""balance="auto" through Lightning on 2 processes: both ranks cut identically, training equals one device."""
+
+from __future__ import annotations
+
+import json
+
+import lightning as L
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from tests.launch import launch
+from tests.lightning_run import train
+from tests.test_strategy import assert_matches
+
+@pytest.mark.multiprocess
+def test_auto_balance_cuts_identically_and_equals_one_device(tmp_path):
+    cache = tmp_path / "profiles.json"
+    common = {"max_steps": 3, "batch_size": 16, "model": {"optimizer": "adam"}}
+    reference = train(common)
+    code, output, records = launch({
+        **common, "devices": 2,
+        "strategy": {"schedule": "1f1b", "micro_batches": 4, "balance": "auto", "profile_cache": str(cache)},
+    })
+    assert code == 0, output[-3000:]
+    counts = [r["counts"] for r in records]
+    assert counts[0] == counts[1] and sum(counts[0]) == 12 and len(counts[0]) == 2
+    assert_matches(reference, records, [0, 1])
+    assert "balance='auto'" in output and "predicted peak memory" in output and "ms/micro-batch" in output
+    assert len(json.loads(cache.read_text())) == 1  # rank 0 profiled once and cached it
+
+
+class DropoutNet(L.LightningModule):
+    """Randomness (dropout) and running statistics (BatchNorm) inside and before the trunk."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.pre = nn.BatchNorm1d(8)
+        self.model = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Dropout(0.5), nn.Tanh(), nn.Linear(16, 4))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = F.cross_entropy(self.model(self.pre(x)), y)
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+class ShuffledData(L.LightningDataModule):
+    def train_dataloader(self):
+        x = torch.randn(64, 8, generator=torch.Generator().manual_seed(1))
+        return DataLoader(TensorDataset(x, (x[:, 0] > 0).long()), batch_size=16, shuffle=True)
+
+
+def _fit(strategy, cache=None):
+    L.seed_everything(0, verbose=False)
+    model = DropoutNet()
+    losses = []
+
+    class Losses(L.Callback):
+        def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+            losses.append(float(outputs["loss"]))
+
+    trainer = L.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_epochs=2, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        callbacks=[Losses()])
+    trainer.fit(model, datamodule=ShuffledData())
+    return losses, {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def test_profiling_at_setup_changes_nothing_about_the_run(tmp_path):
+    """The sample batch comes from the datamodule (shuffled); random states and BatchNorm statistics
+    are restored, so the run equals the same run with balance="uniform"."""
+    from lightning_pipe import PipeStrategy
+
+    want_losses, want_state = _fit(PipeStrategy(schedule="1f1b", micro_batches=2))
+    strategy = PipeStrategy(schedule="1f1b", micro_batches=2, balance="auto", profile_cache=str(tmp_path / "p.json"))
+    losses, state = _fit(strategy)
+    assert strategy._counts == [5] and strategy._plan is not None
+    assert losses == pytest.approx(want_losses, rel=1e-6)
+    for key, value in want_state.items():
+        torch.testing.assert_close(state[key], value, msg=key)

@@ -1,0 +1,178 @@
+"""One-device emulation (``Trainer(devices=1, strategy=PipeStrategy(stages=P))``) equals the literal
+reference of each asynchronous update rule, the distributed run, and (sync schedules) one device."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_pipe.async_options import AsyncOptions
+from lightning_pipe.emulation import AsyncEmulator
+from lightning_pipe.engine import split_micro_batches
+from lightning_pipe.partition import resolve_balance, stage_bounds
+from tests.lightning_run import TrunkModel, make_data, train
+
+EPOCHS, BATCH = 2, 16
+OPTIONS = {"pipemare_lr_warmup_steps": 5}
+
+
+def reference_stages(model: TrunkModel, stages: int) -> list[nn.Module]:
+    """The module cut like the strategy cuts it: code before the trunk on stage 0, the head on the last."""
+    bounds = stage_bounds(resolve_balance("uniform", model.model, stages))
+    parts = [list(model.model[a:b]) for a, b in bounds]
+    parts[0] = [model.pre, nn.ReLU(), *parts[0]]
+    parts[-1] = [*parts[-1], model.head]
+    return [nn.Sequential(*p) for p in parts]
+
+
+def emulator_for(model: TrunkModel, schedule: str, stages: int, micro: int, clip: float | None, interval: str | None,
+                 optimizers: list | None = None):
+    modules = reference_stages(model, stages)
+    optimizers = optimizers or [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in modules]
+    schedulers = [torch.optim.lr_scheduler.StepLR(o, step_size=2, gamma=0.5) for o in optimizers] if interval else []
+    emulator = AsyncEmulator(schedule, modules, optimizers, micro, lambda mb: mb[0],
+                             lambda out, mb: nn.functional.cross_entropy(out, mb[1]), AsyncOptions(**OPTIONS),
+                             schedulers if interval == "step" else None, clip_val=clip)
+    return emulator, schedulers
+
+
+def run_epochs(emulator, schedulers, interval, micro: int, epochs: int) -> list[float]:
+    x, y = make_data().tensors
+    losses = []
+    for _ in range(epochs):
+        for start in range(0, len(x), BATCH):
+            batch = (x[start:start + BATCH], y[start:start + BATCH])
+            losses.append(sum(emulator.train_window(split_micro_batches(batch, micro))) / micro)
+        emulator.drain()
+        if interval == "epoch":
+            for scheduler in schedulers:
+                scheduler.step()
+    return losses
+
+
+def reference(schedule: str, stages: int, micro: int, clip: float | None, interval: str | None) -> tuple[list[float], dict]:
+    model = TrunkModel(scheduler=interval or False)
+    emulator, schedulers = emulator_for(model, schedule, stages, micro, clip, interval)
+    return run_epochs(emulator, schedulers, interval, micro, EPOCHS), model.state_dict()
+
+
+def emulated(schedule: str, stages: int, micro: int, **config) -> dict:
+    strategy = {"schedule": schedule, "micro_batches": micro, "stages": stages, **OPTIONS, **config.pop("strategy", {})}
+    return train({"devices": 1, "epochs": EPOCHS, "batch_size": BATCH, "strategy": strategy,
+                  "trainer": {"log_every_n_steps": 1, **config.pop("trainer", {})}, **config})
+
+
+CASES = [
+    (schedule, stages, micro)
+    for schedule in ("pipedream", "pipedream_2bw", "pipemare", "xpipe")
+    for stages in (2, 4)
+    for micro in (1, 2)
+    if not (schedule == "pipedream_2bw" and micro < stages)
+]
+
+
+@pytest.mark.parametrize("schedule,stages,micro", CASES)
+def test_emulation_equals_reference(schedule, stages, micro):
+    """Losses per step and final weights; clipping per stage and per-stage lr schedulers (step interval
+    for pipedream/pipemare, Lightning's epoch interval for the others) in the stages=2 cases."""
+    clip, interval = (0.5, "step" if schedule in ("pipedream", "pipemare") else "epoch") if stages == 2 else (None, None)
+    trainer = {"gradient_clip_val": clip} if clip else {}
+    got = emulated(schedule, stages, micro, model={"scheduler": interval or False}, trainer=trainer)
+    want_losses, want_state = reference(schedule, stages, micro, clip, interval)
+    assert [m["train_loss"] for m in got["metrics"]] == pytest.approx(want_losses, rel=1e-5)
+    assert got["global_step"] == len(want_losses)
+    for key, value in want_state.items():
+        torch.testing.assert_close(got["state"][key], value, rtol=1e-5, atol=1e-6, msg=key)
+    last = got["metrics"][-1]
+    assert all(f"pipe/stage{s}/weight_copies" in last for s in range(stages))
+    assert last[f"pipe/stage{stages - 1}/staleness"] == 0.0 and last["pipe/stage0/staleness"] > 0
+
+
+def test_emulation_equals_distributed_run():
+    """The 2-process run and the emulation log the same losses, weights and per-stage diagnostics."""
+    from tests.launch import launch
+
+    config = {"epochs": EPOCHS, "batch_size": BATCH, "model": {"scheduler": "step"},
+              "trainer": {"gradient_clip_val": 0.5, "log_every_n_steps": 1},
+              "strategy": {"schedule": "pipemare", "micro_batches": 4, **OPTIONS}}
+    code, output, records = launch({**config, "devices": 2})
+    assert code == 0, output[-3000:]
+    got = train({**config, "strategy": {**config["strategy"], "stages": 2}})
+    want = records[0]
+    assert len(got["metrics"]) == len(want["metrics"])
+    for mine, theirs in zip(got["metrics"], want["metrics"]):
+        assert mine.keys() == theirs.keys()
+        for key in mine:
+            assert mine[key] == pytest.approx(theirs[key], rel=1e-5, abs=1e-7), key
+    owners = (("pre.", "model.0.", "model.2.", "model.4."), ("model.6.", "model.8.", "model.10.", "head."))
+    for record, prefixes in zip(records, owners):
+        for key, value in got["state"].items():
+            if key.startswith(prefixes):
+                torch.testing.assert_close(value, record["state"][key], rtol=1e-5, atol=1e-6, msg=key)
+
+
+@pytest.mark.parametrize("schedule,extra", [("gpipe", {}), ("1f1b", {}), ("interleaved_1f1b", {"micro_batches": 4})])
+def test_sync_emulation_equals_one_device(schedule, extra):
+    """Training, then validate / test / predict through the emulated forward-only pipeline."""
+    one = train({"epochs": 1, "batch_size": BATCH, "evaluate": True})
+    got = train({"epochs": 1, "batch_size": BATCH, "evaluate": True,
+                 "strategy": {"schedule": schedule, "stages": 2, "micro_batches": 2, **extra}})
+    assert [m["train_loss"] for m in got["metrics"]] == pytest.approx([m["train_loss"] for m in one["metrics"]], rel=1e-5)
+    for key in ("validate", "test"):
+        assert got[key][0] == pytest.approx(one[key][0], rel=1e-5), key
+    torch.testing.assert_close(torch.cat(got["predict"]), torch.cat(one["predict"]), rtol=1e-5, atol=1e-6)
+    for key, value in one["state"].items():
+        torch.testing.assert_close(got["state"][key], value, rtol=1e-5, atol=1e-6, msg=key)
+
+
+def test_sync_warmup_then_asynchronous():
+    """Epoch 0 is one-device training (1f1b); epoch 1 is the reference started from its weights and
+    momentum (each stage's optimizer takes the state of its parameters)."""
+    got = emulated("xpipe", 2, 2, strategy={"sync_warmup_epochs": 1})
+    one = train({"epochs": 1, "batch_size": BATCH})
+    losses = [m["train_loss"] for m in got["metrics"]]
+    assert losses[:6] == pytest.approx([m["train_loss"] for m in one["metrics"]], rel=1e-5)
+
+    model = TrunkModel()  # replay epoch 0 by hand, then hand the stages to the reference
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    x, y = make_data().tensors
+    for start in range(0, len(x), BATCH):
+        optimizer.zero_grad()
+        nn.functional.cross_entropy(model(x[start:start + BATCH]), y[start:start + BATCH]).backward()
+        optimizer.step()
+    modules = reference_stages(model, 2)
+    optimizers = []
+    for module in modules:
+        stage = torch.optim.SGD(module.parameters(), lr=0.1, momentum=0.9)
+        for p in module.parameters():
+            stage.state[p] = optimizer.state[p]
+        optimizers.append(stage)
+    emulator, _ = emulator_for(model, "xpipe", 2, 2, None, None, optimizers)
+    assert losses[6:] == pytest.approx(run_epochs(emulator, [], None, 2, 1), rel=1e-5)
+    for key, value in model.state_dict().items():
+        torch.testing.assert_close(got["state"][key], value, rtol=1e-5, atol=1e-6, msg=key)
+    assert "pipe/stage0/staleness" not in got["metrics"][5] and got["metrics"][-1]["pipe/stage0/prediction_norm"] > 0
+
+
+@pytest.mark.parametrize("schedule", ["pipedream_2bw", "pipemare"])
+def test_resume_continues_like_an_uninterrupted_run(schedule, tmp_path):
+    """The checkpoint holds every stage's policy state and optimizer share in one-device format."""
+    whole = emulated(schedule, 2, 2, model={"scheduler": "step"})
+    ckpt = str(tmp_path / "epoch1.ckpt")
+    emulated(schedule, 2, 2, model={"scheduler": "step"}, epochs=1, ckpt_out=ckpt)
+    resumed = emulated(schedule, 2, 2, model={"scheduler": "step"}, ckpt_path=ckpt)
+    for key, value in whole["state"].items():
+        torch.testing.assert_close(resumed["state"][key], value, rtol=1e-6, atol=1e-7, msg=key)
+    assert [m["train_loss"] for m in resumed["metrics"]] == pytest.approx([m["train_loss"] for m in whole["metrics"]][6:], rel=1e-6)
+    saved = torch.load(ckpt, weights_only=False)
+    assert len(saved["pipe_async_state"]) == 2
+    fresh = TrunkModel()  # the file is an ordinary one-device checkpoint
+    fresh.load_state_dict(saved["state_dict"])
+    plain = torch.optim.SGD(fresh.parameters(), lr=0.1, momentum=0.9)
+    plain.load_state_dict({k: v for k, v in saved["optimizer_states"][0].items() if k != "pipe_param_names"})
+
+
+def test_emulation_rejects_parameters_shared_across_stages():
+    with pytest.raises(Exception, match="parameters pre.weight are used on several stages"):
+        emulated("pipedream", 2, 2, model={"tie": True})

@@ -1,0 +1,130 @@
+"""The schedule simulator against closed forms, and the timeline pictures."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from lightning_pipe.plot import chrome_trace, timeline_png
+from lightning_pipe.schedules import ASYNC_SCHEDULES, STEP, B, F, Kind, Schedule, ScheduleError, build_schedule
+from lightning_pipe.simulate import Costs, TimedAction, closed_form_step_time, simulate, simulate_async, weight_copies
+
+durations = st.floats(min_value=0.1, max_value=10.0, allow_nan=False)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.sampled_from(["gpipe", "1f1b"]), st.integers(1, 6), st.integers(1, 12), durations, durations)
+def test_flush_step_time_is_the_closed_form(name: str, stages: int, micro_batches: int, f: float, b: float) -> None:
+    sim = simulate(build_schedule(name, stages, micro_batches), Costs.uniform(stages, f, b))
+    expected = closed_form_step_time(name, [f + b] * stages, micro_batches)
+    assert sim.step_time == pytest.approx(expected, rel=1e-9)
+    assert expected == pytest.approx((micro_batches + stages - 1) * (f + b))
+    # the idle fraction of ALGORITHMS.md section 2
+    assert sim.bubble_fraction == pytest.approx((stages - 1) / (micro_batches + stages - 1), abs=1e-9)
+    assert sim.busy == pytest.approx([micro_batches * (f + b)] * stages)
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.integers(2, 4), st.integers(1, 3), st.integers(2, 3), durations, durations)
+def test_interleaved_step_time_is_the_closed_form(stages: int, groups: int, chunks: int, f: float, b: float) -> None:
+    micro_batches = stages * groups
+    sim = simulate(build_schedule("interleaved_1f1b", stages, micro_batches, chunks), Costs.uniform(stages * chunks, f, b))
+    expected = closed_form_step_time("interleaved_1f1b", [chunks * (f + b)] * stages, micro_batches, chunks)
+    assert sim.step_time == pytest.approx(expected, rel=1e-9)
+
+
+def test_transfer_adds_latency_and_step_its_cost() -> None:
+    stages, m, f, b, c, s = 3, 4, 1.0, 2.0, 0.25, 0.5
+    sim = simulate(build_schedule("gpipe", stages, m), Costs.uniform(stages, f, b, transfer=c, step=s))
+    # forwards and backwards each cross P-1 boundaries once on the critical path
+    assert sim.step_time == pytest.approx((m + stages - 1) * (f + b) + 2 * (stages - 1) * c + s)
+    steps = [e for e in sim.events if e.action.kind is Kind.STEP]
+    assert len(steps) == stages and all(e.duration == pytest.approx(s) for e in steps)
+
+
+def test_uneven_stages_bottleneck() -> None:
+    costs = Costs(forward=[1.0, 3.0], backward=[2.0, 6.0])
+    sim = simulate(build_schedule("1f1b", 2, 6), costs)
+    assert sim.step_time == pytest.approx(closed_form_step_time("1f1b", [3.0, 9.0], 6))
+    assert sim.busy == pytest.approx([18.0, 54.0])
+
+
+@pytest.mark.parametrize("stages,micro_batches", [(2, 4), (4, 8), (4, 2), (3, 3)])
+def test_peak_activations(stages: int, micro_batches: int) -> None:
+    costs = Costs.uniform(stages, 1.0, 2.0)
+    gpipe = simulate(build_schedule("gpipe", stages, micro_batches), costs)
+    one_f_one_b = simulate(build_schedule("1f1b", stages, micro_batches), costs)
+    assert gpipe.peak_activations == [micro_batches] * stages
+    assert one_f_one_b.peak_activations == [min(stages - s, micro_batches) for s in range(stages)]
+    evaluation = simulate(build_schedule("1f1b", stages, micro_batches, forward_only=True), costs)
+    assert evaluation.peak_activations == [1] * stages
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    st.sampled_from(ASYNC_SCHEDULES), st.integers(2, 4), st.integers(1, 6),
+    st.lists(st.tuples(durations, durations), min_size=4, max_size=4),
+)
+def test_async_steady_state_has_no_bubble(name: str, stages: int, micro_batches: int, times: list) -> None:
+    if name == "pipedream_2bw" and micro_batches < stages:
+        micro_batches = stages
+    f, b = [t[0] for t in times[:stages]], [t[1] for t in times[:stages]]
+    sim = simulate_async(name, stages, micro_batches, Costs(f, b), windows=3 * stages + 2)
+    # ALGORITHMS.md section 5: time per micro-batch is the slowest stage's F + B
+    worst = max(x + y for x, y in zip(f, b))
+    assert sim.step_time == pytest.approx(micro_batches * worst, rel=1e-9)
+    assert sim.step_time == pytest.approx(closed_form_step_time(name, [x + y for x, y in zip(f, b)], micro_batches))
+    assert sim.peak_activations == [stages - s for s in range(stages)]  # w_s + 1 in flight
+
+
+def test_async_uniform_is_bubble_free_and_counts_weight_copies() -> None:
+    sim = simulate_async("pipedream", 4, 2, Costs.uniform(4, 1.0, 2.0), windows=8)
+    assert sim.bubble_fraction == pytest.approx(0.0, abs=1e-12)
+    assert sim.weight_copies == [4, 3, 3, 2]  # tau_bar = ceil((P-1-s)/M) stashes + 1, plus the master
+    assert weight_copies("pipedream_2bw", 4, 4) == [2] * 4
+    assert weight_copies("gpipe", 2, 4) == [1, 1]
+    assert weight_copies("avgpipe", 2, 4, replicas=3) == [4, 4]
+
+
+def test_generic_lists_without_communication() -> None:
+    """Merged or hand-written lists: compute only, any micro-batch numbering."""
+    actions = ((F(10), F(11), B(10), B(11), STEP), (F(10), B(10), F(11), B(11), STEP))
+    schedule = Schedule("custom", 2, 2, 1, actions)
+    sim = simulate(schedule, Costs.uniform(2, 1.0, 1.0))
+    ends = {(e.device, str(e.action)): e.end for e in sim.events}
+    assert ends[(1, "F10")] == 2.0 and ends[(0, "B10")] == 4.0 and ends[(0, "B11")] == 6.0
+    assert sim.weight_copies == []  # unknown name: no rule
+
+
+def test_deadlock_is_reported() -> None:
+    actions = ((B(0), F(0)), (F(0), B(0)))
+    with pytest.raises(ScheduleError, match="deadlock"):
+        simulate(Schedule("broken", 2, 1, 1, actions), Costs.uniform(2, 1.0, 1.0))
+
+
+def test_costs_must_fit_the_schedule() -> None:
+    with pytest.raises(ValueError, match="virtual stage"):
+        simulate(build_schedule("gpipe", 2, 2), Costs.uniform(3, 1.0, 1.0))
+
+
+def test_pictures_are_written(tmp_path) -> None:
+    sim = simulate(build_schedule("interleaved_1f1b", 2, 4, 2), Costs.uniform(4, 1e-3, 2e-3, 1e-4, 5e-4))
+    png = timeline_png(sim.events, tmp_path / "t.png", title="interleaved")
+    with open(png, "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    measured = [TimedAction(0, F(0), 0.0, 0.5), TimedAction(0, F(1), 0.5, 0.9), TimedAction(1, F(0), 0.0, 0.2)]
+    waits = [TimedAction(1, e.action, 0.2, 0.6) for e in sim.events if e.action.kind is Kind.RECV_ACTIVATION][:1]
+    timeline_png(measured + waits, tmp_path / "m.png", show_waits=True)
+    assert (tmp_path / "m.png").stat().st_size > 1000
+    path = chrome_trace(sim.events, tmp_path / "trace.json")
+    with open(path) as f:
+        trace = json.load(f)
+    complete = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    assert len(complete) == len(sim.events)
+    assert {e["tid"] for e in complete} == {0, 1}
+    assert min(e["ts"] for e in complete) == 0.0
+    forward = next(e for e in complete if e["name"] == "F1c1")
+    assert forward["args"] == {"micro_batch": 1, "chunk": 1}
