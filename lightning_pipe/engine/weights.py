@@ -77,6 +77,9 @@ class WeightPolicy:
         return self.stages - 1 - self.stage
 
     # -- hooks the executor calls --------------------------------------------------------------
+    def select(self, replica: int) -> None:
+        """Called before every compute, STEP and AVG with the action's replica (only avgpipe has several)."""
+
     def forward(self, g: int) -> ContextManager[Any]:
         self._steps_at_forward[g] = self.steps
         return nullcontext()
