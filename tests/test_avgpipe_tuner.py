@@ -58,3 +58,20 @@ def test_tuner_picks_the_best_feasible_and_breaks_ties():
     ranked = tune(flat, batch=16, max_replicas=2, micro_batch_choices=(1,), tie=1e-3)
     top = ranked[0]
     assert top.replicas == 1 or ranked[0].throughput > ranked[1].throughput * (1 + 1e-3)
+
+
+def test_auto_options_tune_at_fit_start():
+    """``parallel_pipelines="auto"``, ``micro_batches="auto"``: one process (one stage) profiles, picks and trains."""
+    import lightning as L
+    from torch.utils.data import DataLoader
+
+    from lightning_pipe import PipeStrategy
+    from tests.lightning_run import TrunkModel, make_data
+
+    strategy = PipeStrategy(schedule="avgpipe", parallel_pipelines="auto", micro_batches="auto")
+    trainer = L.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=2, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(TrunkModel(), DataLoader(make_data(64), batch_size=16))
+    n, m = strategy.avg_options.parallel_pipelines, strategy.micro_batches
+    assert 1 <= n <= 4 and 16 % n == 0 and (16 // n) % m == 0, (n, m)
+    assert trainer.global_step == 2 and strategy._avg.policy.replicas == n
