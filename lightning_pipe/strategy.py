@@ -536,6 +536,8 @@ class PipeStrategy(DDPStrategy):
     def _start_avg(self) -> None:
         """Create the replicas and the center at the first avgpipe round (after any checkpoint was restored)."""
         trainer = self.lightning_module.trainer
+        if getattr(self.precision_plugin, "scaler", None) is not None:
+            raise PipeConfigError("schedule='avgpipe' steps inside the pipeline without fp16 loss scaling; use precision='bf16-mixed' or 32.")
         optimizer = self.optimizers[0]
         optimizer = optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
         data_parallel = self.num_pipelines > 1
