@@ -14,7 +14,7 @@ from torch import Tensor, nn
 
 from lightning_pipe.engine import Executor
 from lightning_pipe.engine.averaging import ElasticAveraging
-from lightning_pipe.schedules import build_avgpipe, validate
+from lightning_pipe.schedules import Schedule, ScheduleError, build_avgpipe, validate
 
 
 @dataclass(frozen=True)
@@ -50,11 +50,20 @@ class AvgRuntime:
         self.options = options
         self.tagged = tagged
         self.policy: ElasticAveraging | None = None
+        self._checked: set[int] = set()
 
-    def schedule(self, micro_batches: int):
+    def schedule(self, micro_batches: int) -> Schedule:
+        """The merged schedule of a round with ``micro_batches`` micro-batches per replica."""
         schedule = build_avgpipe(self.stages, micro_batches, self.options.parallel_pipelines, self.options.advance_forward)
-        if not self.tagged:
-            validate(schedule, replica_channels=False)
+        if not self.tagged and micro_batches not in self._checked:
+            try:
+                validate(schedule, replica_channels=False)
+            except ScheduleError as error:
+                raise ScheduleError(
+                    f"{error} An untagged backend (NCCL) needs one FIFO order across avgpipe replicas; use gloo, "
+                    "parallel_pipelines=1 or another micro_batches."
+                ) from None
+            self._checked.add(micro_batches)
         return schedule
 
     def start(

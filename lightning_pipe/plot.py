@@ -160,7 +160,7 @@ def chrome_trace(
     for i, event in enumerate(events):
         action = event.action
         fields: dict[str, Any] = {"micro_batch": action.micro_batch, "chunk": action.chunk}
-        if action.replica:  # avgpipe's parallel pipelines
+        if action.replica:  # avgpipe's replicas; every other schedule has only replica 0
             fields["replica"] = action.replica
         if args is not None:
             fields.update(args[i])

@@ -129,7 +129,10 @@ class PipeStrategy(DDPStrategy):
             or ``"auto"`` (by optimizer type).
         parallel_pipelines: avgpipe: pipeline replicas ``N`` on the same devices. Each Lightning batch is
             split into ``N`` replica mini-batches (so the batch size is ``N × B``), each into
-            ``micro_batches`` micro-batches. The logged loss is the mean over replicas.
+            ``micro_batches`` micro-batches. The logged loss is the mean over replicas. ``"auto"`` (and
+            ``micro_batches="auto"``, avgpipe only): at fit start rank 0 profiles the trunk on the first
+            batch at three micro-batch sizes and picks the values of best predicted throughput
+            (ALGORITHMS.md section 13; ``docs/avgpipe.md``).
         avgpipe_alpha: avgpipe: elastic averaging rate; ``None`` means ``0.9 / parallel_pipelines``.
         avgpipe_period: avgpipe: average every that many rounds (batches).
         avgpipe_averaging: avgpipe: ``"async"`` (each replica averages right after its step) or
@@ -160,7 +163,7 @@ class PipeStrategy(DDPStrategy):
     def __init__(
         self,
         schedule: ScheduleName = "1f1b",
-        micro_batches: int = 4,
+        micro_batches: int | Literal["auto"] = 4,
         stages: int | None = None,
         pipelines: int = 1,
         balance: str | list[int] = "uniform",
@@ -174,7 +177,7 @@ class PipeStrategy(DDPStrategy):
         pipemare_correction: bool = True,
         pipemare_correction_decay: float = 0.9,
         xpipe_prediction: Prediction = "auto",
-        parallel_pipelines: int = 2,
+        parallel_pipelines: int | Literal["auto"] = 2,
         avgpipe_alpha: float | None = None,
         avgpipe_period: int = 1,
         avgpipe_averaging: Literal["async", "sync"] = "async",
@@ -218,7 +221,10 @@ class PipeStrategy(DDPStrategy):
         self.async_options = AsyncOptions(
             pipemare_lr_reschedule, pipemare_lr_warmup_steps, pipemare_correction, pipemare_correction_decay, xpipe_prediction
         )
-        self.avg_options = AvgOptions(parallel_pipelines, avgpipe_alpha, avgpipe_period, avgpipe_averaging, advance_forward)
+        # "auto" (avgpipe's tuner) is resolved at setup; until then the options hold a placeholder of 1
+        self._avg_auto = {"parallel_pipelines": parallel_pipelines, "micro_batches": micro_batches}
+        self.avg_options = AvgOptions(parallel_pipelines if parallel_pipelines != "auto" else 1, avgpipe_alpha,
+                                      avgpipe_period, avgpipe_averaging, advance_forward)
         self._avg: AvgRuntime | None = None
         self._avg_resume: dict[str, Any] | None = None  # a checkpoint's replicas, applied at the first round
         self.trace_dir, self.trace_steps = trace_dir, trace_steps
@@ -278,8 +284,11 @@ class PipeStrategy(DDPStrategy):
         super().connect(model)
         stages = self.num_stages
         self._counts = check_module(  # balance="auto" is resolved in setup; check the layer count now
-            model, self.module, "uniform" if self.balance == "auto" else self.balance, stages * self.chunks_per_stage, self.schedule, stages, self.micro_batches
+            model, self.module, "uniform" if self.balance == "auto" else self.balance, stages * self.chunks_per_stage, self.schedule, stages,
+            self.micro_batches if self.micro_batches != "auto" else 1,
         )
+        if "auto" in self._avg_auto.values() and self.balance == "auto":
+            raise PipeConfigError("balance='auto' needs a fixed micro_batches; give layer counts or fix the avgpipe options.")
 
     def setup_environment(self) -> None:
         super().setup_environment()
@@ -299,6 +308,8 @@ class PipeStrategy(DDPStrategy):
             if self.balance == "auto":
                 self._plan = self._auto_balance(trainer, module)
                 self._counts = self._plan.balance
+            if "auto" in self._avg_auto.values():
+                self._tune_avgpipe(trainer, module)
             self._partition = self._cut(module)
             self._outside = OutsideParameters(module, self._partition.name, self._topology)
             rank_zero_info(self.describe())
@@ -341,6 +352,23 @@ class PipeStrategy(DDPStrategy):
         for metric in module.modules():
             if isinstance(metric, Metric):
                 metric.process_group = self._topology.stage_group
+
+    def _tune_avgpipe(self, trainer: Trainer, module: LightningModule) -> None:
+        """``parallel_pipelines`` / ``micro_batches`` = ``"auto"``: rank 0 profiles and tunes, every rank adopts it."""
+        from dataclasses import replace
+
+        from lightning_pipe.avg_autotune import agreed, describe, profile_and_tune
+
+        def work() -> Any:
+            with self.precision_plugin.train_step_context():
+                return profile_and_tune(trainer, module, self.module, list(self._counts), self._avg_auto["parallel_pipelines"],
+                                        self._avg_auto["micro_batches"], self.avg_options.advance_forward, self.root_device)
+
+        best, ranked = agreed(self.global_rank == 0, self.world_size, work)
+        rank_zero_info(describe(ranked))
+        self.micro_batches = best.micro_batches
+        self.avg_options = replace(self.avg_options, parallel_pipelines=best.replicas)
+        self._avg_auto = {"parallel_pipelines": best.replicas, "micro_batches": best.micro_batches}
 
     def _auto_balance(self, trainer: Trainer, module: LightningModule) -> Plan:
         """Rank 0 profiles and splits (auto_balance.py); every rank receives the same plan."""
@@ -508,6 +536,8 @@ class PipeStrategy(DDPStrategy):
     def _start_avg(self) -> None:
         """Create the replicas and the center at the first avgpipe round (after any checkpoint was restored)."""
         trainer = self.lightning_module.trainer
+        if getattr(self.precision_plugin, "scaler", None) is not None:
+            raise PipeConfigError("schedule='avgpipe' steps inside the pipeline without fp16 loss scaling; use precision='bf16-mixed' or 32.")
         optimizer = self.optimizers[0]
         optimizer = optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
         data_parallel = self.num_pipelines > 1

@@ -38,7 +38,7 @@ def check_trace_options(trace_dir: str | None, trace_steps: int) -> None:
 def events_from_rows(rows: list[dict[str, Any]]) -> tuple[list[TimedAction], list[int]]:
     """Inverse of :meth:`ActionRecorder.rows`: the events and their steps."""
     events = [
-        TimedAction(r["device"], Action(Kind(r["kind"]), r["micro_batch"], r["chunk"]), r["start"], r["end"]) for r in rows
+        TimedAction(r["device"], Action(Kind(r["kind"]), r["micro_batch"], r["chunk"], r.get("replica", 0)), r["start"], r["end"]) for r in rows
     ]
     return events, [r["step"] for r in rows]
 

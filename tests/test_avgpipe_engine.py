@@ -128,7 +128,7 @@ def one_device(case: tuple) -> list[float]:
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
     return losses, trunk.state_dict()
 
 
