@@ -286,7 +286,7 @@ def simulate_async(name: str, stages: int, micro_batches: int, costs: Costs, win
     micro-batches each, then the drain (the lists ``validate_async`` proves and the executor runs).
 
     ``step_time`` is the steady-state time per window (per Lightning training step), measured between
-    the ends of windows ``windows // 2`` and ``windows - 1`` (the latest window end over devices), and
+    the ends of windows ``windows // 2`` and ``windows - 1`` on the device whose pace is slowest, and
     ``busy`` is compute per window over the same range; ``events`` cover the whole segment.
     """
     if windows < 3:
@@ -304,11 +304,10 @@ def simulate_async(name: str, stages: int, micro_batches: int, costs: Costs, win
         ends.append(cumulative)
     first, last = windows // 2, windows - 1
 
-    def window_end(t: int) -> float:
-        return max(timed[d][ends[d][t]].end for d in range(stages))
-
     span = last - first
-    step_time = (window_end(last) - window_end(first)) / span
+    # the slowest device's own pace: in the long run every device runs at it, while within a finite
+    # segment a nearly-as-slow device can still be eating into its start-up slack
+    step_time = max((timed[d][ends[d][last]].end - timed[d][ends[d][first]].end) / span for d in range(stages))
     busy = [_busy(timed[d][ends[d][first] + 1 : ends[d][last] + 1]) / span for d in range(stages)]
     return _summary(timed, peak, step_time, busy, weight_copies(name, stages, micro_batches))
 
