@@ -7,7 +7,9 @@ batch 128, 4 micro-batches, 2 stages in 2 CPU processes, 10 epochs, seeds 0, 1, 
 * ``gpipe``, ``1f1b``: flushing schedules (both equal one-device training);
 * ``pipedream``, ``pipedream_2bw``, ``xpipe``: asynchronous schedules with their defaults;
 * ``pipemare``: PipeMare with T1 (lr rescheduling) and T2 (discrepancy correction), the defaults;
-* ``pipemare_plain``: PipeMare without either technique.
+* ``pipemare_plain``: PipeMare without either technique;
+* ``avgpipe``: two parallel pipelines on the same processes joined by elastic averaging (defaults:
+  alpha 0.45, every round, asynchronous); each replica trains on half of every batch of 128.
 
     python benchmarks/accuracy.py                                   # the full sweep (resumes)
     python benchmarks/accuracy.py --epochs 1 --seeds 0 --limit-train 4096 --no-docs   # smoke test
@@ -49,6 +51,8 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "pipemare": {"schedule": "pipemare"},  # T1 + T2, the defaults
     "pipemare_plain": {"schedule": "pipemare", "pipemare_lr_reschedule": False, "pipemare_correction": False},
     "xpipe": {"schedule": "xpipe"},
+    # 2 replicas on the same 2 processes: each Lightning batch of 128 gives each replica 64 samples
+    "avgpipe": {"schedule": "avgpipe", "parallel_pipelines": 2},
 }
 SYNC_VARIANTS = ("gpipe", "1f1b")
 BASELINE = "gpipe"

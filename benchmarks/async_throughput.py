@@ -39,13 +39,17 @@ from lightning_pipe.schedules import ASYNC_SCHEDULES, async_schedule  # noqa: E4
 class AsyncEngine(Variant):
     """One window of an asynchronous schedule per step (the stream never drains while timed)."""
 
-    def __init__(self, schedule: str, workload: Workload, micro_batches: int, rank: int, group: Any) -> None:
-        self.name = f"ours {schedule}"
+    def __init__(self, schedule: str, workload: Workload, micro_batches: int, rank: int, group: Any,
+                 copy_loads: bool = False) -> None:
+        self.name = f"ours {schedule}" + (" (copy loads)" if copy_loads else "")
         self.schedule = schedule
         self.samples_per_step = workload.batch
         self.micro_batches = micro_batches
         layers = stage_layers(workload, rank)
-        policy = POLICIES[schedule](layers, sgd(layers.parameters()), rank, STAGES, micro_batches)
+        policy_class = POLICIES[schedule]
+        if copy_loads:  # the live policies as they were before loads became storage exchanges
+            policy_class = type(f"Copying{policy_class.__name__}", (policy_class,), {"exchange_values": False})
+        policy = policy_class(layers, sgd(layers.parameters()), rank, STAGES, micro_batches)
         loss = workload.loss
         stage = SequentialStage(
             layers,
@@ -74,6 +78,8 @@ def worker(rank: int, workload_name: str, micro_batches: int, args: dict[str, An
     ]
     for schedule in args["schedules"]:
         variants.append(AsyncEngine(schedule, workload, micro_batches, rank, dist.new_group(backend="gloo")))
+    for schedule in args["copy_loads"]:
+        variants.append(AsyncEngine(schedule, workload, micro_batches, rank, dist.new_group(backend="gloo"), True))
     clocks = timed_windows(variants, args["windows"], args["steps_per_window"], args["warmup_steps"], dist.barrier, {})
     return {"workload": workload_name, "micro_batches": micro_batches, "windows": gather_windows(clocks)}
 
@@ -88,7 +94,7 @@ def report(jobs: list[dict[str, Any]]) -> str:
         rate = {name: [w["samples"] / w["seconds"] for w in ws] for name, ws in windows.items()}
         limit = [2 * x for x in rate["single thread"]]
         machine = [w["samples"] / max(r["compute_seconds"] for r in w["ranks"]) for w in windows["stages at once, no communication"]]
-        for name in ["ours gpipe", *(f"ours {s}" for s in job["schedules"])]:
+        for name in ["ours gpipe", *(n for n in windows if n.startswith("ours ") and n != "ours gpipe")]:
             values = rate[name]
 
             def ratio(reference: list[float]) -> str:
@@ -113,12 +119,14 @@ def main() -> None:
     parser.add_argument("--workloads", nargs="+", default=["W1", "W2"], choices=sorted(WORKLOADS))
     parser.add_argument("--micro-batches", type=int, nargs="+", default=[4])
     parser.add_argument("--schedules", nargs="+", default=list(ASYNC_SCHEDULES), choices=ASYNC_SCHEDULES)
+    parser.add_argument("--copy-loads", nargs="*", default=[], choices=("pipemare", "xpipe"),
+                        help="also time these live policies with copied instead of exchanged loads")
     parser.add_argument("--windows", type=int, default=5, help="timed windows per variant")
     parser.add_argument("--steps-per-window", type=int, default=4)
     parser.add_argument("--warmup-steps", type=int, default=3)
     parser.add_argument("--timeout", type=float, default=1200.0, help="seconds per job before its processes are killed")
     args = parser.parse_args()
-    options = {k: getattr(args, k) for k in ("schedules", "windows", "steps_per_window", "warmup_steps")}
+    options = {k: getattr(args, k) for k in ("schedules", "copy_loads", "windows", "steps_per_window", "warmup_steps")}
     jobs = []
     for workload in args.workloads:
         for m in args.micro_batches:

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import statistics
 import sys
 import time
@@ -226,11 +227,26 @@ def _ms(values: list[float]) -> str:
     return f"{statistics.median(values) * 1e3:.2f}"
 
 
-def report(jobs: list[dict[str, Any]]) -> str:
+def quiet_rounds(job: dict[str, Any], max_load: float) -> list[int]:
+    """Rounds in which other processes used at most ``max_load`` cores during every schedule's window."""
+    windows = job["windows"]
+    return [w for w in range(len(job["costs"])) if all(v[w]["other_load"] <= max_load for v in windows.values())]
+
+
+def report(jobs: list[dict[str, Any]], max_load: float = 0.25, min_rounds: int = 2) -> str:
+    selected, notes = [], []
+    for job in jobs:
+        keep = quiet_rounds(job, max_load)
+        note = f"{job['workload']} M={job['micro_batches']}: {len(keep)}/{len(job['costs'])}"
+        if len(keep) < min_rounds:
+            keep, note = list(range(len(job["costs"]))), note + " (too few quiet, all kept)"
+        notes.append(note)
+        selected.append({**job, "costs": [job["costs"][w] for w in keep],
+                         "windows": {name: [v[w] for w in keep] for name, v in job["windows"].items()}})
     lines = []
     lines.append("| workload | M | schedule | costs | forward ms, stage 0/1 | backward ms | STEP ms | transfer ms |")
     lines.append("|---|---|---|---|---|---|---|---|")
-    for job in jobs:
+    for job in selected:
         wl, m, rounds = job["workload"], job["micro_batches"], job["costs"]
         for schedule in (*SYNC, *ASYNC_SCHEDULES):
             for mode in ("alone", "together"):
@@ -245,7 +261,7 @@ def report(jobs: list[dict[str, Any]]) -> str:
         "simulated, costs together | ratio | other load |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
-    for job in jobs:
+    for job in selected:
         wl, m, rounds = job["workload"], job["micro_batches"], job["costs"]
         for schedule in (*SYNC, *ASYNC_SCHEDULES):
             windows = job["windows"][f"ours {schedule}"]
@@ -262,7 +278,8 @@ def report(jobs: list[dict[str, Any]]) -> str:
             )
     lines.append(
         "\nSimulated columns: median over rounds of the prediction from that round's costs; ratio: median over rounds of "
-        "simulated / measured in the same round. other load: cores used by other processes during the schedule's windows."
+        "simulated / measured in the same round. other load: cores used by other processes during the schedule's windows "
+        f"(median). Rounds kept (every schedule's window with other load <= {max_load} cores): {', '.join(notes)}."
     )
     return "\n".join(lines)
 
@@ -271,14 +288,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--workloads", nargs="+", default=["W1", "W2"], choices=sorted(WORKLOADS))
     parser.add_argument("--micro-batches", type=int, nargs="+", default=[4])
-    parser.add_argument("--windows", type=int, default=5, help="timed windows per schedule")
-    parser.add_argument("--steps-per-window", type=int, default=4)
+    parser.add_argument("--windows", type=int, default=5, help="rounds: cost measurement, then one timed window per schedule")
+    parser.add_argument("--steps-per-window", type=int, default=3)
     parser.add_argument("--warmup-steps", type=int, default=3)
     parser.add_argument("--cost-windows", type=int, default=1,
                         help="windows (steps) of every stage's solo run per round and schedule, after one of warm-up")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per job before its processes are killed")
+    parser.add_argument("--json", type=Path, default=None, help="also write every round's raw numbers here")
     parser.add_argument("--trace", type=Path, default=None,
                         help="also record one step of every schedule and write measured and simulated timelines here")
+    parser.add_argument("--max-other-load", type=float, default=0.25,
+                        help="leave out rounds in which other processes used more cores than this (all kept if < 2 remain)")
     parser.add_argument("--quiet-wait", type=float, default=60.0,
                         help="before each job wait up to this many seconds for other processes to go idle")
     args = parser.parse_args()
@@ -293,7 +313,10 @@ def main() -> None:
             start = time.monotonic()
             jobs.append(run_job(worker, workload, m, options, timeout=args.timeout))
             print(f"  {time.monotonic() - start:.0f} s", file=sys.stderr, flush=True)
-    print(report(jobs))
+    if args.json:
+        args.json.write_text(json.dumps({"argv": sys.argv, "jobs": jobs}))
+        print(f"raw rounds: {args.json}", file=sys.stderr)
+    print(report(jobs, args.max_other_load))
     if args.trace:
         write_traces(jobs, args.trace)
 
@@ -303,6 +326,11 @@ def write_traces(jobs: list[dict[str, Any]], directory: Path) -> None:
     from lightning_pipe.plot import timeline_png
     from lightning_pipe.tracing import events_from_rows
 
+    print("\nOne recorded step per schedule (--trace), ms per stage 0/1: compute = forward + backward + STEP as "
+          "recorded, simulated = the same from the last round's costs (together), waits = receives waiting, "
+          "gaps = time between consecutive recorded actions of a stage (executor and Python overhead).\n")
+    print("| workload | M | schedule | step (measured) | compute | compute simulated | waits | gaps |")
+    print("|---|---|---|---|---|---|---|---|")
     for job in jobs:
         wl, m = job["workload"], job["micro_batches"]
         for schedule in (*SYNC, *ASYNC_SCHEDULES):
@@ -315,6 +343,23 @@ def write_traces(jobs: list[dict[str, Any]], directory: Path) -> None:
             else:
                 sim = simulate(build_schedule(schedule, STAGES, m), costs)
             timeline_png(sim.events, f"{stem}-simulated.png", title=f"{wl}, {schedule}, M={m}: simulated")
+            begin, end = min(e.start for e in events), max(e.end for e in events)
+            cells = {"compute": [], "simulated": [], "waits": [], "rest": []}
+            for rank in range(STAGES):
+                mine = [e for e in events if e.device == rank]
+                compute = sum(e.duration for e in mine if e.action.kind.is_compute or e.action.kind is Kind.STEP)
+                waits = sum(e.duration for e in mine if e.action.kind.is_recv)
+                simulated = sum(
+                    e.duration for e in sim.events
+                    if e.device == rank and (e.action.kind.is_compute or e.action.kind is Kind.STEP)
+                ) if schedule in SYNC else sim.busy[rank]
+                cells["compute"].append(compute)
+                cells["simulated"].append(simulated)
+                cells["waits"].append(waits)
+                mine.sort(key=lambda e: e.start)
+                cells["rest"].append(sum(max(0.0, b.start - a.end) for a, b in zip(mine, mine[1:])))
+            row = " | ".join("/".join(f"{x * 1e3:.1f}" for x in values) for values in cells.values())
+            print(f"| {wl} | {m} | {schedule} | {(end - begin) * 1e3:.1f} | {row} |")
             print(f"wrote {stem}-measured.png, {stem}-simulated.png", file=sys.stderr)
 
 

@@ -17,14 +17,19 @@ class PipeConfigError(ValueError):
     """A PipeStrategy option does not fit the Trainer or the module."""
 
 
-SCHEDULE_NAMES = (*SYNC_SCHEDULES, *ASYNC_SCHEDULES)
+SCHEDULE_NAMES = (*SYNC_SCHEDULES, *ASYNC_SCHEDULES, "avgpipe")
+#: Schedules whose optimizer steps happen inside the pipeline, not in Lightning's optimizer_step.
+STEPS_INSIDE = (*ASYNC_SCHEDULES, "avgpipe")
 
 
-def check_options(schedule: str, micro_batches: int, stages: int | None, pipelines: int, chunks_per_stage: int) -> None:
+def check_options(schedule: str, micro_batches: int | str, stages: int | None, pipelines: int, chunks_per_stage: int) -> None:
     """Checks that need neither the Trainer nor the module."""
     if schedule not in SCHEDULE_NAMES:
         raise PipeConfigError(f"schedule={schedule!r} is not available; choose one of {', '.join(SCHEDULE_NAMES)}.")
-    if micro_batches < 1:
+    if micro_batches == "auto":
+        if schedule != "avgpipe":
+            raise PipeConfigError(f"micro_batches='auto' needs schedule='avgpipe' (its tuner); give a number for {schedule!r}.")
+    elif micro_batches < 1:
         raise PipeConfigError(f"micro_batches={micro_batches} must be at least 1.")
     if stages is not None and stages < 1:
         raise PipeConfigError(f"stages={stages} must be at least 1.")
@@ -38,9 +43,23 @@ def check_options(schedule: str, micro_batches: int, stages: int | None, pipelin
         )
 
 
+def check_avgpipe_options(parallel_pipelines: int | str, alpha: float | None, period: int, averaging: str, advance: int) -> None:
+    """avgpipe's own options."""
+    if parallel_pipelines != "auto" and parallel_pipelines < 1:
+        raise PipeConfigError(f"parallel_pipelines={parallel_pipelines} must be at least 1 (or 'auto').")
+    if alpha is not None and not 0.0 <= alpha <= 1.0:
+        raise PipeConfigError(f"avgpipe_alpha={alpha} must lie in [0, 1] (None picks 0.9 / parallel_pipelines).")
+    if period < 1:
+        raise PipeConfigError(f"avgpipe_period={period} must be at least 1 (average every that many rounds).")
+    if averaging not in ("async", "sync"):
+        raise PipeConfigError(f"avgpipe_averaging={averaging!r} must be 'async' or 'sync'.")
+    if advance < 0:
+        raise PipeConfigError(f"advance_forward={advance} must be at least 0.")
+
+
 def check_async_trainer(schedule: str, accumulate_grad_batches: int, optimizers: int) -> None:
-    """Asynchronous schedules step inside the pipeline, once per mini-batch, with one optimizer."""
-    if schedule not in ASYNC_SCHEDULES:
+    """Asynchronous schedules and avgpipe step inside the pipeline, once per mini-batch, with one optimizer."""
+    if schedule not in STEPS_INSIDE:
         return
     if accumulate_grad_batches > 1:
         raise PipeConfigError(

@@ -5,7 +5,7 @@ Both take a list of :class:`~lightning_pipe.simulate.TimedAction`. The PNG has o
 forwards blue, backwards green, optimizer STEPs dark grey, time spent waiting for a receive (measured
 runs) hatched red, idle time light grey; the micro-batch number is written in each box. Chunks of
 interleaved schedules are shades of the same colour (later chunks lighter) and parallel pipelines
-(actions with a ``replica`` attribute) get distinct hatching.
+(avgpipe replicas) get distinct hatchings.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ def _style(event: TimedAction, show_waits: bool) -> tuple[str, str, str] | None:
     action = event.action
     if event.end <= event.start:
         return None  # nothing to see (sends, a STEP of zero cost)
-    hatch = _HATCHES[getattr(action, "replica", 0) % len(_HATCHES)]
+    hatch = _HATCHES[action.replica % len(_HATCHES)]
     if action.kind is Kind.FORWARD:
         return _shade(_FORWARD, action.chunk), hatch, str(action.micro_batch)
     if action.kind is Kind.BACKWARD:
@@ -160,7 +160,7 @@ def chrome_trace(
     for i, event in enumerate(events):
         action = event.action
         fields: dict[str, Any] = {"micro_batch": action.micro_batch, "chunk": action.chunk}
-        if hasattr(action, "replica"):
+        if action.replica:  # avgpipe's replicas; every other schedule has only replica 0
             fields["replica"] = action.replica
         if args is not None:
             fields.update(args[i])

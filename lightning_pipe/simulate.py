@@ -18,8 +18,8 @@ Model (the assumptions behind every number here):
 * a micro-batch's activations are held from the start of its forward to the end of its backward
   (forward-only lists: only during the forward).
 
-Dependencies are keyed by ``(virtual stage, micro-batch)``, never by schedule name, so lists with
-any micro-batch numbering work.
+Dependencies are keyed by ``(virtual stage, micro-batch)`` (and ``replica``, for actions that carry
+one), never by schedule name, so lists with any micro-batch numbering work.
 """
 
 from __future__ import annotations
@@ -185,29 +185,29 @@ def _timeline(
     last = virtual_stages - 1
     # with SEND actions in the lists, a message leaves at its SEND; without, when its compute ends
     explicit = any(a.kind.is_send for device in actions for a in device)
-    # (payload, receiving virtual stage, micro-batch) -> time the message is available there
-    arrival: dict[tuple[Kind, int, int | None], float] = {}
+    # (payload, receiving virtual stage, micro-batch, replica) -> time the message is available there
+    arrival: dict[tuple[Kind, int, int | None, int], float] = {}
     clock = [0.0] * stages
     position = [0] * stages
     timed: list[list[TimedAction]] = [[] for _ in range(stages)]
     held = [0] * stages
     peak = [0] * stages
 
-    def needs(action: Action, vs: int) -> tuple[Kind, int, int | None] | None:
+    def needs(action: Action, vs: int) -> tuple[Kind, int, int | None, int] | None:
         """The message ``action`` waits for, if any."""
-        kind = action.kind
+        kind, replica = action.kind, getattr(action, "replica", 0)  # merged lists of parallel pipelines
         if kind in (Kind.FORWARD, Kind.RECV_ACTIVATION) and vs > 0:
-            return (Kind.SEND_ACTIVATION, vs, action.micro_batch)
+            return (Kind.SEND_ACTIVATION, vs, action.micro_batch, replica)
         if kind in (Kind.BACKWARD, Kind.RECV_GRADIENT) and vs < last:
-            return (Kind.SEND_GRADIENT, vs, action.micro_batch)
+            return (Kind.SEND_GRADIENT, vs, action.micro_batch, replica)
         return None
 
     def publish(action: Action, vs: int, when: float) -> None:
-        payload = _PAYLOAD[action.kind]
+        payload, replica = _PAYLOAD[action.kind], getattr(action, "replica", 0)
         if payload is Kind.SEND_ACTIVATION and vs < last:
-            arrival[(payload, vs + 1, action.micro_batch)] = when + costs.link(vs)
+            arrival[(payload, vs + 1, action.micro_batch, replica)] = when + costs.link(vs)
         elif payload is Kind.SEND_GRADIENT and vs > 0:
-            arrival[(payload, vs - 1, action.micro_batch)] = when + costs.link(vs - 1)
+            arrival[(payload, vs - 1, action.micro_batch, replica)] = when + costs.link(vs - 1)
 
     progress = True
     while progress:
@@ -286,7 +286,7 @@ def simulate_async(name: str, stages: int, micro_batches: int, costs: Costs, win
     micro-batches each, then the drain (the lists ``validate_async`` proves and the executor runs).
 
     ``step_time`` is the steady-state time per window (per Lightning training step), measured between
-    the ends of windows ``windows // 2`` and ``windows - 1`` (the latest window end over devices), and
+    the ends of windows ``windows // 2`` and ``windows - 1`` on the device whose pace is slowest, and
     ``busy`` is compute per window over the same range; ``events`` cover the whole segment.
     """
     if windows < 3:
@@ -304,11 +304,10 @@ def simulate_async(name: str, stages: int, micro_batches: int, costs: Costs, win
         ends.append(cumulative)
     first, last = windows // 2, windows - 1
 
-    def window_end(t: int) -> float:
-        return max(timed[d][ends[d][t]].end for d in range(stages))
-
     span = last - first
-    step_time = (window_end(last) - window_end(first)) / span
+    # the slowest device's own pace: in the long run every device runs at it, while within a finite
+    # segment a nearly-as-slow device can still be eating into its start-up slack
+    step_time = max((timed[d][ends[d][last]].end - timed[d][ends[d][first]].end) / span for d in range(stages))
     busy = [_busy(timed[d][ends[d][first] + 1 : ends[d][last] + 1]) / span for d in range(stages)]
     return _summary(timed, peak, step_time, busy, weight_copies(name, stages, micro_batches))
 

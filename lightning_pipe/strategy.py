@@ -40,7 +40,10 @@ from lightning_pipe.checkpoint import check_keys, merge_optimizer_states, merge_
 from lightning_pipe.async_options import AsyncOptions, Prediction
 from lightning_pipe.async_runtime import AsyncRuntime, make_clip
 from lightning_pipe.auto_balance import AutoBalanceOptions, agreed_plan, profile_and_split
-from lightning_pipe.config import PipeConfigError, check_async_trainer, check_module, check_options, resolve_stages
+from lightning_pipe.avg_runtime import AvgOptions, AvgRuntime
+from lightning_pipe.config import (
+    PipeConfigError, check_async_trainer, check_avgpipe_options, check_module, check_options, resolve_stages,
+)
 from lightning_pipe.emulated import EmulatedAsyncRuntime, SharedParameterError, stage_parameter_names
 from lightning_pipe.engine import Executor, Transport, Watchdog, batch_size, split_micro_batches
 from lightning_pipe.engine.local import LocalPipeline
@@ -55,7 +58,7 @@ from lightning_pipe.schedules import ASYNC_SCHEDULES, SYNC_SCHEDULES, build_sche
 from lightning_pipe.topology import Topology
 from lightning_pipe.tracing import RunTracer, check_trace_options
 
-ScheduleName = Literal["gpipe", "1f1b", "interleaved_1f1b", "pipedream", "pipedream_2bw", "pipemare", "xpipe"]
+ScheduleName = Literal["gpipe", "1f1b", "interleaved_1f1b", "pipedream", "pipedream_2bw", "pipemare", "xpipe", "avgpipe"]
 
 _DESCRIPTIONS = {
     "gpipe": "GPipe pipeline: all forwards, then all backwards, one step per batch",
@@ -65,6 +68,7 @@ _DESCRIPTIONS = {
     "pipedream_2bw": "asynchronous PipeDream-2BW pipeline: double-buffered 1-stale weights (no flush)",
     "pipemare": "asynchronous PipeMare pipeline: lr rescheduling and discrepancy correction, no stash",
     "xpipe": "asynchronous XPipe pipeline: weight prediction from the optimizer state",
+    "avgpipe": "AvgPipe: parallel pipelines on the same devices joined by elastic averaging",
 }
 
 
@@ -85,7 +89,11 @@ class PipeStrategy(DDPStrategy):
             flight; ``"interleaved_1f1b"``: ``chunks_per_stage`` chunks per device, bubble shrinks by that
             factor, needs ``micro_batches`` to be a multiple of ``stages``. All three equal one-device
             training up to float rounding (micro-batch gradients are summed in schedule order; the
-            tests require 1e-5 relative).
+            tests require 1e-5 relative). Asynchronous: see ``docs/async-semantics.md``. ``"avgpipe"``:
+            ``parallel_pipelines`` replicas of the pipeline share the same devices (their work is
+            interleaved so one fills the others' bubbles), each trains on its own part of the batch
+            with its own weights and optimizer state, and every stage averages them elastically
+            against a center copy that evaluation and checkpoints use (``docs/avgpipe.md``).
         micro_batches: micro-batches each batch is split into (at most the batch size). More
             micro-batches shrink the pipeline bubble ``(P-1)/(M+P-1)``; about ``4 × stages`` is a good start.
         stages: processes per pipeline; default ``world_size // pipelines``. With one process
@@ -119,6 +127,18 @@ class PipeStrategy(DDPStrategy):
         xpipe_prediction: XPipe's update direction for weight prediction: ``"adam"`` (Adam's
             bias-corrected moments), ``"momentum"`` (SGD's momentum buffer), ``"sgd"`` (the last gradient)
             or ``"auto"`` (by optimizer type).
+        parallel_pipelines: avgpipe: pipeline replicas ``N`` on the same devices. Each Lightning batch is
+            split into ``N`` replica mini-batches (so the batch size is ``N × B``), each into
+            ``micro_batches`` micro-batches. The logged loss is the mean over replicas. ``"auto"`` (and
+            ``micro_batches="auto"``, avgpipe only): at fit start rank 0 profiles the trunk on the first
+            batch at three micro-batch sizes and picks the values of best predicted throughput
+            (ALGORITHMS.md section 13; ``docs/avgpipe.md``).
+        avgpipe_alpha: avgpipe: elastic averaging rate; ``None`` means ``0.9 / parallel_pipelines``.
+        avgpipe_period: avgpipe: average every that many rounds (batches).
+        avgpipe_averaging: avgpipe: ``"async"`` (each replica averages right after its step) or
+            ``"sync"`` (after all replicas stepped, against the round's starting center).
+        advance_forward: avgpipe: extra warm-up forwards ``a`` on every stage but the last (1F1B when 0;
+            ``micro_batches`` or more: all forwards first); costs ``a`` more micro-batches of activations.
         trace_dir: record when every action of every rank starts and ends during a few training steps
             and, at the end of ``fit``, write ``timeline.png`` and ``trace.json`` (Chrome trace) there,
             plus each rank's ``events-rank{r}.json`` (docs/simulator.md). Needs matplotlib.
@@ -143,7 +163,7 @@ class PipeStrategy(DDPStrategy):
     def __init__(
         self,
         schedule: ScheduleName = "1f1b",
-        micro_batches: int = 4,
+        micro_batches: int | Literal["auto"] = 4,
         stages: int | None = None,
         pipelines: int = 1,
         balance: str | list[int] = "uniform",
@@ -157,6 +177,11 @@ class PipeStrategy(DDPStrategy):
         pipemare_correction: bool = True,
         pipemare_correction_decay: float = 0.9,
         xpipe_prediction: Prediction = "auto",
+        parallel_pipelines: int | Literal["auto"] = 2,
+        avgpipe_alpha: float | None = None,
+        avgpipe_period: int = 1,
+        avgpipe_averaging: Literal["async", "sync"] = "async",
+        advance_forward: int = 0,
         trace_dir: str | None = None,
         trace_steps: int = 3,
         auto_balance_memory: float | list[float] | None = None,
@@ -172,6 +197,7 @@ class PipeStrategy(DDPStrategy):
         if chunks_per_stage is None:
             chunks_per_stage = 2 if schedule == "interleaved_1f1b" else 1
         check_options(schedule, micro_batches, stages, pipelines, chunks_per_stage)
+        check_avgpipe_options(parallel_pipelines, avgpipe_alpha, avgpipe_period, avgpipe_averaging, advance_forward)
         check_trace_options(trace_dir, trace_steps)
         super().__init__(
             accelerator=accelerator,
@@ -195,6 +221,12 @@ class PipeStrategy(DDPStrategy):
         self.async_options = AsyncOptions(
             pipemare_lr_reschedule, pipemare_lr_warmup_steps, pipemare_correction, pipemare_correction_decay, xpipe_prediction
         )
+        # "auto" (avgpipe's tuner) is resolved at setup; until then the options hold a placeholder of 1
+        self._avg_auto = {"parallel_pipelines": parallel_pipelines, "micro_batches": micro_batches}
+        self.avg_options = AvgOptions(parallel_pipelines if parallel_pipelines != "auto" else 1, avgpipe_alpha,
+                                      avgpipe_period, avgpipe_averaging, advance_forward)
+        self._avg: AvgRuntime | None = None
+        self._avg_resume: dict[str, Any] | None = None  # a checkpoint's replicas, applied at the first round
         self.trace_dir, self.trace_steps = trace_dir, trace_steps
         self._tracer: RunTracer | None = None
         self.auto_balance = AutoBalanceOptions(auto_balance_memory, auto_balance_speeds, profile_cache)
@@ -218,7 +250,7 @@ class PipeStrategy(DDPStrategy):
     # ------------------------------------------------------------------ registration
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
-        for name in (*SYNC_SCHEDULES, *ASYNC_SCHEDULES):
+        for name in (*SYNC_SCHEDULES, *ASYNC_SCHEDULES, "avgpipe"):
             if name not in strategy_registry:
                 strategy_registry.register(name, cls, description=_DESCRIPTIONS[name], schedule=name)
 
@@ -252,8 +284,11 @@ class PipeStrategy(DDPStrategy):
         super().connect(model)
         stages = self.num_stages
         self._counts = check_module(  # balance="auto" is resolved in setup; check the layer count now
-            model, self.module, "uniform" if self.balance == "auto" else self.balance, stages * self.chunks_per_stage, self.schedule, stages, self.micro_batches
+            model, self.module, "uniform" if self.balance == "auto" else self.balance, stages * self.chunks_per_stage, self.schedule, stages,
+            self.micro_batches if self.micro_batches != "auto" else 1,
         )
+        if "auto" in self._avg_auto.values() and self.balance == "auto":
+            raise PipeConfigError("balance='auto' needs a fixed micro_batches; give layer counts or fix the avgpipe options.")
 
     def setup_environment(self) -> None:
         super().setup_environment()
@@ -273,6 +308,8 @@ class PipeStrategy(DDPStrategy):
             if self.balance == "auto":
                 self._plan = self._auto_balance(trainer, module)
                 self._counts = self._plan.balance
+            if "auto" in self._avg_auto.values():
+                self._tune_avgpipe(trainer, module)
             self._partition = self._cut(module)
             self._outside = OutsideParameters(module, self._partition.name, self._topology)
             rank_zero_info(self.describe())
@@ -291,6 +328,16 @@ class PipeStrategy(DDPStrategy):
                 self._async = AsyncRuntime(self.schedule, self._executor, self._topology.stage, stages, self.micro_batches)
             elif self._async is not None:
                 self._async.executor = self._executor
+            if self.schedule == "avgpipe":
+                if self.emulating:
+                    raise PipeConfigError(
+                        "schedule='avgpipe' runs one process per stage and cannot be emulated in one process; "
+                        "set devices to the number of stages (or stages=None)."
+                    )
+                tagged = self._get_process_group_backend() == "gloo" or self._topology.stages == 1
+                if self._avg is None:
+                    self._avg = AvgRuntime(self._executor, self._topology.stage, self._topology.stages, self.avg_options, tagged)
+                self._avg.executor = self._executor
         self.setup_precision_plugin()
         # Lightning clips with this rank's parameters only; the pipeline needs the global norm
         self.precision_plugin.clip_grad_by_norm = lambda optimizer, clip_val: self._outside.clip_by_global_norm(
@@ -305,6 +352,23 @@ class PipeStrategy(DDPStrategy):
         for metric in module.modules():
             if isinstance(metric, Metric):
                 metric.process_group = self._topology.stage_group
+
+    def _tune_avgpipe(self, trainer: Trainer, module: LightningModule) -> None:
+        """``parallel_pipelines`` / ``micro_batches`` = ``"auto"``: rank 0 profiles and tunes, every rank adopts it."""
+        from dataclasses import replace
+
+        from lightning_pipe.avg_autotune import agreed, describe, profile_and_tune
+
+        def work() -> Any:
+            with self.precision_plugin.train_step_context():
+                return profile_and_tune(trainer, module, self.module, list(self._counts), self._avg_auto["parallel_pipelines"],
+                                        self._avg_auto["micro_batches"], self.avg_options.advance_forward, self.root_device)
+
+        best, ranked = agreed(self.global_rank == 0, self.world_size, work)
+        rank_zero_info(describe(ranked))
+        self.micro_batches = best.micro_batches
+        self.avg_options = replace(self.avg_options, parallel_pipelines=best.replicas)
+        self._avg_auto = {"parallel_pipelines": best.replicas, "micro_batches": best.micro_batches}
 
     def _auto_balance(self, trainer: Trainer, module: LightningModule) -> Plan:
         """Rank 0 profiles and splits (auto_balance.py); every rank receives the same plan."""
@@ -355,6 +419,7 @@ class PipeStrategy(DDPStrategy):
         lines = [
             f"lightning_pipe: {self.schedule}, {stages} stage(s) × {self.num_pipelines} pipeline(s), "
             f"{self.micro_batches} micro-batches per batch"
+            + (f", {self.avg_options.parallel_pipelines} parallel pipelines per device" if self.schedule == "avgpipe" else "")
             + (f", {self.chunks_per_stage} chunks per stage" if self.chunks_per_stage > 1 else "")
             + (", emulated in one process" if self.emulating else "")
             + (", balance='auto'" if self._plan is not None else "")
@@ -412,8 +477,12 @@ class PipeStrategy(DDPStrategy):
         module = self.lightning_module
         batch, rest = args[0], args[1:]
         n = batch_size(batch)
-        count = self._micro_batch_count(n, training)
-        micro_batches = split_micro_batches(batch, count)
+        averaging = training and self._avg is not None
+        if averaging:  # N replica mini-batches, each split into micro-batches (replica-major)
+            micro_batches, count = self._replica_micro_batches(batch, n)
+        else:
+            count = self._micro_batch_count(n, training)
+            micro_batches = split_micro_batches(batch, count)
         sizes = [batch_size(mb) for mb in micro_batches]
         capture = LogCapture(module)
         user_step = getattr(module, hook)
@@ -429,11 +498,16 @@ class PipeStrategy(DDPStrategy):
         if asynchronous and self._async.policy is None:
             self._start_async(stages, micro_batches[0])
         weights = [s / n / module.trainer.accumulate_grad_batches for s in sizes] if training else None
+        if averaging:  # each replica's gradient is the mean over its own mini-batch
+            replicas = self.avg_options.parallel_pipelines
+            weights = [s / sum(sizes[r * count:(r + 1) * count]) for r in range(replicas) for s in sizes[r * count:(r + 1) * count]]
         scaler = getattr(self.precision_plugin, "scaler", None) if training else None
         scale = scaler.scale if scaler else None
         try:
             with capture:
-                if asynchronous:
+                if averaging:
+                    outputs = self._avg.run_round(micro_batches, weights, count)
+                elif asynchronous:
                     outputs = self._async.run_window(micro_batches, weights, scale)
                 else:
                     sync_name = self.schedule if self.schedule in SYNC_SCHEDULES else "1f1b"  # warm-up, evaluation
@@ -444,6 +518,59 @@ class PipeStrategy(DDPStrategy):
                 self._watchdog.report(error)
             raise
         return outputs, sizes, n, capture
+
+    def _replica_micro_batches(self, batch: Any, n: int) -> tuple[list[Any], int]:
+        """avgpipe: the batch's ``N`` replica mini-batches split into ``count`` micro-batches each, replica-major."""
+        replicas = self.avg_options.parallel_pipelines
+        parts = split_micro_batches(batch, replicas)
+        smallest = min(batch_size(p) for p in parts)
+        if smallest < self.micro_batches and not self._seen_batch or smallest == 0:
+            raise PipeConfigError(
+                f"a batch of {n} samples cannot feed parallel_pipelines={replicas} × micro_batches={self.micro_batches}; "
+                f"use a batch size of at least {replicas * self.micro_batches} (the batch holds every replica's mini-batch)"
+                + (" or drop_last=True in the DataLoader." if self._seen_batch else ".")
+            )
+        count = min(self.micro_batches, smallest)  # a short last batch: fewer, smaller micro-batches
+        return [mb for part in parts for mb in split_micro_batches(part, count)], count
+
+    def _start_avg(self) -> None:
+        """Create the replicas and the center at the first avgpipe round (after any checkpoint was restored)."""
+        trainer = self.lightning_module.trainer
+        if getattr(self.precision_plugin, "scaler", None) is not None:
+            raise PipeConfigError("schedule='avgpipe' steps inside the pipeline without fp16 loss scaling; use precision='bf16-mixed' or 32.")
+        optimizer = self.optimizers[0]
+        optimizer = optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
+        data_parallel = self.num_pipelines > 1
+        self._avg.start(
+            self.lightning_module, optimizer, self.micro_batches,
+            make_clip(trainer.gradient_clip_val, trainer.gradient_clip_algorithm),
+            self._topology.stage_group if data_parallel else None, self.num_pipelines,
+        )
+        if self._avg_resume is not None:
+            self._avg.policy.load_state_dict(self._avg_resume)
+            self._avg_resume = None
+
+    def _avg_training_step(self, args: tuple, kwargs: dict) -> Tensor:
+        """One avgpipe round: every replica's forwards, backwards, STEP and AVG; returns the mean loss."""
+        module = self.lightning_module
+        if self._avg.policy is None:
+            self._start_avg()
+        with self.precision_plugin.train_step_context():
+            losses, sizes, n, capture = self._run_schedule("training_step", args, kwargs, True)
+        self._seen_batch = True
+        if not self._outside.known:
+            self._outside.learn(self._avg.policy.used_names)
+            shared = sorted(n for n, stages in self._outside.users.items() if len(stages) > 1)
+            if shared:  # every rank learned the same map, so every rank raises
+                raise PipeConfigError(
+                    f"parameters {', '.join(shared)} are used on several stages, which avgpipe replicas step "
+                    "independently; untie them or use a synchronous schedule such as '1f1b'."
+                )
+        self._grad_stash = []
+        loss = sum(s / n * float(l) for s, l in zip(sizes, losses)) if losses else 0.0
+        loss, records = self._from_last_stage((loss, combine(capture.records, module)))
+        replay(module, records, owner=self._topology.is_last_stage)
+        return torch.tensor(loss, device=self.root_device)
 
     def _asynchronous_now(self) -> bool:
         """Whether this epoch runs the asynchronous schedule (after the synchronous warm-up)."""
@@ -456,6 +583,8 @@ class PipeStrategy(DDPStrategy):
         Flushing schedules run one whole step here. Asynchronous ones run one window of the
         stream: earlier micro-batches may still be in flight afterwards and STEPs happen inside.
         """
+        if self._avg is not None:
+            return self._avg_training_step(args, kwargs)
         module = self.lightning_module
         asynchronous = self._asynchronous_now()
         params = self._trainable_parameters()
@@ -555,8 +684,8 @@ class PipeStrategy(DDPStrategy):
                 )
 
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
-        """Asynchronous schedules step inside the pipeline: only run the closure (training_step and backward)."""
-        if self._asynchronous_now():
+        """Asynchronous schedules and avgpipe step inside the pipeline: only run the closure (training_step and backward)."""
+        if self._asynchronous_now() or self._avg is not None:
             return closure()
         return super().optimizer_step(optimizer, closure, model, **kwargs)
 
@@ -704,6 +833,10 @@ class PipeStrategy(DDPStrategy):
                 parts = self._gather_in_first_pipeline(self._async.policy.state_dict())
             if parts:
                 checkpoint["pipe_async_state"] = parts  # per stage: what resuming exactly needs
+        if self._avg is not None and self._avg.policy is not None and self._partition is not None:
+            parts = self._gather_in_first_pipeline(self._avg.policy.state_dict())
+            if parts:
+                checkpoint["pipe_avgpipe_state"] = parts  # per stage: replicas, their optimizer states, round count
         if not self.is_global_zero:
             return
         path = str(filepath)
@@ -733,6 +866,12 @@ class PipeStrategy(DDPStrategy):
         states = checkpoint.get("pipe_async_state")
         if states is not None and self._topology is not None and len(states) == self.num_stages:
             self._async_resume = states if self.emulating else [states[self._topology.stage]]
+        states = checkpoint.get("pipe_avgpipe_state")
+        if states is not None and self._topology is not None and len(states) == self._topology.stages:
+            self._avg_resume = states[self._topology.stage]
+            if self._avg is not None and self._avg.policy is not None:
+                self._avg.policy.load_state_dict(self._avg_resume)
+                self._avg_resume = None
         for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
             raw = optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
             raw.load_state_dict(slice_optimizer_state(state, self._local_param_names(raw), self._param_order))

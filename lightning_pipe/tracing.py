@@ -17,6 +17,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from lightning_pipe.config import PipeConfigError
 from lightning_pipe.engine.recorder import ActionRecorder
 from lightning_pipe.schedules.ir import Action, Kind
 from lightning_pipe.simulate import TimedAction
@@ -27,7 +28,7 @@ def check_trace_options(trace_dir: str | None, trace_steps: int) -> None:
     if trace_dir is None:
         return
     if trace_steps < 1:
-        raise ValueError(f"trace_steps={trace_steps} must be at least 1 to record anything into trace_dir.")
+        raise PipeConfigError(f"trace_steps={trace_steps} must be at least 1 to record anything into trace_dir.")
     try:
         import matplotlib  # noqa: F401
     except ImportError:
@@ -37,7 +38,7 @@ def check_trace_options(trace_dir: str | None, trace_steps: int) -> None:
 def events_from_rows(rows: list[dict[str, Any]]) -> tuple[list[TimedAction], list[int]]:
     """Inverse of :meth:`ActionRecorder.rows`: the events and their steps."""
     events = [
-        TimedAction(r["device"], Action(Kind(r["kind"]), r["micro_batch"], r["chunk"]), r["start"], r["end"]) for r in rows
+        TimedAction(r["device"], Action(Kind(r["kind"]), r["micro_batch"], r["chunk"], r.get("replica", 0)), r["start"], r["end"]) for r in rows
     ]
     return events, [r["step"] for r in rows]
 

@@ -72,7 +72,7 @@ def test_async_steady_state_has_no_bubble(name: str, stages: int, micro_batches:
     if name == "pipedream_2bw" and micro_batches < stages:
         micro_batches = stages
     f, b = [t[0] for t in times[:stages]], [t[1] for t in times[:stages]]
-    sim = simulate_async(name, stages, micro_batches, Costs(f, b), windows=3 * stages + 2)
+    sim = simulate_async(name, stages, micro_batches, Costs(f, b))
     # ALGORITHMS.md section 5: time per micro-batch is the slowest stage's F + B
     worst = max(x + y for x, y in zip(f, b))
     assert sim.step_time == pytest.approx(micro_batches * worst, rel=1e-9)

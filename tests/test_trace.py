@@ -8,13 +8,18 @@ import os
 
 import pytest
 
+from lightning_pipe import PipeConfigError, PipeStrategy
 from lightning_pipe.schedules import async_schedule
 from lightning_pipe.tracing import events_from_rows
 from tests.launch import launch
 
-pytestmark = pytest.mark.multiprocess
+
+def test_trace_steps_must_record_something(tmp_path) -> None:
+    with pytest.raises(PipeConfigError, match="trace_steps=0"):
+        PipeStrategy(trace_dir=str(tmp_path), trace_steps=0)
 
 
+@pytest.mark.multiprocess
 def test_measured_run_writes_trace_and_follows_the_schedule(tmp_path) -> None:
     stages, micro_batches, steps = 2, 4, 4
     trace_dir = str(tmp_path / "trace")

@@ -27,7 +27,7 @@ from torch import Tensor
 
 from lightning_pipe.engine.recorder import ActionRecorder
 from lightning_pipe.engine.p2p import (
-    ACTIVATION_TAG, GRADIENT_TAG, Header, TensorMeta, Transport, is_differentiable,
+    ACTIVATION_TAG, GRADIENT_TAG, Header, TensorMeta, Transport, is_differentiable, replica_tag,
 )
 from lightning_pipe.engine.watchdog import Watchdog
 from lightning_pipe.engine.weights import WeightPolicy
@@ -56,6 +56,7 @@ class _InFlight:
 class _PendingReceive:
     kind: Kind
     src: int
+    replica: int = 0
     header: tuple[Any, Tensor] | None = None
     decoded: Header | None = None
     payload: list[tuple[Any, Tensor]] | None = None
@@ -113,7 +114,7 @@ class Executor:
         self.recorder = recorder
         self._recording: ActionRecorder | None = None
         self._started = 0.0
-        self._in_flight: dict[tuple[int, int], _InFlight] = {}
+        self._in_flight: dict[tuple[int, int, int], _InFlight] = {}  # (replica, chunk, micro-batch)
         self._send_windows: deque[list[tuple[Any, Tensor]]] = deque()
         if len(self.ranks) > 1 and transport is None:
             raise ValueError("a pipeline with more than one device needs a Transport.")
@@ -134,9 +135,11 @@ class Executor:
         Args:
             schedule: the schedule (all devices run the same one).
             micro_batches: the micro-batches whose forwards this run starts (only the first and last
-                stage read them); micro-batch ``g`` is ``micro_batches[g - first_micro_batch]``.
+                stage read them); micro-batch ``g`` is ``micro_batches[g - first_micro_batch]``. With
+                several replicas (avgpipe), replica ``r``'s micro-batch ``j`` is at ``r * M + j``
+                (``M = schedule.micro_batches``), and so are ``loss_weights``.
             loss_weights: each micro-batch loss is multiplied by its weight before backward
-                (default ``1/len(micro_batches)``), so accumulated gradients are the mini-batch mean.
+                (default ``1/M``), so accumulated gradients are the (replica's) mini-batch mean.
             step: called at every STEP action when there is no weight policy (e.g. ``optimizer.step``).
             scale_loss: applied to the weighted loss before backward (fp16 loss scaling).
             first_micro_batch: stream index of ``micro_batches[0]``.
@@ -144,8 +147,8 @@ class Executor:
                 windows); call :meth:`finish` after the segment's drain.
 
         Returns:
-            What the last virtual stage returned for every micro-batch forwarded in this run, on
-            the device holding it (the detached, unweighted loss when training; the raw output for
+            What the last virtual stage returned for every micro-batch forwarded in this run (in
+            the order of ``micro_batches``), on the device holding it (the detached, unweighted loss when training; the raw output for
             a forward-only schedule); an empty list elsewhere.
         """
         self.begin(schedule, micro_batches, loss_weights, scale_loss, first_micro_batch, carry_over)
@@ -170,16 +173,18 @@ class Executor:
         carry_over: bool = False,
     ) -> None:
         """Prepare a run (arguments as in :meth:`run`)."""
-        if not carry_over and len(micro_batches) != schedule.micro_batches:
-            raise ValueError(f"schedule expects {schedule.micro_batches} micro-batches, got {len(micro_batches)}.")
+        if not carry_over and len(micro_batches) != schedule.micro_batches * schedule.replicas:
+            raise ValueError(
+                f"schedule expects {schedule.micro_batches * schedule.replicas} micro-batches, got {len(micro_batches)}."
+            )
         self._schedule = schedule
         self._micro_batches = micro_batches
         self._first = first_micro_batch
-        count = max(len(micro_batches), 1)
-        self._weights = list(loss_weights) if loss_weights is not None else [1.0 / count] * count
+        count = max(len(micro_batches) // schedule.replicas, 1)  # each replica's gradient is its mini-batch mean
+        self._weights = list(loss_weights) if loss_weights is not None else [1.0 / count] * max(len(micro_batches), 1)
         self._scale_loss = scale_loss
         self._received: dict[tuple[Kind, int, int], _PendingReceive] = {}
-        self._outputs: dict[int, Any] = {}
+        self._outputs: dict[tuple[int, int], Any] = {}  # (replica, micro-batch)
         self._posted = 0
         # a send is received at the latest in the peer's next window, so older ones are complete
         while len(self._send_windows) > 1:
@@ -206,7 +211,7 @@ class Executor:
         """Finish a run; return what :meth:`run` returns."""
         if not carry_over:
             self.finish()
-        return [self._outputs[j] for j in sorted(self._outputs)]
+        return [self._outputs[key] for key in sorted(self._outputs)]
 
     def abort(self) -> None:
         """Forget everything in flight after a failure."""
@@ -226,18 +231,20 @@ class Executor:
     # ------------------------------------------------------------------ actions
     def _dispatch(self, action: Action, step: Callable[[], None] | None) -> None:
         kind = action.kind
+        if self.policy is not None and (kind.is_compute or kind in (Kind.STEP, Kind.AVG)):
+            self.policy.select(action.replica)
         if kind is Kind.FORWARD:
             self._forward(action)
         elif kind is Kind.BACKWARD:
             self._backward(action)
         elif kind is Kind.SEND_ACTIVATION:
-            key = (action.chunk, action.micro_batch)
+            key = (action.replica, action.chunk, action.micro_batch)
             # a forward-only schedule has no backward to keep the activation for
             flight = self._in_flight.pop(key) if self._schedule.forward_only else self._in_flight[key]
-            self._sends += self.transport.send_activation(flight.output, self._peer_rank(action))
+            self._sends += self.transport.send_activation(flight.output, self._peer_rank(action), action.replica)
         elif kind is Kind.SEND_GRADIENT:
-            flight = self._in_flight.pop((action.chunk, action.micro_batch))
-            self._sends += self.transport.send_gradients(flight.input_grads, self._peer_rank(action))
+            flight = self._in_flight.pop((action.replica, action.chunk, action.micro_batch))
+            self._sends += self.transport.send_gradients(flight.input_grads, self._peer_rank(action), action.replica)
         elif kind.is_recv:
             pass  # consumed by the compute action that needs it (see _take)
         elif kind is Kind.STEP:
@@ -245,39 +252,47 @@ class Executor:
                 self.policy.step()
             elif step is not None:
                 step()
+        elif kind is Kind.AVG:
+            if self.policy is None:
+                raise RuntimeError("an AVG action needs a weight policy that averages (engine.averaging.ElasticAveraging).")
+            self.policy.average()
         else:  # pragma: no cover - new kinds must be handled explicitly
             raise NotImplementedError(kind)
 
     def _virtual_stage(self, chunk: int) -> int:
         return self._schedule.virtual_stage(self.device_index, chunk)
 
+    def _slot(self, action: Action) -> int:
+        """Index of the action's micro-batch in this run's ``micro_batches`` and ``loss_weights``."""
+        return action.replica * self._schedule.micro_batches + action.micro_batch - self._first
+
     def _forward(self, action: Action) -> None:
         chunk, mb = action.chunk, action.micro_batch
         vs = self._virtual_stage(chunk)
-        flight = _InFlight(weight=self._weights[mb - self._first] if self._weights else 1.0)
+        flight = _InFlight(weight=self._weights[self._slot(action)] if self._weights else 1.0)
         inputs = None
         if vs > 0:
             inputs = self._take_activation(action)
             flight.inputs = tuple(t for t in _as_tensors(inputs) if t.requires_grad)
         with self.policy.forward(mb) if self.policy else nullcontext():
-            output = self.chunks[chunk](inputs, self._micro_batches[mb - self._first])
+            output = self.chunks[chunk](inputs, self._micro_batches[self._slot(action)])
         if vs == self._schedule.virtual_stages - 1:
             if self._schedule.forward_only:
-                self._outputs[mb] = output
+                self._outputs[(action.replica, mb)] = output
                 return
             if not isinstance(output, Tensor) or output.numel() != 1:
                 raise StageOutputError(f"{self.names[chunk]} must return a scalar loss, got {type(output).__name__}.")
-            self._outputs[mb] = output.detach()
+            self._outputs[(action.replica, mb)] = output.detach()
         else:
             output = _check_output(output, self.names[chunk])
             flight.output_metas = Header.of(output).metas
         flight.output = output
-        self._in_flight[(chunk, mb)] = flight
+        self._in_flight[(action.replica, chunk, mb)] = flight
 
     def _backward(self, action: Action) -> None:
         chunk, mb = action.chunk, action.micro_batch
         vs = self._virtual_stage(chunk)
-        flight = self._in_flight[(chunk, mb)]
+        flight = self._in_flight[(action.replica, chunk, mb)]
         grads = None if vs == self._schedule.virtual_stages - 1 else self._take_gradients(action)
         with self.policy.backward(mb) if self.policy else nullcontext():
             if grads is None:
@@ -297,7 +312,7 @@ class Executor:
             flight.input_grads = [t.grad if t.grad is not None else torch.zeros_like(t) for t in flight.inputs]
             flight.inputs = ()
         else:
-            self._in_flight.pop((chunk, mb))
+            self._in_flight.pop((action.replica, chunk, mb))
 
     # ------------------------------------------------------------------ receives
     def _peer_rank(self, action: Action) -> int:
@@ -315,31 +330,46 @@ class Executor:
             if action.kind.is_recv and not self._post(action):
                 break
             self._posted += 1
+        self._post_arrived_payloads()
+
+    def _post_arrived_payloads(self) -> None:
+        """Post the payload of every activation whose header has arrived, so the tensors travel while
+        this rank computes instead of after the compute that needs them asks (in posting order, which
+        is each channel's message order)."""
+        for key, pending in self._received.items():
+            if pending.payload is not None:
+                continue
+            if not pending.header[0].is_completed():
+                break
+            self.watchdog.wait(pending.header[0], f"the header of {Action(key[0], key[2], key[1])} from rank {pending.src}")
+            self._post_payload(pending)
 
     def _post(self, action: Action) -> bool:
         """Post one receive; ``False`` if it cannot be posted yet (gradient shapes unknown)."""
-        key = (action.kind, action.chunk, action.micro_batch)
+        key = (action.kind, action.replica, action.chunk, action.micro_batch)
         if key in self._received:
             return True
         src = self._peer_rank(action)
-        pending = _PendingReceive(action.kind, src)
+        pending = _PendingReceive(action.kind, src, action.replica)
         if action.kind is Kind.RECV_ACTIVATION:
-            pending.header = self.transport.post_header(src)
+            pending.header = self.transport.post_header(src, action.replica)
         else:
-            flight = self._in_flight.get((action.chunk, action.micro_batch))
+            flight = self._in_flight.get((action.replica, action.chunk, action.micro_batch))
             if flight is None:
                 return False
             metas = [m for m in flight.output_metas if is_differentiable(m)]
-            pending.payload = self.transport.post_payload(metas, src, GRADIENT_TAG)
+            pending.payload = self.transport.post_payload(metas, src, replica_tag(GRADIENT_TAG, action.replica))
         self._received[key] = pending
         return True
 
     def _post_payload(self, pending: _PendingReceive) -> None:
         pending.decoded = Header.decode(pending.header[1])
-        pending.payload = self.transport.post_payload(pending.decoded.metas, pending.src, ACTIVATION_TAG)
+        pending.payload = self.transport.post_payload(
+            pending.decoded.metas, pending.src, replica_tag(ACTIVATION_TAG, pending.replica)
+        )
 
     def _take(self, action: Action) -> _PendingReceive:
-        key = (action.kind, action.chunk, action.micro_batch)
+        key = (action.kind, action.replica, action.chunk, action.micro_batch)
         if key not in self._received:
             if not self._post(action):
                 raise RuntimeError(f"{action} cannot be received before its forward ran.")
@@ -357,12 +387,12 @@ class Executor:
         return pending
 
     def _take_activation(self, forward: Action) -> Activation:
-        pending = self._take(Action(Kind.RECV_ACTIVATION, forward.micro_batch, forward.chunk))
+        pending = self._take(Action(Kind.RECV_ACTIVATION, forward.micro_batch, forward.chunk, forward.replica))
         tensors = []
         for (_, tensor), meta in zip(pending.payload, pending.decoded.metas):
             tensors.append(tensor.requires_grad_() if is_differentiable(meta) else tensor)
         return tuple(tensors) if pending.decoded.is_tuple else tensors[0]
 
     def _take_gradients(self, backward: Action) -> list[Tensor]:
-        pending = self._take(Action(Kind.RECV_GRADIENT, backward.micro_batch, backward.chunk))
+        pending = self._take(Action(Kind.RECV_GRADIENT, backward.micro_batch, backward.chunk, backward.replica))
         return [tensor for _, tensor in pending.payload]

@@ -66,17 +66,18 @@ class LocalTransport:
             raise RuntimeError(f"device {self.rank} receives a {what} from device {src} before it was sent.")
         return queue.popleft()
 
-    def send_activation(self, value: Tensor | tuple[Tensor, ...], dst: int) -> list[tuple[Any, Tensor]]:
+    # ``replica`` (avgpipe) is accepted for the Transport interface; emulation runs one replica (0)
+    def send_activation(self, value: Tensor | tuple[Tensor, ...], dst: int, replica: int = 0) -> list[tuple[Any, Tensor]]:
         tensors = value if isinstance(value, tuple) else (value,)
         header = Header.of(value).encode(tensors[0].device)
         self._put(dst, "activation", (header, tuple(t.detach() for t in tensors)))
         return []
 
-    def send_gradients(self, grads: Sequence[Tensor], dst: int) -> list[tuple[Any, Tensor]]:
+    def send_gradients(self, grads: Sequence[Tensor], dst: int, replica: int = 0) -> list[tuple[Any, Tensor]]:
         self._put(dst, "gradient", tuple(g.detach() for g in grads))
         return []
 
-    def post_header(self, src: int) -> tuple[Any, Tensor]:
+    def post_header(self, src: int, replica: int = 0) -> tuple[Any, Tensor]:
         header, tensors = self._take(src, "activation")
         self._payload[src] = tensors
         return _Done(), header

@@ -30,6 +30,12 @@ _DTYPE_CODE = {dtype: code for code, dtype in enumerate(_DTYPES)}
 ACTIVATION_HEADER_TAG = 0
 ACTIVATION_TAG = 1
 GRADIENT_TAG = 2
+TAGS_PER_REPLICA = 3  # avgpipe: replica r uses tags 3r .. 3r+2, so replicas' messages never match each other
+
+
+def replica_tag(tag: int, replica: int) -> int:
+    """The tag of message kind ``tag`` for pipeline replica ``replica`` (avgpipe; 0 elsewhere)."""
+    return tag + TAGS_PER_REPLICA * replica
 
 
 @dataclass(frozen=True)
@@ -110,26 +116,28 @@ class Transport:
     def irecv(self, tensor: Tensor, src: int, tag: int) -> dist.Work:
         return dist.irecv(tensor, src, group=self.group, tag=self._tag(tag))
 
-    def send_activation(self, value: Tensor | tuple[Tensor, ...], dst: int) -> list[tuple[dist.Work, Tensor]]:
+    def send_activation(
+        self, value: Tensor | tuple[Tensor, ...], dst: int, replica: int = 0
+    ) -> list[tuple[dist.Work, Tensor]]:
         """Post the header and every tensor of ``value``; return requests with the buffers they use."""
         header = Header.of(value).encode(self.device)
         tensors = value if isinstance(value, tuple) else (value,)
-        out = [(self.isend(header, dst, ACTIVATION_HEADER_TAG), header)]
+        out = [(self.isend(header, dst, replica_tag(ACTIVATION_HEADER_TAG, replica)), header)]
         for tensor in tensors:
             buffer = tensor.detach().contiguous()
-            out.append((self.isend(buffer, dst, ACTIVATION_TAG), buffer))
+            out.append((self.isend(buffer, dst, replica_tag(ACTIVATION_TAG, replica)), buffer))
         return out
 
-    def send_gradients(self, grads: Sequence[Tensor], dst: int) -> list[tuple[dist.Work, Tensor]]:
+    def send_gradients(self, grads: Sequence[Tensor], dst: int, replica: int = 0) -> list[tuple[dist.Work, Tensor]]:
         out = []
         for grad in grads:
             buffer = grad.detach().contiguous()
-            out.append((self.isend(buffer, dst, GRADIENT_TAG), buffer))
+            out.append((self.isend(buffer, dst, replica_tag(GRADIENT_TAG, replica)), buffer))
         return out
 
-    def post_header(self, src: int) -> tuple[dist.Work, Tensor]:
+    def post_header(self, src: int, replica: int = 0) -> tuple[dist.Work, Tensor]:
         header = torch.empty(HEADER_SLOTS, dtype=torch.int64, device=self.device)
-        return self.irecv(header, src, ACTIVATION_HEADER_TAG), header
+        return self.irecv(header, src, replica_tag(ACTIVATION_HEADER_TAG, replica)), header
 
     def post_payload(self, metas: Sequence[TensorMeta], src: int, tag: int) -> list[tuple[dist.Work, Tensor]]:
         out = []

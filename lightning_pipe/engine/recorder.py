@@ -41,6 +41,6 @@ class ActionRecorder:
         """The events as plain dicts (JSON / pickling across processes)."""
         return [
             {"step": step, "device": e.device, "kind": e.action.kind.value, "micro_batch": e.action.micro_batch,
-             "chunk": e.action.chunk, "start": e.start, "end": e.end}
+             "chunk": e.action.chunk, "replica": e.action.replica, "start": e.start, "end": e.end}
             for e, step in zip(self.events, self.steps)
         ]

@@ -7,16 +7,22 @@ the trunk it holds) and performs the stage's STEP. Two bindings exist (ALGORITHM
   snapshot of a version; its graph keeps referencing the snapshot, so the backward sees the same
   values while STEP updates the real parameters in place. Snapshot gradients are moved into the real
   parameters' ``.grad`` after each backward.
-* live (pipemare, xpipe): the module's parameters are a storage into which the wanted values are
-  copied (through ``.data``, which autograd does not version) before each forward and backward; the
-  optimizer steps separate master copies.
+* live (pipemare, xpipe): the module's parameters are a storage that holds the wanted values before
+  each forward and backward (autograd does not see the change) and a backward reads whatever it
+  holds when it runs; the optimizer steps separate master copies. Values get into the storage
+  without copying where possible, by exchanging the data pointers of two equally laid-out storages
+  (graphs keep referencing the parameter's storage, so they see the exchange): xpipe's forward and
+  backward predictions take turns in it, and pipemare's parameters share the masters' storage, so
+  they follow every STEP and only a corrected backward exchanges in ``W - tau * delta``. Where a
+  pointer exchange is impossible (a parameter that is a view) the values are copied instead.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Collection, Sequence
-from contextlib import nullcontext
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 from typing import Any, ContextManager
 
 import torch
@@ -71,6 +77,9 @@ class WeightPolicy:
         return self.stages - 1 - self.stage
 
     # -- hooks the executor calls --------------------------------------------------------------
+    def select(self, replica: int) -> None:
+        """Called before every compute, STEP and AVG with the action's replica (only avgpipe has several)."""
+
     def forward(self, g: int) -> ContextManager[Any]:
         self._steps_at_forward[g] = self.steps
         return nullcontext()
@@ -175,13 +184,16 @@ class _SnapshotPolicy(WeightPolicy):
         context = super().backward(g)
         # autograd accumulates in place into an existing .grad: point the snapshot's at the real
         # parameter's accumulator, so no gradient is copied or added a second time
-        for name, snap in self.snapshots[self.version_of[g]].items():
+        version = self.version_of[g]
+        for name, snap in self.snapshots[version].items() if version is not None else ():
             snap.grad = self.params[name].grad
         return context
 
     def finished(self, g: int) -> None:
         super().finished(g)
         version = self.version_of.pop(g)
+        if version is None:  # the forward ran on the parameters themselves
+            return
         for name, snap in self.snapshots[version].items():
             self.params[name].grad, snap.grad = snap.grad, None
         self.users[version] -= 1
@@ -207,10 +219,26 @@ class _SnapshotPolicy(WeightPolicy):
 
 
 class StashPolicy(_SnapshotPolicy):
-    """pipedream: F uses the newest weights and stashes them for its B."""
+    """pipedream: F uses the newest weights and stashes them for its B.
+
+    A forward whose backward comes before the stage's next STEP (``tau_s(g) = 0``: always on the
+    last stage) needs no stash: it runs on the parameters themselves, which cannot change before
+    its backward.
+    """
 
     def _version(self, g: int) -> int:
         return self.steps
+
+    def _steps_before_backward(self, g: int) -> bool:
+        M = self.micro_batches
+        return any(n % M == M - 1 for n in range(max(0, g - self.warmup), g))
+
+    def forward(self, g: int) -> ContextManager[Any]:
+        if self._steps_before_backward(g):
+            return super().forward(g)
+        WeightPolicy.forward(self, g)
+        self.version_of[g] = None
+        return nullcontext()
 
 
 class DoubleBufferPolicy(_SnapshotPolicy):
@@ -239,8 +267,28 @@ class DoubleBufferPolicy(_SnapshotPolicy):
 
 
 # ------------------------------------------------------------------ live
+def _exchangeable(a: Tensor, b: Tensor) -> bool:
+    """Whether ``a`` and ``b`` each own their whole storage with the same layout, so their data
+    pointers can be exchanged."""
+    return (
+        hasattr(torch.UntypedStorage, "_swap_data_ptr_")
+        and a.dtype == b.dtype and a.device == b.device and a.shape == b.shape and a.stride() == b.stride()
+        and a.storage_offset() == 0 and b.storage_offset() == 0
+        and a.untyped_storage().nbytes() == b.untyped_storage().nbytes() == a.numel() * a.element_size()
+    )
+
+
+def _exchange(a: Tensor, b: Tensor) -> None:
+    """Exchange the values of ``a`` and ``b`` (and of every view of their storages) without copying."""
+    a.untyped_storage()._swap_data_ptr_(b.untyped_storage())
+
+
 class _LivePolicy(WeightPolicy):
     """The module's parameters are a storage; the optimizer steps master copies."""
+
+    #: load values by exchanging storage data pointers where possible (``False``: always copy; the
+    #: throughput benchmark measures the difference)
+    exchange_values = True
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -288,6 +336,15 @@ class PipeMarePolicy(_LivePolicy):
         super().__init__(*args, **kwargs)
         self.delta = {n: torch.zeros_like(m) for n, m in self.masters.items()} if self.options.pipemare_correction else None
         self.correction_norm = 0.0
+        # the parameters share the masters' storage: they hold W_s at all times, with no copies
+        self.aliased = self.exchange_values and all(_exchangeable(m, torch.empty_like(m)) for m in self.masters.values())
+        if self.aliased:
+            for name, p in self.params.items():
+                p.data = self.masters[name].detach()
+
+    def load_masters(self) -> None:
+        if not self.aliased:
+            super().load_masters()
 
     def forward(self, g: int) -> ContextManager[Any]:
         context = super().forward(g)
@@ -300,12 +357,28 @@ class PipeMarePolicy(_LivePolicy):
         if self.delta is None or tau == 0:
             self.load_masters()
             return context
+        if self.aliased:
+            self.correction_norm = tau * math.sqrt(sum(float(d.pow(2).sum()) for d in self.delta.values()))
+            return self._corrected(tau)
         with torch.no_grad():
             for name, p in self.params.items():
                 p.data.copy_(self.masters[name]).sub_(self.delta[name], alpha=tau)
         self._holding = None
         self.correction_norm = tau * math.sqrt(sum(float(d.pow(2).sum()) for d in self.delta.values()))
         return context
+
+    @contextmanager
+    def _corrected(self, tau: int) -> Iterator[None]:
+        """During the backward the masters' storage (so the parameters') holds ``W_s - tau * delta_s``."""
+        with torch.no_grad():
+            corrected = {n: torch.sub(m.detach(), self.delta[n], alpha=tau) for n, m in self.masters.items()}
+        for name, m in self.masters.items():
+            _exchange(m, corrected[name])
+        try:
+            yield
+        finally:
+            for name, m in self.masters.items():
+                _exchange(m, corrected[name])
 
     def _lr_scale(self) -> float:
         if not self.options.pipemare_lr_reschedule:
@@ -355,6 +428,8 @@ class XPipePolicy(_LivePolicy):
         self._last_grad: dict[str, Tensor] = {}
         self._cache: dict[str, tuple[int, dict[str, Tensor]] | None] = {"F": None, "B": None}
         self.prediction_norm = 0.0
+        # which tensors hold each cached prediction's values (an exchange moves the values around)
+        self._slots: dict[tuple[Any, ...], dict[str, Tensor]] = {}
 
     def _rule(self, rule: str) -> str:
         if rule != "auto":
@@ -405,10 +480,29 @@ class XPipePolicy(_LivePolicy):
         batch = g // self.micro_batches
         cached = self._cache[which]
         if cached is None or cached[0] != batch:  # the bellwether of a new mini-batch predicts
+            if cached is not None:
+                self._slots.pop((which, cached[0]), None)
             cached = (batch, self.predict(distance))
             self._cache[which] = cached
+            self._slots[(which, batch)] = cached[1]
             self._track_copies()
-        self.load(cached[1], (which, batch))
+        self._show((which, batch))
+
+    def _show(self, token: tuple[Any, ...]) -> None:
+        """Make the parameters hold the prediction ``token`` names, by exchange when possible."""
+        if self._holding == token:
+            return
+        values = self._slots.pop(token)
+        if not (self.exchange_values and all(_exchangeable(p, values[n]) for n, p in self.params.items())):
+            self._slots[token] = values
+            self.load(values, token)
+            return
+        for name, p in self.params.items():
+            _exchange(p, values[name])
+        held = self._holding
+        if held is not None and any(c is not None and (kind, c[0]) == held for kind, c in self._cache.items()):
+            self._slots[held] = values  # now holds what the parameters held
+        self._holding = token
 
     def forward(self, g: int) -> ContextManager[Any]:
         context = super().forward(g)
@@ -427,6 +521,7 @@ class XPipePolicy(_LivePolicy):
     def end_segment(self, mini_batches: int) -> None:
         super().end_segment(mini_batches)
         self._cache = {"F": None, "B": None}
+        self._slots.clear()
 
     def copies(self) -> int:
         return 1 + sum(c is not None for c in self._cache.values())

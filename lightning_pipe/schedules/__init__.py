@@ -6,6 +6,7 @@ from collections.abc import Callable, Iterator
 from functools import lru_cache
 
 from lightning_pipe.schedules.async_core import async_drain, async_window
+from lightning_pipe.schedules.avgpipe import MergeCosts, averaging_order, avgpipe_replica, build_avgpipe, merge_replicas
 from lightning_pipe.schedules.communication import with_communication
 from lightning_pipe.schedules.forward_only import forward_only as forward_only_actions
 from lightning_pipe.schedules.gpipe import gpipe
@@ -77,6 +78,7 @@ def validate_async(name: str, stages: int, micro_batches: int, windows: int = 3)
 
 __all__ = [
     "ASYNC_SCHEDULES", "async_schedule", "validate_async",
+    "MergeCosts", "averaging_order", "avgpipe_replica", "build_avgpipe", "merge_replicas",
     "STEP", "Action", "B", "F", "Kind", "Schedule", "ScheduleError", "SYNC_SCHEDULES",
     "build_schedule", "dry_run", "forward_only_actions", "gpipe", "interleaved_1f1b", "one_f_one_b", "validate",
     "with_communication",

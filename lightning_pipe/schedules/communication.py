@@ -22,19 +22,19 @@ def with_communication(
     out: list[Action] = []
     for action in compute:
         vs = action.chunk * stages + device
-        mb, chunk = action.micro_batch, action.chunk
+        mb, chunk, r = action.micro_batch, action.chunk, action.replica
         if action.kind is Kind.FORWARD:
             if vs > 0:
-                out.append(Action(Kind.RECV_ACTIVATION, mb, chunk))
+                out.append(Action(Kind.RECV_ACTIVATION, mb, chunk, r))
             out.append(action)
             if vs < last:
-                out.append(Action(Kind.SEND_ACTIVATION, mb, chunk))
+                out.append(Action(Kind.SEND_ACTIVATION, mb, chunk, r))
         elif action.kind is Kind.BACKWARD:
             if vs < last:
-                out.append(Action(Kind.RECV_GRADIENT, mb, chunk))
+                out.append(Action(Kind.RECV_GRADIENT, mb, chunk, r))
             out.append(action)
             if vs > 0:
-                out.append(Action(Kind.SEND_GRADIENT, mb, chunk))
+                out.append(Action(Kind.SEND_GRADIENT, mb, chunk, r))
         else:
             out.append(action)
     return tuple(out)

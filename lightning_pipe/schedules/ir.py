@@ -23,6 +23,7 @@ class Kind(enum.Enum):
     SEND_ACTIVATION = "SEND_ACT"
     RECV_GRADIENT = "RECV_GRAD"
     SEND_GRADIENT = "SEND_GRAD"
+    AVG = "AVG"  # avgpipe: elastic averaging of the replica's weights against the center copy
 
     @property
     def is_compute(self) -> bool:
@@ -45,17 +46,21 @@ class Action:
         kind: what to do.
         micro_batch: the micro-batch index (``None`` for STEP).
         chunk: which of the device's chunks (virtual stages) the action belongs to.
+        replica: which parallel pipeline the action belongs to (avgpipe runs several on the same
+            devices, each with its own weights; every other schedule has one, ``0``).
     """
 
     kind: Kind
     micro_batch: int | None = None
     chunk: int = 0
+    replica: int = 0
 
     def __str__(self) -> str:
-        if self.kind is Kind.STEP:
-            return "STEP"
+        replica = f"r{self.replica}:" if self.replica else ""
+        if self.kind in (Kind.STEP, Kind.AVG):
+            return replica + self.kind.value
         chunk = f"c{self.chunk}" if self.chunk else ""
-        return f"{self.kind.value}{self.micro_batch}{chunk}"
+        return f"{replica}{self.kind.value}{self.micro_batch}{chunk}"
 
 
 def F(micro_batch: int, chunk: int = 0) -> Action:
@@ -84,6 +89,8 @@ class Schedule:
         forward_only: an evaluation schedule (no backward, no STEP).
         step_every: backwards (per chunk) between two STEPs; ``None``: one STEP after everything
             (a flushing schedule). Asynchronous segments step every ``M`` micro-batches.
+        replicas: parallel pipelines whose actions share the devices' lists (avgpipe), each
+            with ``micro_batches`` micro-batches of its own; ``1`` for every other schedule.
     """
 
     name: str
@@ -93,6 +100,7 @@ class Schedule:
     actions: tuple[tuple[Action, ...], ...] = field(repr=False)
     forward_only: bool = False
     step_every: int | None = None
+    replicas: int = 1
 
     @property
     def virtual_stages(self) -> int:

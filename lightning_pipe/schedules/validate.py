@@ -25,37 +25,51 @@ class ScheduleError(ValueError):
 
 def _check_steps(schedule: Schedule) -> None:
     """STEP ``k`` must follow every backward of micro-batches ``< (k+1) * step_every`` and precede the
-    others (a flushing schedule: one STEP after all compute; forward-only: none)."""
+    others (a flushing schedule: one STEP after all compute; forward-only: none). With several
+    replicas (avgpipe) this holds for each replica's actions, and an AVG, if any, follows each STEP."""
+    averaging = any(a.kind is Kind.AVG for actions in schedule.actions for a in actions)
+    for device, actions in enumerate(schedule.actions):
+        for replica in range(schedule.replicas):
+            own = tuple(a for a in actions if a.replica == replica)
+            where = f"stage {device}" + (f" replica {replica}" if schedule.replicas > 1 else "")
+            _check_replica_steps(schedule, where, own, averaging)
+
+
+def _check_replica_steps(schedule: Schedule, where: str, actions: tuple[Action, ...], averaging: bool) -> None:
     every = schedule.step_every or schedule.micro_batches
     expected = 0 if schedule.forward_only else schedule.micro_batches // every
-    for device, actions in enumerate(schedule.actions):
-        steps = [i for i, action in enumerate(actions) if action.kind is Kind.STEP]
-        if schedule.forward_only and steps:
-            raise ScheduleError(f"stage {device}: a forward-only schedule must not STEP.")
-        if len(steps) != expected:
-            raise ScheduleError(f"stage {device}: STEP appears {len(steps)} times, expected {expected}.")
-        done = 0
-        for i, action in enumerate(actions):
-            if action.kind is Kind.STEP:
-                done += 1
-            elif action.kind is Kind.BACKWARD and action.micro_batch // every != done:
-                raise ScheduleError(
-                    f"stage {device}: {action} runs after {done} STEPs; a STEP must follow every backward of "
-                    f"its {every} micro-batches and precede the next ones."
-                )
-        if steps and schedule.step_every is None and any(a.kind.is_compute for a in actions[steps[-1] :]):
-            raise ScheduleError(f"stage {device}: a flushing schedule steps once, after every forward and backward.")
+    steps = [i for i, action in enumerate(actions) if action.kind is Kind.STEP]
+    if schedule.forward_only and steps:
+        raise ScheduleError(f"{where}: a forward-only schedule must not STEP.")
+    if len(steps) != expected:
+        raise ScheduleError(f"{where}: STEP appears {len(steps)} times, expected {expected}.")
+    averages = [i for i, action in enumerate(actions) if action.kind is Kind.AVG]
+    if averaging and (len(averages) != len(steps) or any(a < s for a, s in zip(averages, steps))):
+        raise ScheduleError(f"{where}: AVG must come once after every STEP (of every replica on every stage), or never.")
+    done = 0
+    for action in actions:
+        if action.kind is Kind.STEP:
+            done += 1
+        elif action.kind is Kind.BACKWARD and action.micro_batch // every != done:
+            raise ScheduleError(
+                f"{where}: {action} runs after {done} STEPs; a STEP must follow every backward of "
+                f"its {every} micro-batches and precede the next ones."
+            )
+    if steps and schedule.step_every is None and any(a.kind.is_compute for a in actions[steps[-1] :]):
+        raise ScheduleError(f"{where}: a flushing schedule steps once, after every forward and backward.")
 
 
 def _check_compute(schedule: Schedule) -> None:
-    expected = {(c, mb) for c in range(schedule.chunks) for mb in range(schedule.micro_batches)}
+    expected = {
+        (r, c, mb) for r in range(schedule.replicas) for c in range(schedule.chunks) for mb in range(schedule.micro_batches)
+    }
     for device, actions in enumerate(schedule.actions):
-        seen_forward: set[tuple[int, int]] = set()
-        counts: Counter[tuple[Kind, int, int]] = Counter()
+        seen_forward: set[tuple[int, int, int]] = set()
+        counts: Counter[tuple[Kind, int, int, int]] = Counter()
         for action in actions:
-            if action.kind is Kind.STEP:
+            if action.kind in (Kind.STEP, Kind.AVG):
                 continue
-            key = (action.chunk, action.micro_batch)
+            key = (action.replica, action.chunk, action.micro_batch)
             if action.kind.is_compute:
                 counts[(action.kind, *key)] += 1
             if action.kind is Kind.FORWARD:
@@ -64,25 +78,28 @@ def _check_compute(schedule: Schedule) -> None:
                 raise ScheduleError(f"stage {device}: {action} runs before its forward.")
         for kind in (Kind.FORWARD, Kind.BACKWARD):
             want = 0 if kind is Kind.BACKWARD and schedule.forward_only else 1
-            for chunk, mb in expected:
-                n = counts[(kind, chunk, mb)]
+            for replica, chunk, mb in expected:
+                n = counts[(kind, replica, chunk, mb)]
                 if n != want:
+                    of = f"chunk {chunk}" + (f" of replica {replica}" if replica else "")
                     raise ScheduleError(
-                        f"stage {device}: {kind.value}{mb} of chunk {chunk} runs {n} times, expected {want}."
+                        f"stage {device}: {kind.value}{mb} of {of} runs {n} times, expected {want}."
                     )
-        extra = {(c, mb) for (_, c, mb) in counts} - expected
+        extra = {key[1:] for key in counts} - expected
         if extra:
-            raise ScheduleError(f"stage {device}: actions for unknown (chunk, micro-batch) {sorted(extra)}.")
+            raise ScheduleError(f"stage {device}: actions for unknown (replica, chunk, micro-batch) {sorted(extra)}.")
 
 
-def dry_run(schedule: Schedule) -> list[tuple[int, Action]]:
+def dry_run(schedule: Schedule, replica_channels: bool = True) -> list[tuple[int, Action]]:
     """Execute the schedule symbolically and return the global order ``[(device, action), ...]``.
 
     Sends never block (the executor only waits on sends at the end of a step); a receive blocks
-    until its message is at the head of its channel and must match it exactly.
+    until its message is at the head of its channel and must match it exactly. Each replica has
+    its own channels (its own p2p tags); ``replica_channels=False`` checks the stricter order an
+    untagged backend (NCCL) needs, where all replicas share one channel per peer and direction.
     """
     P = schedule.stages
-    channels: dict[tuple[int, int, Kind], deque[tuple[int, int]]] = {}
+    channels: dict[tuple[int, int, Kind, int], deque[tuple[int, int, int]]] = {}
     position = [0] * P
     order: list[tuple[int, Action]] = []
     progress = True
@@ -95,18 +112,20 @@ def dry_run(schedule: Schedule) -> list[tuple[int, Action]]:
                 if action.kind.is_send or action.kind.is_recv:
                     other, other_chunk = peer(action.kind, device, action.chunk, P)
                     payload = Kind.SEND_ACTIVATION if action.kind in (Kind.SEND_ACTIVATION, Kind.RECV_ACTIVATION) else Kind.SEND_GRADIENT
+                    lane = action.replica if replica_channels else 0
                     if action.kind.is_send:
-                        key = (device, other, payload)
-                        channels.setdefault(key, deque()).append((other_chunk, action.micro_batch))
+                        key = (device, other, payload, lane)
+                        channels.setdefault(key, deque()).append((other_chunk, action.micro_batch, action.replica))
                     else:
-                        queue = channels.get((other, device, payload))
+                        queue = channels.get((other, device, payload, lane))
                         if not queue:
                             break  # blocked: wait for the peer
                         got = queue.popleft()
-                        if got != (action.chunk, action.micro_batch):
+                        if got != (action.chunk, action.micro_batch, action.replica):
                             raise ScheduleError(
                                 f"stage {device}: {action} would receive the message meant for "
-                                f"chunk {got[0]} micro-batch {got[1]}; sends and receives on a channel must be in the same order."
+                                f"chunk {got[0]} micro-batch {got[1]} of replica {got[2]}; sends and receives on a "
+                                "channel must be in the same order."
                             )
                 order.append((device, action))
                 position[device] += 1
@@ -121,25 +140,27 @@ def dry_run(schedule: Schedule) -> list[tuple[int, Action]]:
     return order
 
 
-def validate(schedule: Schedule) -> list[tuple[int, Action]]:
-    """Raise :class:`ScheduleError` unless ``schedule`` is sound; return the dry-run order."""
+def validate(schedule: Schedule, replica_channels: bool = True) -> list[tuple[int, Action]]:
+    """Raise :class:`ScheduleError` unless ``schedule`` is sound; return the dry-run order.
+
+    ``replica_channels``: see :func:`dry_run` (``False`` for untagged backends)."""
     if len(schedule.actions) != schedule.stages:
         raise ScheduleError(f"expected {schedule.stages} action lists, got {len(schedule.actions)}.")
     _check_compute(schedule)
     _check_steps(schedule)
     for device, actions in enumerate(schedule.actions):
         _check_brackets(schedule, device, actions)
-    return dry_run(schedule)
+    return dry_run(schedule, replica_channels)
 
 
 def _check_brackets(schedule: Schedule, device: int, actions: tuple[Action, ...]) -> None:
     """Each compute action has the receive it needs before it and its send after it."""
     last = schedule.virtual_stages - 1
-    received: set[tuple[Kind, int | None, int]] = set()
-    computed: set[tuple[Kind, int | None, int]] = set()
+    received: set[tuple[Kind, int | None, int, int]] = set()
+    computed: set[tuple[Kind, int | None, int, int]] = set()
     for action in actions:
         vs = schedule.virtual_stage(device, action.chunk)
-        key = (action.micro_batch, action.chunk)
+        key = (action.micro_batch, action.chunk, action.replica)
         if action.kind.is_recv:
             received.add((action.kind, *key))
         elif action.kind is Kind.FORWARD and vs > 0 and (Kind.RECV_ACTIVATION, *key) not in received:

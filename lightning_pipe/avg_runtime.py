@@ -1,0 +1,87 @@
+"""avgpipe across Lightning steps: options, the merged schedule, the replicas' policy, one round per batch.
+
+The strategy decides *when* (one round per Lightning batch); this object knows *how*.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+from torch import Tensor, nn
+
+from lightning_pipe.engine import Executor
+from lightning_pipe.engine.averaging import ElasticAveraging
+from lightning_pipe.schedules import Schedule, ScheduleError, build_avgpipe, validate
+
+
+@dataclass(frozen=True)
+class AvgOptions:
+    """avgpipe's knobs (documented on :class:`~lightning_pipe.PipeStrategy`)."""
+
+    parallel_pipelines: int = 2
+    alpha: float | None = None
+    period: int = 1
+    averaging: Literal["async", "sync"] = "async"
+    advance_forward: int = 0
+
+    @property
+    def resolved_alpha(self) -> float:
+        return 0.9 / self.parallel_pipelines if self.alpha is None else self.alpha
+
+
+class AvgRuntime:
+    """Runs avgpipe rounds on one rank.
+
+    Args:
+        executor: this rank's executor (its policy is set only while a round runs, so evaluation
+            runs on the center copy the module's parameters point at).
+        stage: this rank's stage; ``stages``: stages per pipeline.
+        options: the avgpipe options.
+        tagged: whether the backend matches messages by tag (gloo); untagged backends need the
+            merged order to keep one FIFO order across replicas, which is checked here.
+    """
+
+    def __init__(self, executor: Executor, stage: int, stages: int, options: AvgOptions, tagged: bool = True) -> None:
+        self.executor = executor
+        self.stage, self.stages = stage, stages
+        self.options = options
+        self.tagged = tagged
+        self.policy: ElasticAveraging | None = None
+        self._checked: set[int] = set()
+
+    def schedule(self, micro_batches: int) -> Schedule:
+        """The merged schedule of a round with ``micro_batches`` micro-batches per replica."""
+        schedule = build_avgpipe(self.stages, micro_batches, self.options.parallel_pipelines, self.options.advance_forward)
+        if not self.tagged and micro_batches not in self._checked:
+            try:
+                validate(schedule, replica_channels=False)
+            except ScheduleError as error:
+                raise ScheduleError(
+                    f"{error} An untagged backend (NCCL) needs one FIFO order across avgpipe replicas; use gloo, "
+                    "parallel_pipelines=1 or another micro_batches."
+                ) from None
+            self._checked.add(micro_batches)
+        return schedule
+
+    def start(
+        self, root: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: int,
+        clip: Callable[[Sequence[Tensor]], None] | None, gradient_group: Any, gradient_world: int,
+    ) -> ElasticAveraging:
+        """Create the replicas and the center from the module's current weights (at the first training step)."""
+        o = self.options
+        self.policy = ElasticAveraging(
+            root, optimizer, self.stage, self.stages, micro_batches, o.parallel_pipelines, o.resolved_alpha, o.period,
+            o.averaging, clip, gradient_group, gradient_world,
+        )
+        return self.policy
+
+    def run_round(self, micro_batches: Sequence[Any], weights: Sequence[float], count: int) -> list[Any]:
+        """One round: every replica's ``count`` micro-batches (replica-major), STEPs and AVGs."""
+        self.executor.policy = self.policy
+        try:
+            return self.executor.run(self.schedule(count), micro_batches, weights)
+        finally:
+            self.executor.policy = None

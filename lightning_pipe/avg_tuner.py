@@ -1,0 +1,166 @@
+"""The avgpipe tuner (ALGORITHMS.md section 13): choose N (parallel pipelines), M (micro-batches) and a
+(advance forward) for a fixed partition, from profiles at two or three micro-batch sizes.
+
+1. Fit, per stage, forward and backward time ``c0 + c1 b`` (least squares over the profiled sizes ``b``),
+   activation bytes kept for backward ``c2 b`` and boundary bytes per sample; static bytes are the
+   stage's parameter bytes times ``kappa`` (weights, gradient, optimizer state).
+2. Enumerate ``N`` in ``1..max_replicas`` dividing the Lightning batch ``L`` (each replica gets
+   ``B = L / N``), ``M`` among the divisors of ``B``, ``a`` among ``advances``. Memory per stage:
+   ``N static + params + N min(M, w_s + a_s + 1) act(B / M)`` must stay below ``(1 - margin) cap``.
+3. Predict the round time by merging the replicas' lists with the fitted durations
+   (:func:`~lightning_pipe.schedules.build_avgpipe`) and simulating the merged lists
+   (:func:`~lightning_pipe.simulate.simulate`); throughput = ``L / round time``.
+4. Best predicted throughput first; ties (within ``tie`` relative) go to smaller ``N``, then larger
+   micro-batches ``b``, then smaller ``a``.
+
+The Lightning batch ``L`` is fixed by the DataLoader, so every candidate trains on the same samples
+per round; ``N`` only changes how they are shared between replicas.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from lightning_pipe.partition.profile import Profile
+from lightning_pipe.schedules import MergeCosts, build_avgpipe
+from lightning_pipe.schedules.avgpipe import warmup_forwards
+from lightning_pipe.simulate import Costs, simulate
+
+
+@dataclass(frozen=True)
+class Line:
+    """``c0 + c1 * b``."""
+
+    c0: float
+    c1: float
+
+    def __call__(self, b: float) -> float:
+        return max(0.0, self.c0 + self.c1 * b)
+
+
+def fit_line(points: Sequence[tuple[float, float]]) -> Line:
+    """Least-squares line through ``(b, value)`` points (one point: through the origin)."""
+    if len({b for b, _ in points}) < 2:
+        b, v = points[0]
+        return Line(0.0, v / b)
+    n = len(points)
+    mb = sum(b for b, _ in points) / n
+    mv = sum(v for _, v in points) / n
+    c1 = sum((b - mb) * (v - mv) for b, v in points) / sum((b - mb) ** 2 for b, _ in points)
+    return Line(mv - c1 * mb, c1)
+
+
+@dataclass(frozen=True)
+class StageFit:
+    """Fitted costs of one stage (times in seconds, sizes in bytes, ``b`` in samples per micro-batch)."""
+
+    forward: Line
+    backward: Line
+    activation_per_sample: float
+    output_per_sample: float
+    params: int
+
+
+def fit_stages(profiles: Sequence[Profile], counts: Sequence[int]) -> list[StageFit]:
+    """Per-stage fits from per-layer ``profiles`` measured at different micro-batch sizes;
+    ``counts[s]`` trunk layers form stage ``s``."""
+    if not profiles:
+        raise ValueError("the tuner needs at least one profile; profile the trunk at two or three micro-batch sizes.")
+    fits, start = [], 0
+    for count in counts:
+        end = start + count
+
+        def total(p: Profile, attr: str) -> float:
+            return float(sum(getattr(layer, attr) for layer in p.layers[start:end]))
+
+        fits.append(StageFit(
+            forward=fit_line([(p.micro_batch, total(p, "forward")) for p in profiles]),
+            backward=fit_line([(p.micro_batch, total(p, "backward")) for p in profiles]),
+            activation_per_sample=max(total(p, "saved") / p.micro_batch for p in profiles),
+            output_per_sample=max(float(p.layers[end - 1].output) / p.micro_batch for p in profiles),
+            params=int(total(profiles[0], "params")),
+        ))
+        start = end
+    return fits
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One (N, M, a) with its predictions."""
+
+    replicas: int
+    micro_batches: int
+    advance: int
+    micro_batch_size: int
+    round_time: float
+    throughput: float
+    memory: tuple[float, ...]  # predicted peak bytes per stage
+    feasible: bool
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def predict(
+    fits: Sequence[StageFit], batch: int, replicas: int, micro_batches: int, advance: int = 0,
+    bandwidth: float | None = None, latency: float = 0.0, step: float = 0.0, kappa: float = 4.0,
+    memory: Sequence[float] | None = None, margin: float = 0.1,
+) -> Candidate:
+    """Predicted round time, throughput and memory of one candidate (``batch`` = the Lightning batch)."""
+    stages = len(fits)
+    b = batch // replicas // micro_batches
+    forward = tuple(f.forward(b) for f in fits)
+    backward = tuple(f.backward(b) for f in fits)
+    transfer = tuple(latency + (f.output_per_sample * b / bandwidth if bandwidth else 0.0) for f in fits[:-1])
+    schedule = build_avgpipe(stages, micro_batches, replicas, advance, MergeCosts(forward, backward, transfer, step))
+    round_time = simulate(schedule, Costs(forward, backward, transfer, step), replicas).step_time
+    peaks = tuple(
+        replicas * kappa * f.params + f.params
+        + replicas * min(micro_batches, warmup_forwards(s, stages, micro_batches, advance) + 1) * f.activation_per_sample * b
+        for s, f in enumerate(fits)
+    )
+    feasible = memory is None or all(p <= (1 - margin) * cap for p, cap in zip(peaks, memory))
+    return Candidate(replicas, micro_batches, advance, b, round_time, batch / round_time if round_time else float("inf"),
+                     peaks, feasible)
+
+
+def tune(
+    fits: Sequence[StageFit], batch: int, max_replicas: int = 4, micro_batch_choices: Sequence[int] | None = None,
+    advances: Sequence[int] = (0,), memory: Sequence[float] | None = None, margin: float = 0.1,
+    bandwidth: float | None = None, latency: float = 0.0, step: float = 0.0, kappa: float = 4.0, tie: float = 1e-6,
+) -> list[Candidate]:
+    """Every feasible candidate, best first (see the module docstring for the rules).
+
+    Args:
+        fits: per-stage fits (:func:`fit_stages`).
+        batch: the Lightning batch ``L`` (``N × B``).
+        max_replicas: largest ``N`` tried.
+        micro_batch_choices: allowed ``M`` values (default: every divisor of ``B``).
+        advances: allowed advance-forward values ``a`` (those ``<= M`` are tried).
+        memory: bytes available per stage (``None``: no limit); ``margin``: share kept free.
+        bandwidth: bytes per second of every link (``None``: transfers cost only ``latency``).
+        latency: seconds per message.
+        step: seconds of one STEP (and its AVG) on a stage.
+        kappa: static bytes per parameter byte for one replica (weights, gradient, optimizer state).
+        tie: relative throughput difference below which two candidates tie.
+    """
+    candidates = []
+    for n in range(1, max_replicas + 1):
+        if batch % n:
+            continue
+        per_replica = batch // n
+        for m in divisors(per_replica):
+            if micro_batch_choices is not None and m not in micro_batch_choices:
+                continue
+            for a in (a for a in advances if a <= m):
+                c = predict(fits, batch, n, m, a, bandwidth, latency, step, kappa, memory, margin)
+                if c.feasible:
+                    candidates.append(c)
+    if not candidates:
+        raise ValueError("no avgpipe candidate fits the memory limits; allow more memory, fewer replicas or smaller batches.")
+    best = max(c.throughput for c in candidates)
+    # within ``tie`` of each other: smaller N, then larger micro-batches, then smaller a
+    return sorted(candidates, key=lambda c: (round(c.throughput / best / tie) * -1 if tie else -c.throughput,
+                                             c.replicas, -c.micro_batch_size, c.advance))

@@ -1,0 +1,77 @@
+"""The avgpipe tuner on synthetic profiles: fits, memory check, simulated prediction, tie rules."""
+
+from __future__ import annotations
+
+import pytest
+
+from lightning_pipe.avg_tuner import Candidate, fit_line, fit_stages, predict, tune
+from lightning_pipe.partition.profile import LayerProfile, Profile
+from lightning_pipe.schedules import MergeCosts, build_avgpipe
+from lightning_pipe.simulate import Costs, simulate
+
+
+def profile(b: int, overhead: float = 1e-3) -> Profile:
+    """4 layers, 2 per stage: forward = overhead + 1e-4 b per layer, backward twice that."""
+    layers = tuple(LayerProfile("Linear", overhead + 1e-4 * b, 2 * (overhead + 1e-4 * b), 1000, 400 * b, 40 * b)
+                   for _ in range(4))
+    return Profile(b, "cpu", layers)
+
+
+def test_fits_recover_the_lines():
+    line = fit_line([(2, 5.0), (4, 9.0), (8, 17.0)])
+    assert (line.c0, line.c1) == pytest.approx((1.0, 2.0))
+    fits = fit_stages([profile(4), profile(16), profile(32)], [2, 2])
+    assert fits[0].forward.c0 == pytest.approx(2e-3) and fits[0].forward.c1 == pytest.approx(2e-4)
+    assert fits[1].backward(10) == pytest.approx(2 * (2e-3 + 2e-3))
+    assert fits[0].activation_per_sample == 800 and fits[0].output_per_sample == 40 and fits[0].params == 2000
+
+
+def test_prediction_is_the_simulated_merge():
+    fits = fit_stages([profile(4), profile(16)], [2, 2])
+    c = predict(fits, batch=64, replicas=2, micro_batches=4, advance=1)
+    b = 64 // 2 // 4
+    forward = tuple(f.forward(b) for f in fits)
+    backward = tuple(f.backward(b) for f in fits)
+    merged = build_avgpipe(2, 4, 2, 1, MergeCosts(forward, backward, (0.0,), 0.0))
+    assert c.round_time == pytest.approx(simulate(merged, Costs(forward, backward, (0.0,))).step_time)
+    assert c.throughput == pytest.approx(64 / c.round_time) and c.micro_batch_size == b
+    # memory: N*(kappa+... ) static + center + N * min(M, w_s + a_s + 1) micro-batches of activations
+    assert c.memory[0] == pytest.approx(2 * 4 * 2000 + 2000 + 2 * min(4, 1 + 1 + 1) * 800 * b)
+    assert c.memory[1] == pytest.approx(2 * 4 * 2000 + 2000 + 2 * 1 * 800 * b)
+
+
+def test_tuner_picks_the_best_feasible_and_breaks_ties():
+    fits = fit_stages([profile(4), profile(16)], [2, 2])
+    ranked = tune(fits, batch=32, max_replicas=3, advances=(0, 1))
+    assert all(isinstance(c, Candidate) for c in ranked) and {c.replicas for c in ranked} == {1, 2}  # 3 does not divide 32
+    best = ranked[0]
+    assert best.throughput == pytest.approx(max(c.throughput for c in ranked))
+    # a memory cap below what two replicas need leaves only N=1
+    cap = 17000 / 0.9  # two replicas' static bytes alone (2 * 4 * 2000 + 2000) exceed it
+    capped = tune(fits, batch=32, max_replicas=2, memory=[cap, cap])
+    assert {c.replicas for c in capped} == {1} and all(max(c.memory) <= 0.9 * cap for c in capped)
+    with pytest.raises(ValueError, match="no avgpipe candidate fits"):
+        tune(fits, batch=32, memory=[1.0, 1.0])
+    # no per-micro-batch overhead and free communication: many candidates tie; smaller N then larger b win
+    flat = fit_stages([Profile(b, "cpu", tuple(LayerProfile("L", 1e-4 * b, 2e-4 * b, 10, 1, 1) for _ in range(2)))
+                       for b in (4, 8)], [1, 1])
+    ranked = tune(flat, batch=16, max_replicas=2, micro_batch_choices=(1,), tie=1e-3)
+    top = ranked[0]
+    assert top.replicas == 1 or ranked[0].throughput > ranked[1].throughput * (1 + 1e-3)
+
+
+def test_auto_options_tune_at_fit_start():
+    """``parallel_pipelines="auto"``, ``micro_batches="auto"``: one process (one stage) profiles, picks and trains."""
+    import lightning as L
+    from torch.utils.data import DataLoader
+
+    from lightning_pipe import PipeStrategy
+    from tests.lightning_run import TrunkModel, make_data
+
+    strategy = PipeStrategy(schedule="avgpipe", parallel_pipelines="auto", micro_batches="auto")
+    trainer = L.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=2, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(TrunkModel(), DataLoader(make_data(64), batch_size=16))
+    n, m = strategy.avg_options.parallel_pipelines, strategy.micro_batches
+    assert 1 <= n <= 4 and 16 % n == 0 and (16 // n) % m == 0, (n, m)
+    assert trainer.global_step == 2 and strategy._avg.policy.replicas == n
