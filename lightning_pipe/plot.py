@@ -124,7 +124,7 @@ def timeline_png(
         handles.append(Patch(facecolor=_WAIT, hatch="////", label="waiting for a receive"))
     handles.append(Patch(facecolor=_IDLE, label="idle"))
     height = 0.55 * len(devices) + 1.3
-    ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.5 / height - 0.18),
+    ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.75 / height - 0.2),
               ncol=min(len(handles), max(2, int(width / 1.6))), fontsize=7, frameon=False)
     if title:
         ax.set_title(title, fontsize=10)
