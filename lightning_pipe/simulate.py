@@ -281,36 +281,54 @@ def simulate(schedule: Schedule, costs: Costs, replicas: int = 1) -> Simulation:
     return _summary(timed, peak, step_time, busy, weight_copies(schedule.name, schedule.stages, schedule.micro_batches, replicas))
 
 
-def simulate_async(name: str, stages: int, micro_batches: int, costs: Costs, windows: int = 8) -> Simulation:
+def _async_rate(
+    name: str, stages: int, micro_batches: int, costs: Costs, windows: int, settle: int = 3
+) -> tuple[float, list[float], bool]:
+    """Time and per-device compute per window at the end of ``windows`` windows, and whether the run
+    has settled: every device's last ``settle`` windows took one common time. Unsettled: the averages
+    over the second half of the windows."""
+    parts = [async_schedule(name, stages, micro_batches, t).actions for t in range(windows)]
+    actions = [tuple(a for part in parts for a in part[d]) for d in range(stages)]
+    ends = [[sum(len(part[d]) for part in parts[: t + 1]) - 1 for t in range(windows)] for d in range(stages)]
+    timed, _ = _timeline(actions, stages, stages, costs)
+    end = [[timed[d][ends[d][t]].end for t in range(windows)] for d in range(stages)]
+    last = windows - 1
+    rate = (end[0][last] - end[0][last - settle]) / settle
+    settled = all(
+        math.isclose(end[d][t + 1] - end[d][t], rate, rel_tol=1e-9, abs_tol=1e-12)
+        for d in range(stages) for t in range(last - settle, last)
+    )
+    first = last - settle if settled else windows // 2
+    span = last - first
+    if not settled:
+        rate = (max(e[last] for e in end) - max(e[first] for e in end)) / span
+    busy = [_busy(timed[d][ends[d][first] + 1 : ends[d][last] + 1]) / span for d in range(stages)]
+    return rate, busy, settled
+
+
+def simulate_async(
+    name: str, stages: int, micro_batches: int, costs: Costs, windows: int = 8, max_windows: int = 1024
+) -> Simulation:
     """Simulate a segment of an asynchronous schedule: ``windows`` windows of ``micro_batches``
     micro-batches each, then the drain (the lists ``validate_async`` proves and the executor runs).
 
-    ``step_time`` is the steady-state time per window (per Lightning training step), measured between
-    the ends of windows ``windows // 2`` and ``windows - 1`` (the latest window end over devices), and
-    ``busy`` is compute per window over the same range; ``events`` cover the whole segment.
+    ``events`` and ``peak_activations`` cover that segment. ``step_time`` is the steady-state time per
+    window (per Lightning training step): ``n`` windows are simulated, ``n`` starting at ``windows``
+    and doubling (up to ``max_windows``) until every device's last 3 windows took one common time (a
+    downstream stage with slack from the warm-up can run faster than the bottleneck for many
+    windows); that time is ``step_time`` and ``busy`` is compute per window over those windows. If
+    it never settles, both are averages over the second half of the ``max_windows`` windows.
     """
-    if windows < 3:
-        raise ValueError(f"simulate_async needs windows >= 3 to reach a steady state, got {windows}.")
+    if windows < 4:
+        raise ValueError(f"simulate_async needs windows >= 4 to reach a steady state, got {windows}.")
     segment = validate_async(name, stages, micro_batches, windows)
     timed, peak = _timeline(segment.actions, stages, stages, costs)
-    # index of the last action of every window on every device
-    ends: list[list[int]] = []
-    for d in range(stages):
-        lengths = [len(async_schedule(name, stages, micro_batches, t).actions[d]) for t in range(windows)]
-        cumulative, total = [], 0
-        for n in lengths:
-            total += n
-            cumulative.append(total - 1)
-        ends.append(cumulative)
-    first, last = windows // 2, windows - 1
-
-    def window_end(t: int) -> float:
-        return max(timed[d][ends[d][t]].end for d in range(stages))
-
-    span = last - first
-    step_time = (window_end(last) - window_end(first)) / span
-    busy = [_busy(timed[d][ends[d][first] + 1 : ends[d][last] + 1]) / span for d in range(stages)]
-    return _summary(timed, peak, step_time, busy, weight_copies(name, stages, micro_batches))
+    n = windows
+    rate, busy, settled = _async_rate(name, stages, micro_batches, costs, n)
+    while not settled and n < max_windows:
+        n = min(2 * n, max_windows)
+        rate, busy, settled = _async_rate(name, stages, micro_batches, costs, n)
+    return _summary(timed, peak, rate, busy, weight_copies(name, stages, micro_batches))
 
 
 def closed_form_step_time(name: str, stage_times: Sequence[float], micro_batches: int, chunks: int = 1) -> float:

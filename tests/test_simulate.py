@@ -63,7 +63,7 @@ def test_peak_activations(stages: int, micro_batches: int) -> None:
     assert evaluation.peak_activations == [1] * stages
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=60, deadline=None)
 @given(
     st.sampled_from(ASYNC_SCHEDULES), st.integers(2, 4), st.integers(1, 6),
     st.lists(st.tuples(durations, durations), min_size=4, max_size=4),
