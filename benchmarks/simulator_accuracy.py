@@ -295,6 +295,7 @@ def main() -> None:
                         help="windows (steps) of every stage's solo run per round and schedule, after one of warm-up")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per job before its processes are killed")
     parser.add_argument("--json", type=Path, default=None, help="also write every round's raw numbers here")
+    parser.add_argument("--from-json", type=Path, default=None, help="do not run: report a --json file again")
     parser.add_argument("--trace", type=Path, default=None,
                         help="also record one step of every schedule and write measured and simulated timelines here")
     parser.add_argument("--max-other-load", type=float, default=0.25,
@@ -302,6 +303,12 @@ def main() -> None:
     parser.add_argument("--quiet-wait", type=float, default=60.0,
                         help="before each job wait up to this many seconds for other processes to go idle")
     args = parser.parse_args()
+    if args.from_json:  # report (and draw) a saved run again, e.g. with another --max-other-load
+        jobs = json.loads(args.from_json.read_text())["jobs"]
+        print(report(jobs, args.max_other_load))
+        if args.trace:
+            write_traces(jobs, args.trace)
+        return
     options = {k: getattr(args, k) for k in ("windows", "steps_per_window", "warmup_steps", "cost_windows")}
     options["trace"] = args.trace is not None
     print(f"torch {torch.__version__}, {STAGES} processes × 1 thread, gloo", flush=True)

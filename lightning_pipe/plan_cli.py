@@ -254,7 +254,7 @@ def write_timeline(best: Plan, profiles: Sequence[Profile], machine: Machine, st
     costs = Costs(forward=forward, backward=backward, transfer=transfer, step=0.0)
     title = f"{best.schedule}, {stages} stages, M={best.micro_batches}, balance={best.balance} (predicted)"
     if best.schedule in ASYNC_SCHEDULES:
-        simulation = simulate_async(best.schedule, stages, best.micro_batches, costs, windows=3)
+        simulation = simulate_async(best.schedule, stages, best.micro_batches, costs, windows=4)
     else:
         v = chunks if best.schedule == "interleaved_1f1b" else 1
         simulation = simulate(build_schedule(best.schedule, stages, best.micro_batches, v), costs)

@@ -123,14 +123,15 @@ def timeline_png(
     if any(k.is_recv for k, _ in kinds):
         handles.append(Patch(facecolor=_WAIT, hatch="////", label="waiting for a receive"))
     handles.append(Patch(facecolor=_IDLE, label="idle"))
-    height = 0.55 * len(devices) + 1.3
-    ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.5 / height - 0.18),
-              ncol=min(len(handles), max(2, int(width / 1.6))), fontsize=7, frameon=False)
     if title:
         ax.set_title(title, fontsize=10)
     for side in ("top", "right"):
         ax.spines[side].set_visible(False)
     fig.tight_layout()
+    # the legend goes 0.5 inch below the axes, under the tick labels and the x label
+    axes_inches = ax.get_position().height * fig.get_figheight()
+    ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.5 / axes_inches),
+              ncol=min(len(handles), max(2, int(width / 1.6))), fontsize=7, frameon=False)
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     fig.savefig(path, dpi=dpi, bbox_inches="tight")
     plt.close(fig)

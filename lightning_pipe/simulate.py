@@ -281,35 +281,54 @@ def simulate(schedule: Schedule, costs: Costs, replicas: int = 1) -> Simulation:
     return _summary(timed, peak, step_time, busy, weight_copies(schedule.name, schedule.stages, schedule.micro_batches, replicas))
 
 
-def simulate_async(name: str, stages: int, micro_batches: int, costs: Costs, windows: int = 8) -> Simulation:
+def _async_rate(
+    name: str, stages: int, micro_batches: int, costs: Costs, windows: int, settle: int = 3
+) -> tuple[float, list[float], bool]:
+    """Time and per-device compute per window at the end of ``windows`` windows, and whether the run
+    has settled: every device's last ``settle`` windows took one common time. Unsettled: the averages
+    over the second half of the windows."""
+    parts = [async_schedule(name, stages, micro_batches, t).actions for t in range(windows)]
+    actions = [tuple(a for part in parts for a in part[d]) for d in range(stages)]
+    ends = [[sum(len(part[d]) for part in parts[: t + 1]) - 1 for t in range(windows)] for d in range(stages)]
+    timed, _ = _timeline(actions, stages, stages, costs)
+    end = [[timed[d][ends[d][t]].end for t in range(windows)] for d in range(stages)]
+    last = windows - 1
+    rate = (end[0][last] - end[0][last - settle]) / settle
+    settled = all(
+        math.isclose(end[d][t + 1] - end[d][t], rate, rel_tol=1e-9, abs_tol=1e-12)
+        for d in range(stages) for t in range(last - settle, last)
+    )
+    first = last - settle if settled else windows // 2
+    span = last - first
+    if not settled:
+        rate = (max(e[last] for e in end) - max(e[first] for e in end)) / span
+    busy = [_busy(timed[d][ends[d][first] + 1 : ends[d][last] + 1]) / span for d in range(stages)]
+    return rate, busy, settled
+
+
+def simulate_async(
+    name: str, stages: int, micro_batches: int, costs: Costs, windows: int = 8, max_windows: int = 1024
+) -> Simulation:
     """Simulate a segment of an asynchronous schedule: ``windows`` windows of ``micro_batches``
     micro-batches each, then the drain (the lists ``validate_async`` proves and the executor runs).
 
-    ``step_time`` is the steady-state time per window (per Lightning training step), measured between
-    the ends of windows ``windows // 2`` and ``windows - 1`` on the device whose pace is slowest, and
-    ``busy`` is compute per window over the same range; ``events`` cover the whole segment.
+    ``events`` and ``peak_activations`` cover that segment. ``step_time`` is the steady-state time per
+    window (per Lightning training step): ``n`` windows are simulated, ``n`` starting at ``windows``
+    and doubling (up to ``max_windows``) until every device's last 3 windows took one common time (a
+    downstream stage with slack from the warm-up can run faster than the bottleneck for many
+    windows); that time is ``step_time`` and ``busy`` is compute per window over those windows. If
+    it never settles, both are averages over the second half of the ``max_windows`` windows.
     """
-    if windows < 3:
-        raise ValueError(f"simulate_async needs windows >= 3 to reach a steady state, got {windows}.")
+    if windows < 4:
+        raise ValueError(f"simulate_async needs windows >= 4 to reach a steady state, got {windows}.")
     segment = validate_async(name, stages, micro_batches, windows)
     timed, peak = _timeline(segment.actions, stages, stages, costs)
-    # index of the last action of every window on every device
-    ends: list[list[int]] = []
-    for d in range(stages):
-        lengths = [len(async_schedule(name, stages, micro_batches, t).actions[d]) for t in range(windows)]
-        cumulative, total = [], 0
-        for n in lengths:
-            total += n
-            cumulative.append(total - 1)
-        ends.append(cumulative)
-    first, last = windows // 2, windows - 1
-
-    span = last - first
-    # the slowest device's own pace: in the long run every device runs at it, while within a finite
-    # segment a nearly-as-slow device can still be eating into its start-up slack
-    step_time = max((timed[d][ends[d][last]].end - timed[d][ends[d][first]].end) / span for d in range(stages))
-    busy = [_busy(timed[d][ends[d][first] + 1 : ends[d][last] + 1]) / span for d in range(stages)]
-    return _summary(timed, peak, step_time, busy, weight_copies(name, stages, micro_batches))
+    n = windows
+    rate, busy, settled = _async_rate(name, stages, micro_batches, costs, n)
+    while not settled and n < max_windows:
+        n = min(2 * n, max_windows)
+        rate, busy, settled = _async_rate(name, stages, micro_batches, costs, n)
+    return _summary(timed, peak, rate, busy, weight_copies(name, stages, micro_batches))
 
 
 def closed_form_step_time(name: str, stage_times: Sequence[float], micro_batches: int, chunks: int = 1) -> float:
@@ -326,60 +345,3 @@ def closed_form_step_time(name: str, stage_times: Sequence[float], micro_batches
         return micro_batches * worst
     return (micro_batches - 1) * worst + total
 
-
-def main(
-    schedule: str = "1f1b",
-    stages: int = 4,
-    micro_batches: int = 8,
-    chunks: int = 1,
-    forward: float = 1.0,
-    backward: float = 2.0,
-    transfer: float = 0.0,
-    step: float = 0.0,
-    windows: int = 4,
-    png: str | None = None,
-    trace: str | None = None,
-) -> Simulation:
-    """Simulate a schedule on uniform costs, print the result, optionally draw it.
-
-    Args:
-        schedule: any synchronous or asynchronous schedule name.
-        stages: devices ``P``.
-        micro_batches: micro-batches per step ``M``.
-        chunks: chunks per device (``interleaved_1f1b``).
-        forward: forward time of one micro-batch on one virtual stage (milliseconds).
-        backward: backward time (milliseconds).
-        transfer: one-way time of a boundary message (milliseconds).
-        step: time of one optimizer STEP (milliseconds).
-        windows: asynchronous schedules: windows simulated before the drain.
-        png: write the timeline picture here.
-        trace: write a Chrome-trace JSON here.
-    """
-    ms = 1e-3
-    costs = Costs.uniform(stages * chunks, forward * ms, backward * ms, transfer * ms, step * ms)
-    if schedule in ASYNC_SCHEDULES:
-        sim = simulate_async(schedule, stages, micro_batches, costs, windows)
-        title = f"{schedule}: {stages} stages, M={micro_batches}, {windows} windows and the drain"
-    else:
-        from lightning_pipe.schedules import build_schedule
-
-        sim = simulate(build_schedule(schedule, stages, micro_batches, chunks), costs)
-        title = f"{schedule}: {stages} stages, M={micro_batches}" + (f", {chunks} chunks" if chunks > 1 else "")
-    print(f"{title}\n{sim.describe()}")
-    if png:
-        from lightning_pipe.plot import timeline_png
-
-        timeline_png(sim.events, png, title=f"{title} (simulated)")
-        print(f"wrote {png}")
-    if trace:
-        from lightning_pipe.plot import chrome_trace
-
-        chrome_trace(sim.events, trace)
-        print(f"wrote {trace}")
-    return sim
-
-
-if __name__ == "__main__":  # python -m lightning_pipe.simulate --schedule 1f1b --png timeline.png
-    from jsonargparse import CLI
-
-    CLI(main, as_positional=False)

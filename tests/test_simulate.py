@@ -63,7 +63,7 @@ def test_peak_activations(stages: int, micro_batches: int) -> None:
     assert evaluation.peak_activations == [1] * stages
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=60, deadline=None)
 @given(
     st.sampled_from(ASYNC_SCHEDULES), st.integers(2, 4), st.integers(1, 6),
     st.lists(st.tuples(durations, durations), min_size=4, max_size=4),
@@ -128,3 +128,12 @@ def test_pictures_are_written(tmp_path) -> None:
     assert min(e["ts"] for e in complete) == 0.0
     forward = next(e for e in complete if e["name"] == "F1c1")
     assert forward["args"] == {"micro_batch": 1, "chunk": 1}
+
+
+def test_command_line_entry(tmp_path, capsys) -> None:
+    from lightning_pipe.simulate_cli import main
+
+    sim = main(schedule="xpipe", stages=2, micro_batches=2, png=str(tmp_path / "x.png"), trace=str(tmp_path / "x.json"))
+    assert sim.step_time == pytest.approx(2 * 3e-3)
+    assert (tmp_path / "x.png").stat().st_size > 0 and (tmp_path / "x.json").stat().st_size > 0
+    assert "step time 6.000 ms" in capsys.readouterr().out
