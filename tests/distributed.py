@@ -14,6 +14,20 @@ from typing import Any
 import torch.multiprocessing as mp
 
 
+_RENDEZVOUS = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK")
+
+
+def job_environment(**extra: str) -> dict[str, str]:
+    """This process's environment for a new multi-process job, with a port of its own.
+
+    An in-process Lightning run earlier in this interpreter (a one-device PipeStrategy) leaves its
+    rendezvous variables behind; a job inheriting them would join that finished run's rendezvous.
+    """
+    env = {k: v for k, v in os.environ.items() if k not in _RENDEZVOUS and not k.startswith("PL_")}
+    env.update(PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), **extra)
+    return env
+
+
 _HANDED_OUT: set[int] = set()
 
 

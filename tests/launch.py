@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from tests.distributed import free_port
+from tests.distributed import job_environment
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -24,12 +24,7 @@ def launch(config: dict[str, Any], timeout: float = 180.0) -> tuple[int, str, li
     children included) is killed with SIGKILL: hung gloo ranks ignore SIGTERM.
     """
     with tempfile.TemporaryDirectory() as out:
-        # an in-process Lightning run in this interpreter (a one-device PipeStrategy) leaves its
-        # rendezvous variables behind; the job must pick its own
-        leaked = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK")
-        env = {k: v for k, v in os.environ.items() if k not in leaked and not k.startswith("PL_")}
-        # our own port: Lightning's default pick races with other jobs starting at the same moment
-        env.update(PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+        env = job_environment()
         proc = subprocess.Popen(
             [sys.executable, os.path.join(HERE, "lightning_run.py"), json.dumps(config), out],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True,

@@ -21,7 +21,7 @@ import pytest
 import yaml
 
 from lightning_pipe import PipeStrategy
-from tests.distributed import free_port
+from tests.distributed import job_environment
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CLI = os.path.join(ROOT, "examples", "cli.py")
@@ -34,8 +34,7 @@ class Run:
     """``python examples/cli.py ARGS`` started now in its own session; ``result()`` waits for it."""
 
     def __init__(self, args: list[str], cwd: Path) -> None:
-        # our own port: Lightning's default pick races between runs started at the same moment
-        env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+        env = job_environment()
         self.deadline = time.monotonic() + TIMEOUT
         self.log = cwd / "output.log"  # a file, not a pipe: nobody reads a run's pipe while it runs
         with open(self.log, "w") as log:
