@@ -1,6 +1,6 @@
 """The avgpipe tuner's choice against the best measured of its top three candidates (issue 5).
 
-    python benchmarks/tuner.py                       # defaults: MLP 8 × Linear(256), batch 128
+    python benchmarks/tuner.py                       # defaults: MLP 8 × Linear(512), batch 128
     python benchmarks/tuner.py --windows 5 --steps-per-window 3
 
 1. Profile the MLP trunk of ``benchmarks/avgpipe.py`` in this process (one thread, like each
@@ -76,13 +76,36 @@ def worker(rank: int, port: int, candidates: list[Candidate], args: argparse.Nam
     dist.destroy_process_group()
 
 
+def ping_pong(rank: int, port: int, numel: int, out: str) -> None:
+    """Median one-way time of a ``numel``-float message between the 2 processes (ping-pong / 2)."""
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=STAGES, timeout=timedelta(seconds=120))
+    t, times = torch.zeros(numel), []
+    for _ in range(50):
+        start = time.perf_counter()
+        if rank == 0:
+            dist.send(t, 1)
+            dist.recv(t, 1)
+        else:
+            dist.recv(t, 0)
+            dist.send(t, 0)
+        times.append((time.perf_counter() - start) / 2)
+    if rank == 0:
+        torch.save(statistics.median(times[10:]), out)
+    dist.destroy_process_group()
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--width", type=int, default=256, help="width of every Linear layer")
+    p.add_argument("--width", type=int, default=512, help="width of every Linear layer")
     p.add_argument("--layers", type=int, default=8, help="Linear+ReLU pairs (half on each stage)")
     p.add_argument("--batch", type=int, default=128, help="the Lightning batch L shared by the replicas")
     p.add_argument("--max-replicas", type=int, default=4, help="largest N the tuner tries")
     p.add_argument("--advances", type=int, nargs="+", default=[0], help="advance-forward values a the tuner tries")
+    p.add_argument("--measure-latency", action="store_true",
+                   help="measure a message's one-way time (gloo ping-pong) and give it to the tuner as latency; "
+                        "the fit-start tuner does not (it takes communication as free)")
     p.add_argument("--windows", type=int, default=5, help="measurement windows (each runs every candidate)")
     p.add_argument("--steps-per-window", type=int, default=4, help="training steps per candidate per window")
     return p.parse_args(argv)
@@ -99,16 +122,22 @@ def main(argv: list[str] | None = None) -> None:
     steps = [profile_step(trunk[:half], lambda ps: torch.optim.SGD(ps, lr=0.01, momentum=0.9)),
              profile_step(trunk[half:], lambda ps: torch.optim.SGD(ps, lr=0.01, momentum=0.9))]
     fits = fit_stages(profiles, counts, steps)
-    ranked = tune(fits, args.batch, max_replicas=args.max_replicas, advances=tuple(args.advances))
-    top = ranked[:3]
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "rates.pt")
+        latency = 0.0
+        if args.measure_latency:
+            numel = args.batch // 4 * args.width  # a micro-batch of L/4 samples' boundary
+            mp.start_processes(ping_pong, args=(free_port(), numel, out), nprocs=STAGES, start_method="spawn")
+            latency = torch.load(out)
+        ranked = tune(fits, args.batch, max_replicas=args.max_replicas, advances=tuple(args.advances), latency=latency)
+        top = ranked[:3]
         mp.start_processes(worker, args=(free_port(), top, args, out), nprocs=STAGES, start_method="spawn")
         rates = torch.load(out)
     measured = [statistics.median(r) for r in rates]
     best = max(measured)
     print(f"MLP {args.layers} × Linear({args.width}), 2 stages on 2 processes (one thread each), Lightning batch "
-          f"{args.batch}; STEP+AVG profiled {steps[0] * 1e3:.2f} / {steps[1] * 1e3:.2f} ms; "
+          f"{args.batch}; STEP+AVG profiled {steps[0] * 1e3:.2f} / {steps[1] * 1e3:.2f} ms; message latency given to "
+          f"the tuner {latency * 1e3:.2f} ms; "
           f"{args.windows} windows × {args.steps_per_window} steps per candidate\n")
     print("| rank | candidate (N, M, a) | micro-batch | predicted samples/s | measured samples/s (median, min-max) | "
           "measured / best measured |")
