@@ -8,6 +8,7 @@ have with the chosen values given by hand.
 
 from __future__ import annotations
 
+import copy
 import math
 from typing import Any
 
@@ -15,7 +16,7 @@ import torch
 from lightning.pytorch import LightningModule, Trainer
 
 from lightning_pipe.auto_balance import first_batch, preserved_buffers, preserved_random_state
-from lightning_pipe.avg_tuner import Candidate, fit_stages, tune
+from lightning_pipe.avg_tuner import Candidate, fit_stages, profile_step, tune
 from lightning_pipe.config import PipeConfigError
 from lightning_pipe.engine import batch_size, split_micro_batches
 from lightning_pipe.log_replay import LogCapture
@@ -28,6 +29,20 @@ MAX_REPLICAS = 4  # largest N the tuner tries for parallel_pipelines="auto"
 def profile_sizes(batch: int) -> list[int]:
     """Three micro-batch sizes spread over ``1..batch`` (fewer when the batch is tiny)."""
     return sorted({max(1, batch // 16), max(1, batch // 4), max(1, batch // 2)})
+
+
+def stage_steps(module: LightningModule, trunk: torch.nn.Sequential, counts: list[int], device: torch.device) -> list[float]:
+    """Per stage, the median time of one STEP + AVG with the user's optimizer class and defaults
+    (``configure_optimizers`` is called once to learn them; its objects are discarded)."""
+    from lightning.pytorch.core.optimizer import _init_optimizers_and_lr_schedulers
+
+    optimizer = _init_optimizers_and_lr_schedulers(module)[0][0]
+    steps, start = [], 0
+    for count in counts:
+        stage = trunk[start:start + count]
+        start += count
+        steps.append(profile_step(copy.deepcopy(stage).to(device), lambda ps: type(optimizer)(ps, **optimizer.defaults)))
+    return steps
 
 
 def profile_and_tune(
@@ -46,7 +61,8 @@ def profile_and_tune(
             with LogCapture(module):
                 sample = capture_trunk_input(module, trunk, lambda: step(micro_batch, 0), hook)
             profiles.append(profile_trunk(trunk, sample, device, repeats=3, warmup=1, module=module))
-    fits = fit_stages(profiles, counts)
+        steps = stage_steps(module, trunk, counts, device)
+    fits = fit_stages(profiles, counts, steps)
     try:
         ranked = tune(
             fits, size, max_replicas=MAX_REPLICAS if replicas == "auto" else int(replicas),

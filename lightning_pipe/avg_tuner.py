@@ -19,8 +19,14 @@ per round; ``N`` only changes how they are shared between replicas.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import copy
+import statistics
+import time
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+
+import torch
+from torch import nn
 
 from lightning_pipe.partition.profile import Profile
 from lightning_pipe.schedules import MergeCosts, build_avgpipe
@@ -60,15 +66,51 @@ class StageFit:
     activation_per_sample: float
     output_per_sample: float
     params: int
+    step: float = 0.0  # seconds of one STEP plus its AVG (independent of b)
 
 
-def fit_stages(profiles: Sequence[Profile], counts: Sequence[int]) -> list[StageFit]:
+def profile_step(
+    stage: nn.Module, optimizer: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer], alpha: float = 0.45,
+    repeats: int = 5, warmup: int = 2,
+) -> float:
+    """Median seconds (after ``warmup`` untimed runs) of one replica's STEP and AVG on ``stage``.
+
+    Works on a copy of ``stage`` with random gradients: ``optimizer(parameters)`` builds the
+    optimizer (e.g. the user's class with its defaults), then the elastic averaging step
+    ``D = alpha (W - C)``, ``W -= D``, ``C += D`` against a center copy.
+    """
+    replica = copy.deepcopy(stage)
+    params = [p for p in replica.parameters() if p.requires_grad]
+    if not params:
+        return 0.0
+    center = [p.detach().clone() for p in params]
+    opt = optimizer(params)
+    for p in params:
+        p.grad = torch.randn_like(p) * 1e-3
+    times = []
+    for i in range(warmup + repeats):
+        start = time.perf_counter()
+        opt.step()
+        with torch.no_grad():
+            for w, c in zip(params, center):
+                d = (w - c).mul_(alpha)
+                w.sub_(d)
+                c.add_(d)
+        if i >= warmup:
+            times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def fit_stages(profiles: Sequence[Profile], counts: Sequence[int], steps: Sequence[float] | None = None) -> list[StageFit]:
     """Per-stage fits from per-layer ``profiles`` measured at different micro-batch sizes;
-    ``counts[s]`` trunk layers form stage ``s``."""
+    ``counts[s]`` trunk layers form stage ``s``; ``steps[s]`` is stage ``s``'s STEP + AVG time
+    (:func:`profile_step`; ``None``: 0)."""
+    if steps is not None and len(steps) != len(counts):
+        raise ValueError(f"give one STEP time per stage ({len(counts)}), not {len(steps)}.")
     if not profiles:
         raise ValueError("the tuner needs at least one profile; profile the trunk at two or three micro-batch sizes.")
     fits, start = [], 0
-    for count in counts:
+    for s, count in enumerate(counts):
         end = start + count
 
         def total(p: Profile, attr: str) -> float:
@@ -80,6 +122,7 @@ def fit_stages(profiles: Sequence[Profile], counts: Sequence[int]) -> list[Stage
             activation_per_sample=max(total(p, "saved") / p.micro_batch for p in profiles),
             output_per_sample=max(float(p.layers[end - 1].output) / p.micro_batch for p in profiles),
             params=int(total(profiles[0], "params")),
+            step=0.0 if steps is None else float(steps[s]),
         ))
         start = end
     return fits
@@ -105,11 +148,16 @@ def divisors(n: int) -> list[int]:
 
 def predict(
     fits: Sequence[StageFit], batch: int, replicas: int, micro_batches: int, advance: int = 0,
-    bandwidth: float | None = None, latency: float = 0.0, step: float = 0.0, kappa: float = 4.0,
+    bandwidth: float | None = None, latency: float = 0.0, step: float | None = None, kappa: float = 4.0,
     memory: Sequence[float] | None = None, margin: float = 0.1,
 ) -> Candidate:
-    """Predicted round time, throughput and memory of one candidate (``batch`` = the Lightning batch)."""
+    """Predicted round time, throughput and memory of one candidate (``batch`` = the Lightning batch).
+
+    ``step``: seconds of one STEP + AVG; ``None`` takes the slowest stage's profiled ``fits[s].step``
+    (the simulator has one STEP duration for all stages, and the slowest one sets the pace)."""
     stages = len(fits)
+    if step is None:
+        step = max(f.step for f in fits)
     b = batch // replicas // micro_batches
     forward = tuple(f.forward(b) for f in fits)
     backward = tuple(f.backward(b) for f in fits)
@@ -129,7 +177,8 @@ def predict(
 def tune(
     fits: Sequence[StageFit], batch: int, max_replicas: int = 4, micro_batch_choices: Sequence[int] | None = None,
     advances: Sequence[int] = (0,), memory: Sequence[float] | None = None, margin: float = 0.1,
-    bandwidth: float | None = None, latency: float = 0.0, step: float = 0.0, kappa: float = 4.0, tie: float = 1e-6,
+    bandwidth: float | None = None, latency: float = 0.0, step: float | None = None, kappa: float = 4.0,
+    tie: float = 1e-6,
 ) -> list[Candidate]:
     """Every feasible candidate, best first (see the module docstring for the rules).
 
@@ -142,7 +191,8 @@ def tune(
         memory: bytes available per stage (``None``: no limit); ``margin``: share kept free.
         bandwidth: bytes per second of every link (``None``: transfers cost only ``latency``).
         latency: seconds per message.
-        step: seconds of one STEP (and its AVG) on a stage.
+        step: seconds of one STEP (and its AVG) on a stage (``None``: the slowest stage's profiled
+            ``StageFit.step``).
         kappa: static bytes per parameter byte for one replica (weights, gradient, optimizer state).
         tie: relative throughput difference below which two candidates tie.
     """

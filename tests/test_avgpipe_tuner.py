@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from lightning_pipe.avg_tuner import Candidate, fit_line, fit_stages, predict, tune
+import torch
+from torch import nn
+
+from lightning_pipe.avg_tuner import Candidate, fit_line, fit_stages, predict, profile_step, tune
 from lightning_pipe.partition.profile import LayerProfile, Profile
 from lightning_pipe.schedules import MergeCosts, build_avgpipe
 from lightning_pipe.simulate import Costs, simulate
@@ -38,6 +41,28 @@ def test_prediction_is_the_simulated_merge():
     # memory: N*(kappa+... ) static + center + N * min(M, w_s + a_s + 1) micro-batches of activations
     assert c.memory[0] == pytest.approx(2 * 4 * 2000 + 2000 + 2 * min(4, 1 + 1 + 1) * 800 * b)
     assert c.memory[1] == pytest.approx(2 * 4 * 2000 + 2000 + 2 * 1 * 800 * b)
+
+
+def test_step_time_is_profiled_and_simulated():
+    """STEP + AVG: measured on a copy (weights unchanged), positive; the slowest stage's time enters the simulation."""
+    stage = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64))
+    before = [p.detach().clone() for p in stage.parameters()]
+    t = profile_step(stage, lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9), repeats=3, warmup=1)
+    assert t > 0 and all(torch.equal(a, b) for a, b in zip(before, stage.parameters()))
+    assert profile_step(nn.ReLU(), lambda ps: torch.optim.SGD(ps, lr=0.1)) == 0.0
+    fits = fit_stages([profile(4), profile(16)], [2, 2], steps=[1e-3, 3e-3])
+    assert [f.step for f in fits] == [1e-3, 3e-3]
+    with pytest.raises(ValueError, match="one STEP time per stage"):
+        fit_stages([profile(4)], [2, 2], steps=[1e-3])
+    c = predict(fits, batch=64, replicas=2, micro_batches=4)
+    b = 64 // 2 // 4
+    forward = tuple(f.forward(b) for f in fits)
+    backward = tuple(f.backward(b) for f in fits)
+    merged = build_avgpipe(2, 4, 2, 0, MergeCosts(forward, backward, (0.0,), 3e-3))
+    assert c.round_time == pytest.approx(simulate(merged, Costs(forward, backward, (0.0,), 3e-3), 2).step_time)
+    assert c.round_time > predict(fits, batch=64, replicas=2, micro_batches=4, step=0.0).round_time
+    # with a costly STEP, fewer replicas (fewer STEPs per round) win
+    assert tune(fits, batch=64, max_replicas=4)[0].replicas == 1
 
 
 def test_tuner_picks_the_best_feasible_and_breaks_ties():
