@@ -127,6 +127,22 @@ class Runner:
             self.optimizer.zero_grad(set_to_none=True)
 
 
+def timed_windows(runners: list[Runner], windows: int, steps_per_window: int) -> list[list[float]]:
+    """Samples/s of every runner in every window; runners take turns in rotating order between
+    barriers, so a slow phase of the machine hits each of them alike."""
+    rates: list[list[float]] = [[] for _ in runners]
+    for window in range(windows):
+        for k in range(len(runners)):
+            i = (window + k) % len(runners)
+            dist.barrier()
+            start = time.perf_counter()
+            for _ in range(steps_per_window):
+                runners[i].step()
+            dist.barrier()
+            rates[i].append(steps_per_window * runners[i].samples / (time.perf_counter() - start))
+    return rates
+
+
 def worker(rank: int, port: int, variants: list[Variant], args: argparse.Namespace, out: str) -> None:
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -134,16 +150,7 @@ def worker(rank: int, port: int, variants: list[Variant], args: argparse.Namespa
     runners = [Runner(v, rank, args) for v in variants]
     for runner in runners:  # warm-up
         runner.step()
-    rates: list[list[float]] = [[] for _ in variants]
-    for window in range(args.windows):
-        order = [(window + k) % len(runners) for k in range(len(runners))]
-        for i in order:
-            dist.barrier()
-            start = time.perf_counter()
-            for _ in range(args.steps_per_window):
-                runners[i].step()
-            dist.barrier()
-            rates[i].append(args.steps_per_window * runners[i].samples / (time.perf_counter() - start))
+    rates = timed_windows(runners, args.windows, args.steps_per_window)
     if rank == 0:
         torch.save(rates, out)
     dist.barrier()

@@ -35,7 +35,7 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks.avgpipe, and a source checkout
 
-from benchmarks.avgpipe import STAGES, Runner, Variant, free_port, make_trunk  # noqa: E402
+from benchmarks.avgpipe import STAGES, Runner, Variant, free_port, make_trunk, timed_windows  # noqa: E402
 from lightning_pipe.avg_autotune import profile_sizes  # noqa: E402
 from lightning_pipe.avg_tuner import Candidate, fit_stages, profile_step, tune  # noqa: E402
 from lightning_pipe.partition.profile import profile_trunk  # noqa: E402
@@ -60,16 +60,7 @@ def worker(rank: int, port: int, candidates: list[Candidate], args: argparse.Nam
     for runner in runners:  # warm-up
         runner.step()
         runner.step()
-    rates: list[list[float]] = [[] for _ in runners]
-    for window in range(args.windows):
-        for k in range(len(runners)):
-            i = (window + k) % len(runners)
-            dist.barrier()
-            start = time.perf_counter()
-            for _ in range(args.steps_per_window):
-                runners[i].step()
-            dist.barrier()
-            rates[i].append(args.steps_per_window * runners[i].samples / (time.perf_counter() - start))
+    rates = timed_windows(runners, args.windows, args.steps_per_window)
     if rank == 0:
         torch.save(rates, out)
     dist.barrier()

@@ -429,14 +429,11 @@ def explore(
     for schedule in schedules:
         if schedule not in ALL_SCHEDULES:
             raise PlanError(f"schedule {schedule!r} is not known; choose among {', '.join(ALL_SCHEDULES)}.")
-        best = None
-        for m in candidates:
-            if not allowed(schedule, stages, m, len(profiles[0].layers), chunks):
-                continue
-            found = split_for(scaled[m], schedule, stages, m, machine, chunks, batch)
-            if found is not None and better(found, best):
-                best = found
-        result[schedule] = best
+        result[schedule] = best_of(
+            split_for(scaled[m], schedule, stages, m, machine, chunks, batch)
+            for m in candidates
+            if allowed(schedule, stages, m, len(profiles[0].layers), chunks)
+        )
     return result
 
 
