@@ -24,6 +24,7 @@ from lightning_pipe.async_options import AsyncOptions
 from lightning_pipe.async_runtime import AsyncRuntime
 from lightning_pipe.engine.local import LocalPipeline
 from lightning_pipe.engine.weights import POLICIES, WeightPolicy
+from lightning_pipe.outside_params import reject_shared
 from lightning_pipe.schedules import validate_async
 
 
@@ -86,12 +87,7 @@ def stage_parameter_names(
             for name, b in module.named_buffers():
                 b.copy_(buffers[name])
         _restore_metric_states(metrics)
-    shared = sorted(n for n, stages in users.items() if len(stages) > 1)
-    if shared:
-        raise SharedParameterError(
-            f"parameters {', '.join(shared)} are used on several stages, which step at different times under an "
-            "asynchronous schedule; untie them or use a synchronous schedule such as '1f1b'."
-        )
+    reject_shared(users, "which step at different times under an asynchronous schedule", SharedParameterError)
     names: list[set[str]] = [set() for _ in bounds]
     for name, p in named:
         names[stage_of.get(id(p), users.get(name, [0])[0])].add(name)

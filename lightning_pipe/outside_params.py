@@ -18,6 +18,17 @@ from torch import nn
 from lightning_pipe.topology import Topology
 
 
+def reject_shared(users: dict[str, list[int]], why: str, error: type[Exception]) -> None:
+    """Raise ``error`` naming every parameter used on several stages (``users``: name -> stages),
+    for schedules that step each stage's parameters on their own; ``why`` says what goes wrong."""
+    shared = sorted(name for name, stages in users.items() if len(stages) > 1)
+    if shared:
+        raise error(
+            f"parameters {', '.join(shared)} are used on several stages, {why}; untie them or use a "
+            "synchronous schedule such as '1f1b'."
+        )
+
+
 class OutsideParameters:
     """Usage, ownership and cross-stage gradient handling of the parameters outside the trunk.
 

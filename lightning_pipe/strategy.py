@@ -50,7 +50,7 @@ from lightning_pipe.engine.local import LocalPipeline
 from lightning_pipe.log_replay import LogCapture, combine, replay
 from lightning_pipe.module_stages import ModuleStages, step_loss
 from lightning_pipe.outputs import detach_to_cpu, merge_outputs
-from lightning_pipe.outside_params import OutsideParameters
+from lightning_pipe.outside_params import OutsideParameters, reject_shared
 from lightning_pipe.partition import find_trunk, stage_bounds
 from lightning_pipe.partition.planner import Plan, format_bytes
 from lightning_pipe.partition.split import PartitionedTrunk
@@ -560,12 +560,8 @@ class PipeStrategy(DDPStrategy):
         self._seen_batch = True
         if not self._outside.known:
             self._outside.learn(self._avg.policy.used_names)
-            shared = sorted(n for n, stages in self._outside.users.items() if len(stages) > 1)
-            if shared:  # every rank learned the same map, so every rank raises
-                raise PipeConfigError(
-                    f"parameters {', '.join(shared)} are used on several stages, which avgpipe replicas step "
-                    "independently; untie them or use a synchronous schedule such as '1f1b'."
-                )
+            # every rank learned the same map, so every rank raises
+            reject_shared(self._outside.users, "which avgpipe replicas step independently", PipeConfigError)
         self._grad_stash = []
         loss = sum(s / n * float(l) for s, l in zip(sizes, losses)) if losses else 0.0
         loss, records = self._from_last_stage((loss, combine(capture.records, module)))
@@ -676,12 +672,8 @@ class PipeStrategy(DDPStrategy):
             raise
         if not self._outside.known and not self.emulating:
             self._outside.learn(self._async.policy.used_names)
-            shared = sorted(n for n, stages in self._outside.users.items() if len(stages) > 1)
-            if shared:  # every rank learned the same map, so every rank raises
-                raise PipeConfigError(
-                    f"parameters {', '.join(shared)} are used on several stages, which step at different times under "
-                    f"schedule={self.schedule!r}; untie them or use a synchronous schedule such as '1f1b'."
-                )
+            # every rank learned the same map, so every rank raises
+            reject_shared(self._outside.users, f"which step at different times under schedule={self.schedule!r}", PipeConfigError)
 
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
         """Asynchronous schedules and avgpipe step inside the pipeline: only run the closure (training_step and backward)."""
