@@ -8,13 +8,17 @@
    (:func:`lightning_pipe.avg_tuner.fit_stages`), and profile each stage's STEP + AVG
    (:func:`lightning_pipe.avg_tuner.profile_step`).
 2. Tune ``N <= --max-replicas``, every ``M`` dividing ``L / N``, ``a`` in ``--advances``
-   (:func:`lightning_pipe.avg_tuner.tune`).
-3. Run the top three candidates with the engine on 2 gloo CPU processes (one stage each, one thread
-   each), ``--steps-per-window`` steps per candidate per window in rotating order between barriers,
-   so machine noise hits all alike (``benchmarks/avgpipe.py``'s runner). Measured samples/s is rank
-   0's median over windows.
+   (:func:`lightning_pipe.avg_tuner.tune`): the prediction's ranking.
+3. Trials, as at fit start (``avgpipe_trials``): the best ``--trials`` predicted candidates run on the
+   2 gloo processes with :func:`lightning_pipe.avg_trials.measure_candidates` (its defaults: 2 windows
+   of 2 rounds after a warm-up round); the fastest is the tuner's choice.
+4. Independently of the trials, the prediction's top three run with ``benchmarks/avgpipe.py``'s
+   runner (its own model copies, MSE loss, fresh data), ``--steps-per-window`` steps per candidate
+   per window in rotating order between barriers, so machine noise hits all alike. Measured
+   samples/s is rank 0's median over windows.
 
-The goal: chosen (rank 1) measured / best measured of the three >= 0.9.
+The goal: the tuner's choice measured / best measured of the three >= 0.9. The table also shows the
+prediction alone's choice (rank 1), i.e. the tuner with ``avgpipe_trials=0``.
 """
 
 from __future__ import annotations
@@ -37,7 +41,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks.avgpi
 
 from benchmarks.avgpipe import STAGES, Runner, Variant, free_port, make_trunk, timed_windows  # noqa: E402
 from lightning_pipe.avg_autotune import profile_sizes  # noqa: E402
+from lightning_pipe.avg_trials import TrialStage, fastest, measure_candidates  # noqa: E402
 from lightning_pipe.avg_tuner import Candidate, fit_stages, profile_step, tune  # noqa: E402
+from lightning_pipe.engine import Transport, Watchdog  # noqa: E402
 from lightning_pipe.partition.profile import profile_trunk  # noqa: E402
 
 
@@ -56,13 +62,24 @@ def worker(rank: int, port: int, candidates: list[Candidate], args: argparse.Nam
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=STAGES, timeout=timedelta(seconds=300))
-    runners = [Runner(variant(c), rank, runner_args(args, c)) for c in candidates]
+    trial_times = None
+    if args.trials > 1:  # exactly what fit start runs: copies of this rank's stage, the real executor and transport
+        trunk = make_trunk(args.width, args.layers)
+        half = len(trunk) // 2
+        inputs = torch.randn(args.batch, args.width, generator=torch.Generator().manual_seed(2))
+        trial = TrialStage(trunk[:half] if rank == 0 else trunk[half:], rank, STAGES, list(range(STAGES)),
+                           Transport(torch.device("cpu")), Watchdog.from_process_group(300.0),
+                           lambda ps: torch.optim.SGD(ps, lr=0.01, momentum=0.9), inputs if rank == 0 else None,
+                           torch.device("cpu"))
+        trial_times = measure_candidates(trial, candidates[:args.trials])
+    top = candidates[:3]
+    runners = [Runner(variant(c), rank, runner_args(args, c)) for c in top]
     for runner in runners:  # warm-up
         runner.step()
         runner.step()
     rates = timed_windows(runners, args.windows, args.steps_per_window)
     if rank == 0:
-        torch.save(rates, out)
+        torch.save((trial_times, rates), out)
     dist.barrier()
     dist.destroy_process_group()
 
@@ -94,6 +111,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=128, help="the Lightning batch L shared by the replicas")
     p.add_argument("--max-replicas", type=int, default=4, help="largest N the tuner tries")
     p.add_argument("--advances", type=int, nargs="+", default=[0], help="advance-forward values a the tuner tries")
+    p.add_argument("--trials", type=int, default=3,
+                   help="best predicted candidates measured by the tuner's trials (avgpipe_trials; 0: prediction only)")
     p.add_argument("--measure-latency", action="store_true",
                    help="measure a message's one-way time (gloo ping-pong) and give it to the tuner as latency; "
                         "the fit-start tuner does not (it takes communication as free)")
@@ -121,24 +140,34 @@ def main(argv: list[str] | None = None) -> None:
             mp.start_processes(ping_pong, args=(free_port(), numel, out), nprocs=STAGES, start_method="spawn")
             latency = torch.load(out)
         ranked = tune(fits, args.batch, max_replicas=args.max_replicas, advances=tuple(args.advances), latency=latency)
-        top = ranked[:3]
-        mp.start_processes(worker, args=(free_port(), top, args, out), nprocs=STAGES, start_method="spawn")
-        rates = torch.load(out)
+        candidates = ranked[:max(3, args.trials)]
+        mp.start_processes(worker, args=(free_port(), candidates, args, out), nprocs=STAGES, start_method="spawn")
+        trial_times, rates = torch.load(out)
+    top = candidates[:3]
     measured = [statistics.median(r) for r in rates]
     best = max(measured)
+    chosen = fastest(candidates[:args.trials], trial_times, args.batch)[0].candidate if trial_times else top[0]
+    trial_ms = {c: statistics.median(t) * 1e3 for c, t in zip(candidates, trial_times or [])}
     print(f"MLP {args.layers} × Linear({args.width}), 2 stages on 2 processes (one thread each), Lightning batch "
           f"{args.batch}; STEP+AVG profiled {steps[0] * 1e3:.2f} / {steps[1] * 1e3:.2f} ms; message latency given to "
-          f"the tuner {latency * 1e3:.2f} ms; "
+          f"the tuner {latency * 1e3:.2f} ms; trials of the best {args.trials}; "
           f"{args.windows} windows × {args.steps_per_window} steps per candidate\n")
-    print("| rank | candidate (N, M, a) | micro-batch | predicted samples/s | measured samples/s (median, min-max) | "
-          "measured / best measured |")
-    print("|---|---|---|---|---|---|")
+    print("| predicted rank | candidate (N, M, a) | micro-batch | predicted samples/s | trial ms/round | "
+          "measured samples/s (median, min-max) | measured / best measured |")
+    print("|---|---|---|---|---|---|---|")
     for i, (c, r) in enumerate(zip(top, rates)):
-        print(f"| {i + 1}{' (chosen)' if i == 0 else ''} | ({c.replicas}, {c.micro_batches}, {c.advance}) | "
-              f"{c.micro_batch_size} | {c.throughput:.0f} | {statistics.median(r):.0f} ({min(r):.0f}-{max(r):.0f}) | "
+        mark = " (tuner's choice)" if c == chosen else ""
+        trial = f"{trial_ms[c]:.1f}" if c in trial_ms else "-"
+        print(f"| {i + 1}{mark} | ({c.replicas}, {c.micro_batches}, {c.advance}) | {c.micro_batch_size} | "
+              f"{c.throughput:.0f} | {trial} | {statistics.median(r):.0f} ({min(r):.0f}-{max(r):.0f}) | "
               f"{statistics.median(r) / best:.2f} |")
-    ratio = measured[0] / best
-    print(f"\nchosen / best measured: {ratio:.2f} (goal >= 0.90: {'met' if ratio >= 0.9 else 'not met'})")
+    if chosen not in top:
+        print(f"(the tuner chose ({chosen.replicas}, {chosen.micro_batches}, {chosen.advance}), outside the prediction's top three)")
+    prediction_only = measured[0] / best
+    print(f"\nprediction alone (avgpipe_trials=0): rank 1 / best measured = {prediction_only:.2f}")
+    if chosen in top:
+        ratio = measured[top.index(chosen)] / best
+        print(f"tuner's choice / best measured: {ratio:.2f} (goal >= 0.90: {'met' if ratio >= 0.9 else 'not met'})")
     print(f"load average at the end: {os.getloadavg()[0]:.1f} (other processes share the machine)")
 
 

@@ -1,7 +1,8 @@
 """lightning_pipe: pipeline-parallel training strategies for PyTorch Lightning.
 
-Importing the package registers the strategy names ``gpipe``, ``1f1b`` and ``interleaved_1f1b``,
-so ``Trainer(strategy="1f1b", devices=2)`` works after ``import lightning_pipe``.
+Importing the package registers every schedule as a strategy name (``gpipe``, ``1f1b``,
+``interleaved_1f1b``, ``pipedream``, ``pipedream_2bw``, ``pipemare``, ``xpipe``, ``avgpipe``), so
+``Trainer(strategy="pipemare", devices=2)`` works after ``import lightning_pipe``.
 """
 
 from lightning.pytorch.strategies import StrategyRegistry

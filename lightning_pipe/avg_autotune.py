@@ -1,29 +1,85 @@
-"""``parallel_pipelines="auto"`` / ``micro_batches="auto"`` for avgpipe: profile at fit start, then tune.
+"""avgpipe's ``"auto"`` options at fit start: profile, predict, try the best on the devices, adopt.
 
-Rank 0 takes the first training batch, profiles every trunk layer (``partition.profile``) at three
-micro-batch sizes, fits and ranks the candidates (:mod:`lightning_pipe.avg_tuner`), and every rank
-receives the choice. Random states and buffers are restored, so training runs exactly as it would
-have with the chosen values given by hand.
+``parallel_pipelines``, ``micro_batches`` and ``advance_forward`` may each be ``"auto"``
+(ALGORITHMS.md section 13):
+
+1. Rank 0 takes the first training batch, profiles every trunk layer (``partition.profile``) at three
+   micro-batch sizes and each stage's STEP + AVG with the user's optimizer class, fits the costs and
+   ranks every candidate that fits the memory limit by predicted throughput
+   (:mod:`lightning_pipe.avg_tuner`).
+2. Trials (``avgpipe_trials`` > 1): every rank runs the best predicted candidates for a few rounds
+   on copies of its stage with the real executor and transport (:mod:`lightning_pipe.avg_trials`),
+   and the fastest measured wins. The prediction does not see what a real round adds to every
+   compute action, so its close calls are often wrong; trials settle them.
+3. Every rank adopts the choice. Random states and buffers are restored and the trials train copies,
+   so training runs exactly as it would with the chosen values given by hand.
+
+A run resumed from a checkpoint adopts the values stored in it (``pipe_avgpipe_config``) instead of
+tuning again: the checkpoint's replicas only fit the configuration that wrote them.
 """
 
 from __future__ import annotations
 
 import copy
 import math
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from lightning.pytorch import LightningModule, Trainer
+from torch.utils._pytree import tree_map
 
-from lightning_pipe.auto_balance import first_batch, preserved_buffers, preserved_random_state
+from lightning_pipe.auto_balance import agreed_plan, first_batch, preserved_buffers, preserved_random_state
+from lightning_pipe.avg_trials import Measured, OptimizerFactory, TrialStage, fastest, measure_candidates
 from lightning_pipe.avg_tuner import Candidate, fit_stages, profile_step, tune
 from lightning_pipe.config import PipeConfigError
 from lightning_pipe.engine import batch_size, split_micro_batches
 from lightning_pipe.log_replay import LogCapture
-from lightning_pipe.partition import find_trunk
+from lightning_pipe.partition import find_trunk, stage_bounds
 from lightning_pipe.partition.profile import capture_trunk_input, profile_trunk
 
-MAX_REPLICAS = 4  # largest N the tuner tries for parallel_pipelines="auto"
+MAX_REPLICAS = 4  #: largest N tried for parallel_pipelines="auto"
+ADVANCES = (0, 1, 2)  #: advance-forward values tried for advance_forward="auto"
+SHOWN = 5  #: candidates printed at setup
+CHECKPOINT_KEY = "pipe_avgpipe_config"  #: where a checkpoint keeps the tuned values
+
+
+@dataclass(frozen=True)
+class AutoValues:
+    """avgpipe's tunable options as given: a number, or ``"auto"``."""
+
+    parallel_pipelines: int | str
+    micro_batches: int | str
+    advance_forward: int | str
+
+    @property
+    def any_auto(self) -> bool:
+        return "auto" in (self.parallel_pipelines, self.micro_batches, self.advance_forward)
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """Rank 0's profile-based ranking, with what trials need on every rank."""
+
+    ranked: list[Candidate]  # every feasible candidate, best predicted first
+    batch: int  # the Lightning batch L
+    inputs: Any  # the trunk input of the whole profiled batch (the first stage feeds it to trials)
+    optimizer: tuple[type, dict[str, Any]]  # the user's optimizer class and its defaults
+
+
+@dataclass(frozen=True)
+class Choice:
+    """The tuner's decision: the chosen candidate, the prediction's ranking and, after trials, the measurements."""
+
+    best: Candidate
+    ranked: list[Candidate]
+    measured: list[Measured] | None = None
+
+    def as_options(self) -> dict[str, int]:
+        """The values to store in a checkpoint (and to adopt from one)."""
+        c = self.best
+        return {"parallel_pipelines": c.replicas, "micro_batches": c.micro_batches, "advance_forward": c.advance}
 
 
 def profile_sizes(batch: int) -> list[int]:
@@ -31,25 +87,25 @@ def profile_sizes(batch: int) -> list[int]:
     return sorted({max(1, batch // 16), max(1, batch // 4), max(1, batch // 2)})
 
 
-def stage_steps(module: LightningModule, trunk: torch.nn.Sequential, counts: list[int], device: torch.device) -> list[float]:
-    """Per stage, the median time of one STEP + AVG with the user's optimizer class and defaults
-    (``configure_optimizers`` is called once to learn them; its objects are discarded)."""
+def user_optimizer(module: LightningModule) -> tuple[type, dict[str, Any]]:
+    """The class and defaults of the module's (first) optimizer; ``configure_optimizers`` is called
+    once to learn them and its objects are discarded."""
     from lightning.pytorch.core.optimizer import _init_optimizers_and_lr_schedulers
 
     optimizer = _init_optimizers_and_lr_schedulers(module)[0][0]
-    steps, start = [], 0
-    for count in counts:
-        stage = trunk[start:start + count]
-        start += count
-        steps.append(profile_step(copy.deepcopy(stage).to(device), lambda ps: type(optimizer)(ps, **optimizer.defaults)))
-    return steps
+    return type(optimizer), dict(optimizer.defaults)
 
 
-def profile_and_tune(
-    trainer: Trainer, module: LightningModule, trunk_name: str | None, counts: list[int],
-    replicas: int | str, micro_batches: int | str, advance: int, device: torch.device, memory: float | None = None,
-) -> tuple[Candidate, list[Candidate]]:
-    """Rank 0's work: the chosen candidate and the ranking (``"auto"`` marks what is tuned)."""
+def optimizer_factory(spec: tuple[type, dict[str, Any]]) -> OptimizerFactory:
+    cls, defaults = spec
+    return lambda params: cls(params, **defaults)
+
+
+def predict_candidates(
+    trainer: Trainer, module: LightningModule, trunk_name: str | None, counts: list[int], values: AutoValues,
+    device: torch.device, memory: list[float] | None = None,
+) -> Prediction:
+    """Rank 0's work: profile the first batch and rank the candidates (``"auto"`` marks what is tuned)."""
     _, trunk = find_trunk(module, trunk_name)
     with preserved_random_state(), preserved_buffers(module):
         batch, hook = first_batch(trainer, module)
@@ -61,36 +117,64 @@ def profile_and_tune(
             with LogCapture(module):
                 sample = capture_trunk_input(module, trunk, lambda: step(micro_batch, 0), hook)
             profiles.append(profile_trunk(trunk, sample, device, repeats=3, warmup=1, module=module))
-        steps = stage_steps(module, trunk, counts, device)
+        with LogCapture(module):
+            inputs = capture_trunk_input(module, trunk, lambda: step(batch, 0), hook)
+        spec = user_optimizer(module)
+        steps = [profile_step(copy.deepcopy(trunk[start:end]).to(device), optimizer_factory(spec))
+                 for start, end in stage_bounds(counts)]
     fits = fit_stages(profiles, counts, steps)
+    fixed = lambda value: None if value == "auto" else int(value)  # noqa: E731
+    replicas, micro_batches, advance = fixed(values.parallel_pipelines), fixed(values.micro_batches), fixed(values.advance_forward)
     try:
         ranked = tune(
-            fits, size, max_replicas=MAX_REPLICAS if replicas == "auto" else int(replicas),
-            micro_batch_choices=None if micro_batches == "auto" else (int(micro_batches),), advances=(advance,),
-            memory=None if memory is None else [memory] * len(counts),
+            fits, size, max_replicas=replicas or MAX_REPLICAS,
+            micro_batch_choices=None if micro_batches is None else (micro_batches,),
+            advances=ADVANCES if advance is None else (advance,), memory=memory,
         )
     except ValueError as error:
         raise PipeConfigError(str(error)) from None
-    if replicas != "auto":
-        ranked = [c for c in ranked if c.replicas == int(replicas)]
+    if replicas is not None:
+        ranked = [c for c in ranked if c.replicas == replicas]
     if not ranked:
         raise PipeConfigError(
-            f"no avgpipe candidate with parallel_pipelines={replicas} and micro_batches={micro_batches} fits a batch of "
-            f"{size}; let both be 'auto' or change the batch size."
+            f"no avgpipe candidate with parallel_pipelines={values.parallel_pipelines} and micro_batches="
+            f"{values.micro_batches} fits a batch of {size}; let both be 'auto' or change the batch size."
         )
-    return ranked[0], ranked[:5]
+    inputs = tree_map(lambda t: t.detach().cpu() if isinstance(t, torch.Tensor) else t, inputs)  # broadcast to every rank
+    return Prediction(ranked, size, inputs, spec)
 
 
-def describe(ranked: list[Candidate]) -> str:
-    """The top candidates as a small table (rank 0 prints it at setup)."""
-    lines = ["avgpipe tuner (predicted from profiles; best first):", "  N  M  b  round ms  samples/s"]
-    for c in ranked:
-        lines.append(f"  {c.replicas}  {c.micro_batches}  {c.micro_batch_size}  {c.round_time * 1e3:.2f}  {c.throughput:.0f}")
-    return "\n".join(lines)
-
-
-def agreed(is_rank_zero: bool, world_size: int, work: Any) -> Any:
+def agreed(is_rank_zero: bool, world_size: int, work: Callable[[], Any]) -> Any:
     """``work()`` on rank 0, broadcast to every rank (its error too)."""
-    from lightning_pipe.auto_balance import agreed_plan
-
     return agreed_plan(is_rank_zero, world_size, work)
+
+
+def decide(
+    prediction: Prediction, trials: int, trial_stage: Callable[[Prediction], TrialStage] | None,
+    is_rank_zero: bool, world_size: int, progress: Callable[[str], None] | None = None,
+) -> Choice:
+    """Every rank: the best predicted candidate, or with ``trials > 1`` the fastest of the best
+    ``trials`` predicted ones measured on the devices (rank 0's measurements decide for all)."""
+    top = prediction.ranked[:max(trials, 1)]
+    if trials <= 1 or len(top) == 1 or trial_stage is None:
+        return Choice(prediction.ranked[0], prediction.ranked[:SHOWN])
+    with preserved_random_state():
+        times = measure_candidates(trial_stage(prediction), top, progress=progress if is_rank_zero else None)
+    times = agreed(is_rank_zero, world_size, lambda: times)  # one decision, rank 0's clock
+    measured = fastest(top, times, prediction.batch)
+    return Choice(measured[0].candidate, prediction.ranked[:SHOWN], measured)
+
+
+def describe(choice: Choice) -> str:
+    """The tuner's table: predicted candidates, measured ones after trials, the choice (rank 0 prints it)."""
+    measured = {m.candidate: m for m in choice.measured or []}
+    lines = ["avgpipe tuner (predicted from profiles" + (", then measured on the devices" if measured else "")
+             + "; best predicted first):",
+             "  N  M  a   b  predicted ms/round  predicted samples/s" + ("  measured ms/round  measured samples/s" if measured else "")]
+    for c in choice.ranked:
+        row = f"  {c.replicas}  {c.micro_batches}  {c.advance}  {c.micro_batch_size:>2}  {c.round_time * 1e3:>18.2f}  {c.throughput:>19.0f}"
+        if c in measured:
+            m = measured[c]
+            row += f"  {m.round_time * 1e3:>17.2f}  {m.throughput:>18.0f}"
+        lines.append(row + ("   <- chosen" if c == choice.best else ""))
+    return "\n".join(lines)

@@ -32,6 +32,16 @@ class AvgOptions:
         return 0.9 / self.parallel_pipelines if self.alpha is None else self.alpha
 
 
+def keeps_one_fifo_order(stages: int, micro_batches: int, replicas: int, advance: int) -> bool:
+    """Whether the merged round keeps one FIFO order across replicas on every link, as an untagged
+    backend (NCCL) needs."""
+    try:
+        validate(build_avgpipe(stages, micro_batches, replicas, advance), replica_channels=False)
+    except ScheduleError:
+        return False
+    return True
+
+
 class AvgRuntime:
     """Runs avgpipe rounds on one rank.
 

@@ -43,8 +43,14 @@ def check_options(schedule: str, micro_batches: int | str, stages: int | None, p
         )
 
 
-def check_avgpipe_options(parallel_pipelines: int | str, alpha: float | None, period: int, averaging: str, advance: int) -> None:
-    """avgpipe's own options."""
+def check_avgpipe_options(
+    schedule: str, parallel_pipelines: int | str, alpha: float | None, period: int, averaging: str, advance: int | str,
+    trials: int = 3,
+) -> None:
+    """avgpipe's own options (other schedules ignore their numbers, but not an ``"auto"``)."""
+    for name, value in (("parallel_pipelines", parallel_pipelines), ("advance_forward", advance)):
+        if value == "auto" and schedule != "avgpipe":
+            raise PipeConfigError(f"{name}='auto' needs schedule='avgpipe' (its tuner); {schedule!r} does not use it.")
     if parallel_pipelines != "auto" and parallel_pipelines < 1:
         raise PipeConfigError(f"parallel_pipelines={parallel_pipelines} must be at least 1 (or 'auto').")
     if alpha is not None and not 0.0 <= alpha <= 1.0:
@@ -53,8 +59,10 @@ def check_avgpipe_options(parallel_pipelines: int | str, alpha: float | None, pe
         raise PipeConfigError(f"avgpipe_period={period} must be at least 1 (average every that many rounds).")
     if averaging not in ("async", "sync"):
         raise PipeConfigError(f"avgpipe_averaging={averaging!r} must be 'async' or 'sync'.")
-    if advance < 0:
-        raise PipeConfigError(f"advance_forward={advance} must be at least 0.")
+    if advance != "auto" and advance < 0:
+        raise PipeConfigError(f"advance_forward={advance} must be at least 0 (or 'auto').")
+    if trials < 0:
+        raise PipeConfigError(f"avgpipe_trials={trials} must be at least 0 (0 or 1: trust the tuner's prediction).")
 
 
 def check_async_trainer(schedule: str, accumulate_grad_batches: int, optimizers: int) -> None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
+from dataclasses import replace
 from datetime import timedelta
 from typing import Any, Literal
 
@@ -39,8 +40,11 @@ from torchmetrics import Metric
 from lightning_pipe.checkpoint import check_keys, merge_optimizer_states, merge_state_dicts, slice_optimizer_state
 from lightning_pipe.async_options import AsyncOptions, Prediction
 from lightning_pipe.async_runtime import AsyncRuntime, make_clip
-from lightning_pipe.auto_balance import AutoBalanceOptions, agreed_plan, profile_and_split
-from lightning_pipe.avg_runtime import AvgOptions, AvgRuntime
+from lightning_pipe import avg_autotune
+from lightning_pipe.auto_balance import AutoBalanceOptions, agreed_plan, memory_limit, profile_and_split
+from lightning_pipe.avg_autotune import AutoValues
+from lightning_pipe.avg_runtime import AvgOptions, AvgRuntime, keeps_one_fifo_order
+from lightning_pipe.avg_trials import TrialStage
 from lightning_pipe.config import (
     PipeConfigError, check_async_trainer, check_avgpipe_options, check_module, check_options, resolve_stages,
 )
@@ -130,22 +134,30 @@ class PipeStrategy(DDPStrategy):
         parallel_pipelines: avgpipe: pipeline replicas ``N`` on the same devices. Each Lightning batch is
             split into ``N`` replica mini-batches (so the batch size is ``N × B``), each into
             ``micro_batches`` micro-batches. The logged loss is the mean over replicas. ``"auto"`` (and
-            ``micro_batches="auto"``, avgpipe only): at fit start rank 0 profiles the trunk on the first
-            batch at three micro-batch sizes and picks the values of best predicted throughput
-            (ALGORITHMS.md section 13; ``docs/avgpipe.md``).
+            ``micro_batches="auto"``, ``advance_forward="auto"``, avgpipe only): at fit start rank 0
+            profiles the trunk on the first batch at three micro-batch sizes, ranks the candidates that
+            fit ``auto_balance_memory`` by predicted throughput, the best ``avgpipe_trials`` are measured
+            on the devices and the fastest is adopted (ALGORITHMS.md section 13; ``docs/avgpipe.md``). A
+            resumed run adopts the values stored in its checkpoint.
         avgpipe_alpha: avgpipe: elastic averaging rate; ``None`` means ``0.9 / parallel_pipelines``.
         avgpipe_period: avgpipe: average every that many rounds (batches).
         avgpipe_averaging: avgpipe: ``"async"`` (each replica averages right after its step) or
             ``"sync"`` (after all replicas stepped, against the round's starting center).
         advance_forward: avgpipe: extra warm-up forwards ``a`` on every stage but the last (1F1B when 0;
             ``micro_batches`` or more: all forwards first); costs ``a`` more micro-batches of activations.
+            ``"auto"``: the tuner tries 0, 1 and 2.
+        avgpipe_trials: avgpipe's tuner (any ``"auto"`` option): how many of the best predicted
+            candidates run a few rounds on the devices at fit start (on copies of the stages, so
+            training is unchanged) before the fastest measured is chosen; ``0`` or ``1`` trusts the
+            prediction alone. The prediction misses per-action costs of a real round, so its close
+            calls are often wrong (docs/avgpipe.md).
         trace_dir: record when every action of every rank starts and ends during a few training steps
             and, at the end of ``fit``, write ``timeline.png`` and ``trace.json`` (Chrome trace) there,
             plus each rank's ``events-rank{r}.json`` (docs/simulator.md). Needs matplotlib.
         trace_steps: training steps recorded with ``trace_dir``: steps 2 to ``trace_steps + 1`` of the fit
             (the first pays one-time costs; a one-step fit records that one).
-        auto_balance_memory: ``balance="auto"`` only: memory limit per device in GiB (one value, or one per
-            stage); default: the device's total memory on CUDA, no limit on CPU.
+        auto_balance_memory: ``balance="auto"`` and avgpipe's tuner: memory limit per device in GiB (one
+            value, or one per stage); default: the device's total memory on CUDA, no limit on CPU.
         auto_balance_speeds: ``balance="auto"`` only: relative speed of each stage's device (e.g.
             ``[1.0, 2.0]`` when the second is twice as fast); default: all equal.
         profile_cache: ``balance="auto"`` only: JSON file caching the per-layer profiles (keyed by model
@@ -181,7 +193,8 @@ class PipeStrategy(DDPStrategy):
         avgpipe_alpha: float | None = None,
         avgpipe_period: int = 1,
         avgpipe_averaging: Literal["async", "sync"] = "async",
-        advance_forward: int = 0,
+        advance_forward: int | Literal["auto"] = 0,
+        avgpipe_trials: int = 3,
         trace_dir: str | None = None,
         trace_steps: int = 3,
         auto_balance_memory: float | list[float] | None = None,
@@ -197,7 +210,8 @@ class PipeStrategy(DDPStrategy):
         if chunks_per_stage is None:
             chunks_per_stage = 2 if schedule == "interleaved_1f1b" else 1
         check_options(schedule, micro_batches, stages, pipelines, chunks_per_stage)
-        check_avgpipe_options(parallel_pipelines, avgpipe_alpha, avgpipe_period, avgpipe_averaging, advance_forward)
+        check_avgpipe_options(schedule, parallel_pipelines, avgpipe_alpha, avgpipe_period, avgpipe_averaging, advance_forward,
+                              avgpipe_trials)
         check_trace_options(trace_dir, trace_steps)
         super().__init__(
             accelerator=accelerator,
@@ -221,10 +235,11 @@ class PipeStrategy(DDPStrategy):
         self.async_options = AsyncOptions(
             pipemare_lr_reschedule, pipemare_lr_warmup_steps, pipemare_correction, pipemare_correction_decay, xpipe_prediction
         )
-        # "auto" (avgpipe's tuner) is resolved at setup; until then the options hold a placeholder of 1
-        self._avg_auto = {"parallel_pipelines": parallel_pipelines, "micro_batches": micro_batches}
+        # "auto" (avgpipe's tuner) is resolved at setup; until then the options hold placeholders
+        self._avg_auto = AutoValues(parallel_pipelines, micro_batches, advance_forward)
+        self.avgpipe_trials = avgpipe_trials
         self.avg_options = AvgOptions(parallel_pipelines if parallel_pipelines != "auto" else 1, avgpipe_alpha,
-                                      avgpipe_period, avgpipe_averaging, advance_forward)
+                                      avgpipe_period, avgpipe_averaging, advance_forward if advance_forward != "auto" else 0)
         self._avg: AvgRuntime | None = None
         self._avg_resume: dict[str, Any] | None = None  # a checkpoint's replicas, applied at the first round
         self.trace_dir, self.trace_steps = trace_dir, trace_steps
@@ -287,7 +302,7 @@ class PipeStrategy(DDPStrategy):
             model, self.module, "uniform" if self.balance == "auto" else self.balance, stages * self.chunks_per_stage, self.schedule, stages,
             self.micro_batches if self.micro_batches != "auto" else 1,
         )
-        if "auto" in self._avg_auto.values() and self.balance == "auto":
+        if self._avg_auto.any_auto and self.balance == "auto":
             raise PipeConfigError("balance='auto' needs a fixed micro_batches; give layer counts or fix the avgpipe options.")
 
     def setup_environment(self) -> None:
@@ -308,7 +323,7 @@ class PipeStrategy(DDPStrategy):
             if self.balance == "auto":
                 self._plan = self._auto_balance(trainer, module)
                 self._counts = self._plan.balance
-            if "auto" in self._avg_auto.values():
+            if self._avg_auto.any_auto:
                 self._tune_avgpipe(trainer, module)
             self._partition = self._cut(module)
             self._outside = OutsideParameters(module, self._partition.name, self._topology)
@@ -354,21 +369,60 @@ class PipeStrategy(DDPStrategy):
                 metric.process_group = self._topology.stage_group
 
     def _tune_avgpipe(self, trainer: Trainer, module: LightningModule) -> None:
-        """``parallel_pipelines`` / ``micro_batches`` = ``"auto"``: rank 0 profiles and tunes, every rank adopts it."""
-        from dataclasses import replace
+        """avgpipe's ``"auto"`` options: adopt a checkpoint's values, or profile, predict and try the best
+        candidates on the devices (avg_autotune.py); every rank adopts the same values."""
+        stored = (trainer._checkpoint_connector._loaded_checkpoint or {}).get(avg_autotune.CHECKPOINT_KEY)
+        if stored is not None:
+            rank_zero_info(f"lightning_pipe: avgpipe adopts the tuned values of the checkpoint: {stored}")
+            self._adopt_avgpipe(stored)
+            return
+        stages = self.num_stages
+        memory = memory_limit(self.auto_balance, self.root_device)
+        memory = [memory] * stages if isinstance(memory, float) else memory
+        tagged = self._get_process_group_backend() == "gloo" or stages == 1
 
-        from lightning_pipe.avg_autotune import agreed, describe, profile_and_tune
-
-        def work() -> Any:
+        def work() -> avg_autotune.Prediction:
             with self.precision_plugin.train_step_context():
-                return profile_and_tune(trainer, module, self.module, list(self._counts), self._avg_auto["parallel_pipelines"],
-                                        self._avg_auto["micro_batches"], self.avg_options.advance_forward, self.root_device)
+                prediction = avg_autotune.predict_candidates(
+                    trainer, module, self.module, list(self._counts), self._avg_auto, self.root_device, memory
+                )
+            if tagged:
+                return prediction
+            fifo = [c for c in prediction.ranked if keeps_one_fifo_order(stages, c.micro_batches, c.replicas, c.advance)]
+            if not fifo:
+                raise PipeConfigError("no avgpipe candidate keeps one message order across replicas, as NCCL needs; "
+                                      "use gloo or parallel_pipelines=1.")
+            return replace(prediction, ranked=fifo)
 
-        best, ranked = agreed(self.global_rank == 0, self.world_size, work)
-        rank_zero_info(describe(ranked))
-        self.micro_batches = best.micro_batches
-        self.avg_options = replace(self.avg_options, parallel_pipelines=best.replicas)
-        self._avg_auto = {"parallel_pipelines": best.replicas, "micro_batches": best.micro_batches}
+        prediction = avg_autotune.agreed(self.global_rank == 0, self.world_size, work)
+        with self.precision_plugin.train_step_context():
+            choice = avg_autotune.decide(
+                prediction, self.avgpipe_trials, lambda p: self._trial_stage(module, p), self.global_rank == 0,
+                self.world_size, progress=rank_zero_info,
+            )
+        rank_zero_info(avg_autotune.describe(choice))
+        self._adopt_avgpipe(choice.as_options())
+
+    def _trial_stage(self, module: LightningModule, prediction: avg_autotune.Prediction) -> TrialStage:
+        """This rank's stage, as avgpipe's trials run it (copies of its layers, the real transport)."""
+        topology = self._topology
+        _, trunk = find_trunk(module, self.module)
+        start, end = stage_bounds(self._counts)[topology.stage]
+        transport = None
+        if topology.stages > 1:
+            transport = Transport(self.root_device, tagged=self._get_process_group_backend() == "gloo")
+        return TrialStage(
+            trunk[start:end], topology.stage, topology.stages, topology.pipeline_ranks, transport, self._watchdog,
+            avg_autotune.optimizer_factory(prediction.optimizer), prediction.inputs if topology.stage == 0 else None,
+            self.root_device, self.avg_options.alpha, topology.stage_group if self.num_pipelines > 1 else None,
+            self.num_pipelines,
+        )
+
+    def _adopt_avgpipe(self, values: dict[str, int]) -> None:
+        self.micro_batches = int(values["micro_batches"])
+        self.avg_options = replace(self.avg_options, parallel_pipelines=int(values["parallel_pipelines"]),
+                                   advance_forward=int(values["advance_forward"]))
+        self._avg_auto = AutoValues(self.avg_options.parallel_pipelines, self.micro_batches, self.avg_options.advance_forward)
 
     def _auto_balance(self, trainer: Trainer, module: LightningModule) -> Plan:
         """Rank 0 profiles and splits (auto_balance.py); every rank receives the same plan."""
@@ -829,6 +883,11 @@ class PipeStrategy(DDPStrategy):
             parts = self._gather_in_first_pipeline(self._avg.policy.state_dict())
             if parts:
                 checkpoint["pipe_avgpipe_state"] = parts  # per stage: replicas, their optimizer states, round count
+        if self.schedule == "avgpipe":  # what a resumed run with "auto" options adopts instead of tuning again
+            o = self.avg_options
+            checkpoint[avg_autotune.CHECKPOINT_KEY] = {
+                "parallel_pipelines": o.parallel_pipelines, "micro_batches": self.micro_batches, "advance_forward": o.advance_forward,
+            }
         if not self.is_global_zero:
             return
         path = str(filepath)

@@ -185,7 +185,15 @@ def train(config: dict[str, Any]) -> dict[str, Any]:
         "state": {k: v.clone() for k, v in model.state_dict().items()},
         "global_step": trainer.global_step,
         "counts": getattr(trainer.strategy, "_counts", None),
+        "avgpipe": avgpipe_values(trainer.strategy),
     }
+
+
+def avgpipe_values(strategy: Any) -> tuple[int, int, int] | None:
+    """``(parallel_pipelines, micro_batches, advance_forward)`` of an avgpipe strategy (after any tuning)."""
+    if getattr(strategy, "schedule", None) != "avgpipe":
+        return None
+    return strategy.avg_options.parallel_pipelines, strategy.micro_batches, strategy.avg_options.advance_forward
 
 
 if __name__ == "__main__":

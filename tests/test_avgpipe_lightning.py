@@ -77,3 +77,16 @@ def test_lightning_equals_reference_and_resumes_exactly(tmp_path):
     assert len(replicas) == 2 and len(replicas[1]["weights"]) == REPLICAS
     head = f"{len(center.model) - len(center.model) // 2}.weight"  # the head's index in the reference's stage 1
     torch.testing.assert_close(replicas[1]["weights"][1]["head.weight"], ref.replica_state(1, 1)[head], rtol=1e-5, atol=1e-6)
+
+
+def test_auto_options_are_tried_on_both_processes_and_agreed():
+    """All avgpipe options "auto" on 2 processes: rank 0 predicts, both ranks run the trials of the
+    best three over the real transport, and both adopt the fastest and train with it."""
+    auto = {"schedule": "avgpipe", "parallel_pipelines": "auto", "micro_batches": "auto", "advance_forward": "auto"}
+    code, output, records = launch({"devices": 2, "batch_size": BATCH, "strategy": auto, "epochs": 1})
+    assert code == 0, output[-3000:]
+    assert "measured ms/round" in output and output.count("<- chosen") == 1 and "avgpipe trial 6/6" in output
+    (n, m, a), other = records[0]["avgpipe"], records[1]["avgpipe"]
+    assert other == (n, m, a) and BATCH % n == 0 and (BATCH // n) % m == 0 and 0 <= a <= 2
+    assert records[0]["global_step"] == records[1]["global_step"] == len(make_data()) // BATCH
+    assert [r["train_loss"] for r in records[0]["metrics"]] == [r["train_loss"] for r in records[1]["metrics"]]

@@ -92,6 +92,10 @@ def test_strategy_name_and_option_errors():
                          ({"parallel_pipelines": 0}, "parallel_pipelines=0 must be at least 1"),
                          ({"avgpipe_period": 0}, "avgpipe_period=0 must be at least 1"),
                          ({"avgpipe_averaging": "both"}, "must be 'async' or 'sync'"),
-                         ({"advance_forward": -1}, "advance_forward=-1 must be at least 0")]:
+                         ({"advance_forward": -1}, "advance_forward=-1 must be at least 0"),
+                         ({"avgpipe_trials": -1}, "avgpipe_trials=-1 must be at least 0")]:
         with pytest.raises(PipeConfigError, match=message):
             PipeStrategy(schedule="avgpipe", **bad)
+    for name in ("parallel_pipelines", "advance_forward", "micro_batches"):  # "auto" is avgpipe's tuner
+        with pytest.raises(PipeConfigError, match=f"{name}='auto' needs schedule='avgpipe'"):
+            PipeStrategy(schedule="1f1b", **{name: "auto"})

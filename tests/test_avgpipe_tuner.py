@@ -7,10 +7,14 @@ import pytest
 import torch
 from torch import nn
 
+from lightning_pipe.avg_autotune import Choice, describe
+from lightning_pipe.avg_trials import TrialStage, fastest, measure_candidates
 from lightning_pipe.avg_tuner import Candidate, fit_line, fit_stages, predict, profile_step, tune
+from lightning_pipe.engine import Transport, Watchdog
 from lightning_pipe.partition.profile import LayerProfile, Profile
 from lightning_pipe.schedules import MergeCosts, build_avgpipe
 from lightning_pipe.simulate import Costs, simulate
+from tests.distributed import run_workers, values
 
 
 def profile(b: int, overhead: float = 1e-3) -> Profile:
@@ -85,18 +89,75 @@ def test_tuner_picks_the_best_feasible_and_breaks_ties():
     assert top.replicas == 1 or ranked[0].throughput > ranked[1].throughput * (1 + 1e-3)
 
 
-def test_auto_options_tune_at_fit_start():
-    """``parallel_pipelines="auto"``, ``micro_batches="auto"``: one process (one stage) profiles, picks and trains."""
+def _candidate(replicas: int, micro_batches: int, advance: int = 0, batch: int = 8) -> Candidate:
+    b = batch // replicas // micro_batches
+    return Candidate(replicas, micro_batches, advance, b, 1.0, batch / 1.0, (0.0, 0.0), True)
+
+
+def _trial_worker(rank: int, world_size: int) -> tuple[list[list[float]], bool]:
+    torch.manual_seed(0)
+    trunk = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh())
+    layers = trunk[:2] if rank == 0 else trunk[2:]
+    before = [p.detach().clone() for p in layers.parameters()]
+    trial = TrialStage(layers, rank, 2, [0, 1], Transport(torch.device("cpu")), Watchdog.from_process_group(60.0),
+                       lambda ps: torch.optim.Adam(ps, lr=0.1), torch.randn(8, 8) if rank == 0 else None,
+                       torch.device("cpu"))
+    times = measure_candidates(trial, [_candidate(1, 2), _candidate(2, 2, advance=1)], windows=2, rounds=1, warmup=1)
+    return times, all(torch.equal(a, b) for a, b in zip(before, layers.parameters()))
+
+
+@pytest.mark.multiprocess
+def test_trials_run_candidates_on_two_processes_without_touching_the_stage():
+    """Trials: each candidate runs real rounds (executor, transport, avgpipe policy, the optimizer
+    class) on copies of the stage in every window; the stage itself is unchanged."""
+    for times, unchanged in values(run_workers(_trial_worker, 2, timeout=120)):
+        assert len(times) == 2 and all(len(t) == 2 and all(x > 0 for x in t) for t in times)
+        assert unchanged
+
+
+def test_fastest_measured_wins_and_the_table_shows_both():
+    cands = [_candidate(1, 2), _candidate(1, 4), _candidate(2, 1)]
+    measured = fastest(cands, [[3.0, 2.0, 9.0], [2.0, 2.0, 1.0], [2.0, 2.0, 3.0]], batch=8)
+    assert [m.candidate for m in measured] == [cands[1], cands[2], cands[0]]  # medians 2, 2 (tie: predicted order), 3
+    assert measured[0].round_time == 2.0 and measured[0].throughput == 4.0
+    text = describe(Choice(measured[0].candidate, cands, measured))
+    assert "measured samples/s" in text and text.splitlines()[3].endswith("<- chosen")
+
+
+def _fit(strategy, ckpt_path=None, steps=3):
     import lightning as L
     from torch.utils.data import DataLoader
 
-    from lightning_pipe import PipeStrategy
-    from tests.lightning_run import TrunkModel, make_data
+    from tests.lightning_run import Recorder, TrunkModel, make_data
 
-    strategy = PipeStrategy(schedule="avgpipe", parallel_pipelines="auto", micro_batches="auto")
-    trainer = L.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=2, logger=False,
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
-    trainer.fit(TrunkModel(), DataLoader(make_data(64), batch_size=16))
-    n, m = strategy.avg_options.parallel_pipelines, strategy.micro_batches
-    assert 1 <= n <= 4 and 16 % n == 0 and (16 // n) % m == 0, (n, m)
-    assert trainer.global_step == 2 and strategy._avg.policy.replicas == n
+    recorder = Recorder()
+    trainer = L.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=steps, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        callbacks=[recorder])
+    trainer.fit(TrunkModel(), DataLoader(make_data(64), batch_size=16), ckpt_path=ckpt_path)
+    return trainer, [m["train_loss"] for m in recorder.metrics]
+
+
+def test_auto_trains_exactly_like_the_chosen_values_given_by_hand(tmp_path, monkeypatch):
+    """All three avgpipe options "auto" (one process, one stage): profiling, prediction and trials
+    leave no trace, so training equals the chosen values given by hand; a checkpoint stores them and
+    a resumed "auto" run adopts them without tuning again."""
+    from lightning_pipe import PipeStrategy, avg_autotune
+
+    auto = PipeStrategy(schedule="avgpipe", parallel_pipelines="auto", micro_batches="auto", advance_forward="auto")
+    trainer, losses = _fit(auto)
+    n, m, a = auto.avg_options.parallel_pipelines, auto.micro_batches, auto.avg_options.advance_forward
+    assert 1 <= n <= 4 and 16 % n == 0 and (16 // n) % m == 0 and a in avg_autotune.ADVANCES, (n, m, a)
+    assert trainer.global_step == 3 and auto._avg.policy.replicas == n
+    _, by_hand = _fit(PipeStrategy(schedule="avgpipe", parallel_pipelines=n, micro_batches=m, advance_forward=a))
+    assert losses == by_hand
+
+    path = str(tmp_path / "auto.ckpt")
+    trainer.save_checkpoint(path)
+    assert torch.load(path, weights_only=False)[avg_autotune.CHECKPOINT_KEY] == {
+        "parallel_pipelines": n, "micro_batches": m, "advance_forward": a}
+    monkeypatch.setattr(avg_autotune, "predict_candidates", lambda *args, **kwargs: pytest.fail("tuned again"))
+    resumed = PipeStrategy(schedule="avgpipe", parallel_pipelines="auto", micro_batches="auto", advance_forward="auto")
+    trainer, _ = _fit(resumed, ckpt_path=path, steps=4)
+    assert (resumed.avg_options.parallel_pipelines, resumed.micro_batches, resumed.avg_options.advance_forward) == (n, m, a)
+    assert trainer.global_step == 4

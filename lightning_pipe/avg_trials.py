@@ -1,0 +1,172 @@
+"""Measure avgpipe candidates on the real devices: step 5 of the tuner (ALGORITHMS.md section 13).
+
+The tuner's prediction (:mod:`lightning_pipe.avg_tuner`) takes each layer's compute time from a tight
+profiling loop. Inside a real round compute is slower, and not by one factor: a compute action that
+follows a wait for a peer starts on a core that went idle, and on the 2-core CPU machine of
+docs/avgpipe.md that costs about 0.3-1 ms per action whatever its size, so candidates with many
+small micro-batches lose more than predicted. Trials run the best predicted candidates for a few
+rounds each with the real executor, transport, weight policy and optimizer class, on copies of this
+rank's stage, and the tuner keeps the fastest measured.
+
+Every rank of the job calls :func:`measure_candidates` with the same candidates. A candidate is
+built afresh in every window and dropped after it (so trials never hold more than one candidate's
+copies, i.e. no more memory than the run they try), warmed up, then timed between barriers; the
+candidates take turns in rotating order, so a slow phase of a shared machine hits each alike.
+Nothing here touches the user's module, optimizer or data order: the copies are the stage's layers
+only, the first stage feeds them the trunk's input, and the last stage's loss is the mean of its
+output (the user's code before and after the trunk is not timed).
+"""
+
+from __future__ import annotations
+
+import copy
+import statistics
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.utils._pytree import tree_flatten, tree_map
+
+from lightning_pipe.avg_tuner import Candidate
+from lightning_pipe.engine import Executor, SequentialStage, Transport, Watchdog, split_micro_batches
+from lightning_pipe.engine.averaging import ElasticAveraging
+from lightning_pipe.schedules import build_avgpipe
+
+OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
+
+
+@dataclass(frozen=True)
+class TrialStage:
+    """What one rank needs to run candidates of its stage.
+
+    Args:
+        layers: this rank's stage (copied to ``device`` for every trial; never modified).
+        stage: this rank's stage index; ``stages``: stages per pipeline.
+        ranks: global rank of every stage of this rank's pipeline.
+        transport: point-to-point layer (``None`` for a one-stage pipeline).
+        watchdog: bounds every wait.
+        make_optimizer: builds an optimizer over the copy's parameters (the user's class and defaults).
+        inputs: first stage: the trunk input of one whole Lightning batch (``None`` on other stages).
+        device: where the stage runs.
+        alpha: the elastic averaging rate (``None``: ``0.9 / N``).
+        gradient_group: the stage group across data-parallel pipelines (``None``: one pipeline).
+        gradient_world: how many pipelines ``gradient_group`` spans.
+    """
+
+    layers: nn.Module
+    stage: int
+    stages: int
+    ranks: Sequence[int]
+    transport: Transport | None
+    watchdog: Watchdog
+    make_optimizer: OptimizerFactory
+    inputs: Any
+    device: torch.device
+    alpha: float | None = None
+    gradient_group: Any = None
+    gradient_world: int = 1
+
+
+def trial_loss(output: Any, _micro_batch: Any) -> Tensor:
+    """The last stage's stand-in loss: the mean of every floating-point output tensor."""
+    tensors = [t for t in tree_flatten(output)[0] if isinstance(t, Tensor) and t.is_floating_point()]
+    return sum(t.float().mean() for t in tensors)
+
+
+def candidate_round(trial: TrialStage, candidate: Candidate) -> Callable[[], None]:
+    """A function that runs one round of ``candidate`` on this rank (fresh copies, fresh optimizer)."""
+    layers = copy.deepcopy(trial.layers).to(trial.device).train()
+    optimizer = trial.make_optimizer([p for p in layers.parameters() if p.requires_grad])
+    n, m = candidate.replicas, candidate.micro_batches
+    policy = ElasticAveraging(layers, optimizer, trial.stage, trial.stages, m, n, trial.alpha,
+                              gradient_group=trial.gradient_group, gradient_world=trial.gradient_world)
+    first, last = trial.stage == 0, trial.stage == trial.stages - 1
+    chunk = SequentialStage(layers, input_fn=(lambda mb: mb) if first else None, loss_fn=trial_loss if last else None)
+    executor = Executor(trial.stage, trial.ranks, [chunk], trial.transport, trial.watchdog, policy=policy)
+    schedule = build_avgpipe(trial.stages, m, n, candidate.advance)
+    if first:
+        inputs = tree_map(lambda t: t.to(trial.device) if isinstance(t, Tensor) else t, trial.inputs)
+        micro_batches = [mb for part in split_micro_batches(inputs, n) for mb in split_micro_batches(part, m)]
+    else:
+        micro_batches = [None] * (n * m)  # only the first stage reads its micro-batches
+
+    def run() -> None:
+        executor.run(schedule, micro_batches)
+
+    return run
+
+
+def _barrier() -> None:
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def measure_candidates(
+    trial: TrialStage, candidates: Sequence[Candidate], windows: int = 2, rounds: int = 2, warmup: int = 1,
+    progress: Callable[[str], None] | None = None,
+) -> list[list[float]]:
+    """Seconds per round of every candidate in every window, measured on this rank.
+
+    Every rank of the job must call this with the same arguments (except ``trial``). In window
+    ``w`` the candidates run in the order rotated by ``w``; each is built, runs ``warmup`` untimed
+    rounds, then ``rounds`` rounds between two job-wide barriers.
+
+    Args:
+        trial: this rank's stage and its surroundings.
+        candidates: what to measure (e.g. the tuner's best predicted three).
+        windows: timed windows per candidate; ``rounds``: timed rounds per window.
+        warmup: untimed rounds before every timed window.
+        progress: called with a line of text after every timed window (e.g. ``print`` on rank 0).
+    """
+    if windows < 1 or rounds < 1 or warmup < 0:
+        raise ValueError(f"windows={windows} and rounds={rounds} must be >= 1 and warmup={warmup} >= 0.")
+    times: list[list[float]] = [[] for _ in candidates]
+    for window in range(windows):
+        for k in range(len(candidates)):
+            i = (window + k) % len(candidates)
+            run = candidate_round(trial, candidates[i])
+            for _ in range(warmup):
+                run()
+            _synchronize(trial.device)
+            _barrier()
+            start = time.perf_counter()
+            for _ in range(rounds):
+                run()
+            _synchronize(trial.device)
+            _barrier()
+            times[i].append((time.perf_counter() - start) / rounds)
+            del run
+            if progress is not None:
+                c = candidates[i]
+                progress(f"avgpipe trial {window * len(candidates) + k + 1}/{windows * len(candidates)}: N={c.replicas} "
+                         f"M={c.micro_batches} a={c.advance}: {times[i][-1] * 1e3:.1f} ms per round")
+    return times
+
+
+@dataclass(frozen=True)
+class Measured:
+    """A candidate with its measured round time (the median over the trial windows)."""
+
+    candidate: Candidate
+    round_time: float
+    batch: int
+
+    @property
+    def throughput(self) -> float:
+        return self.batch / self.round_time if self.round_time else float("inf")
+
+
+def fastest(candidates: Sequence[Candidate], times: Sequence[Sequence[float]], batch: int) -> list[Measured]:
+    """The candidates with their median measured round times, fastest first (ties: the prediction's order)."""
+    measured = [Measured(c, statistics.median(t), batch) for c, t in zip(candidates, times)]
+    order = sorted(range(len(measured)), key=lambda i: (measured[i].round_time, i))
+    return [measured[i] for i in order]
