@@ -52,6 +52,7 @@ from lightning_pipe.emulated import EmulatedAsyncRuntime, SharedParameterError, 
 from lightning_pipe.engine import Executor, Transport, Watchdog, batch_size, split_micro_batches
 from lightning_pipe.engine.local import LocalPipeline
 from lightning_pipe.log_replay import LogCapture, combine, replay
+from lightning_pipe.model_summary import freeze_model_summaries
 from lightning_pipe.module_stages import ModuleStages, step_loss
 from lightning_pipe.outputs import detach_to_cpu, merge_outputs
 from lightning_pipe.outside_params import OutsideParameters, reject_shared
@@ -325,6 +326,8 @@ class PipeStrategy(DDPStrategy):
                 self._counts = self._plan.balance
             if self._avg_auto.any_auto:
                 self._tune_avgpipe(trainer, module)
+            if trainer.state.fn == TrainerFn.FITTING and self._topology.stages > 1:
+                freeze_model_summaries(trainer, module, self.is_global_zero)  # while every layer is here
             self._partition = self._cut(module)
             self._outside = OutsideParameters(module, self._partition.name, self._topology)
             rank_zero_info(self.describe())

@@ -140,7 +140,7 @@ def train(config: dict[str, Any]) -> dict[str, Any]:
             EarlyStopping(monitor="val_loss", patience=1, min_delta=0.01),
             LearningRateMonitor(logging_interval="step"),
         ]
-    trainer = L.Trainer(
+    options = dict(
         accelerator=config.get("accelerator", "cpu"),
         devices=config.get("devices", 1),
         strategy=strategy or "auto",
@@ -152,8 +152,8 @@ def train(config: dict[str, Any]) -> dict[str, Any]:
         enable_model_summary=False,
         use_distributed_sampler=False,
         callbacks=callbacks,
-        **config.get("trainer", {}),
     )
+    trainer = L.Trainer(**{**options, **config.get("trainer", {})})
     dataset = make_data(config.get("samples", 96))
     sampler = None
     pipelines = config.get("pipelines_in_sampler", 1)

@@ -4,6 +4,8 @@ checkpoint resumes the replicas exactly."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -83,8 +85,12 @@ def test_auto_options_are_tried_on_both_processes_and_agreed():
     """All avgpipe options "auto" on 2 processes: rank 0 predicts, both ranks run the trials of the
     best three over the real transport, and both adopt the fastest and train with it."""
     auto = {"schedule": "avgpipe", "parallel_pipelines": "auto", "micro_batches": "auto", "advance_forward": "auto"}
-    code, output, records = launch({"devices": 2, "batch_size": BATCH, "strategy": auto, "epochs": 1})
+    code, output, records = launch({"devices": 2, "batch_size": BATCH, "strategy": auto, "epochs": 1,
+                                    "trainer": {"enable_model_summary": True}})
     assert code == 0, output[-3000:]
+    # Lightning's ModelSummary counts the whole module, not rank 0's stage (which holds 960 of 1844)
+    whole = sum(p.numel() for p in TrunkModel().parameters())
+    assert whole == 1844 and re.search(r"1\.8 K\s+Total params", output), output[-3000:]
     assert "measured ms/round" in output and output.count("<- chosen") == 1 and "avgpipe trial 6/6" in output
     (n, m, a), other = records[0]["avgpipe"], records[1]["avgpipe"]
     assert other == (n, m, a) and BATCH % n == 0 and (BATCH // n) % m == 0 and 0 <= a <= 2
