@@ -333,8 +333,13 @@ class PipeStrategy(DDPStrategy):
             rank_zero_info(self.describe())
         self.model_to_device()
         self._sync_metrics_within_stage_group(module)
-        if self.trace_dir is not None and self._tracer is None:
-            self._tracer = RunTracer(self.trace_dir, self.trace_steps, self.global_rank)
+        if self.trace_dir is not None and trainer.state.fn == TrainerFn.FITTING:
+            if self.emulating:
+                raise PipeConfigError(
+                    "trace_dir times a pipeline whose stages run at once in separate processes; an emulated one runs "
+                    "them one after another in this process. Set devices to the number of stages, or trace_dir=None."
+                )
+            self._tracer = RunTracer(self.trace_dir, self.trace_steps, self.global_rank)  # every fit records its own steps
         self._executor = self._build_executor()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
@@ -636,8 +641,18 @@ class PipeStrategy(DDPStrategy):
         Flushing schedules run one whole step here. Asynchronous ones run one window of the
         stream: earlier micro-batches may still be in flight afterwards and STEPs happen inside.
         """
-        if self._avg is not None:
-            return self._avg_training_step(args, kwargs)
+        if self._tracer is not None:
+            self._tracer.start_step()
+        try:
+            if self._avg is not None:
+                return self._avg_training_step(args, kwargs)
+            return self._pipeline_training_step(args, kwargs)
+        finally:
+            if self._tracer is not None:
+                self._tracer.end_step()
+
+    def _pipeline_training_step(self, args: tuple, kwargs: dict) -> Tensor:
+        """A flushed step, or one window of an asynchronous segment (and its drain at the segment's end)."""
         module = self.lightning_module
         asynchronous = self._asynchronous_now()
         params = self._trainable_parameters()
@@ -647,15 +662,11 @@ class PipeStrategy(DDPStrategy):
         if not asynchronous:
             for p in params:
                 p.grad = None
-        if self._tracer is not None:
-            self._tracer.start_step()
         with self.precision_plugin.train_step_context():
             losses, sizes, n, capture = self._run_schedule("training_step", args, kwargs, True, asynchronous)
         self._seen_batch = True
         if asynchronous and self._ends_segment(args[1] if len(args) > 1 else kwargs.get("batch_idx", 0)):
             self._drain()
-        if self._tracer is not None:
-            self._tracer.end_step()
         if not self._outside.known and not asynchronous:
             self._outside.learn()
         self._grad_stash = [p.grad for p in params]

@@ -56,3 +56,42 @@ def test_measured_run_writes_trace_and_follows_the_schedule(tmp_path) -> None:
     assert {e["args"]["step"] for e in complete} == {1, 2, 3}
     # receives that waited are separate events, so compute and waiting can be told apart
     assert any(e["cat"] == "RECV_ACT" for e in complete) and any(e["cat"] == "RECV_GRAD" for e in complete)
+
+
+def test_avgpipe_rounds_are_recorded_and_every_fit_records_its_own(tmp_path) -> None:
+    """One process: each recorded avgpipe round is the merged schedule (every replica, STEP, AVG),
+    a second fit records its own steps, and an emulated pipeline refuses trace_dir."""
+    import lightning as L
+    from torch.utils.data import DataLoader
+
+    from lightning_pipe.schedules import build_avgpipe
+    from tests.lightning_run import TrunkModel, make_data
+
+    trace_dir = tmp_path / "trace"
+
+    def fit(strategy: PipeStrategy, steps: int, trainer: L.Trainer | None = None) -> L.Trainer:
+        trainer = trainer or L.Trainer(accelerator="cpu", devices=1, strategy=strategy, logger=False,
+                                       enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+        trainer.fit_loop.epoch_loop.max_steps = steps
+        trainer.fit(TrunkModel(), DataLoader(make_data(64), batch_size=16))
+        return trainer
+
+    def recorded() -> tuple[list, list[int]]:
+        with open(trace_dir / "events-rank0.json") as f:
+            return events_from_rows(json.load(f))
+
+    strategy = PipeStrategy(schedule="avgpipe", micro_batches=2, parallel_pipelines=2, trace_dir=str(trace_dir), trace_steps=2)
+    trainer = fit(strategy, 3)
+    round_ = list(build_avgpipe(1, 2, 2).actions[0])
+    events, steps = recorded()
+    assert sorted(set(steps)) == [1, 2] and {e.action.replica for e in events} == {0, 1}
+    for step in (1, 2):
+        assert [e.action for e, s in zip(events, steps) if s == step] == round_
+    assert (trace_dir / "timeline.png").stat().st_size > 0
+    os.remove(trace_dir / "events-rank0.json")
+    fit(strategy, 6, trainer)  # three more steps: recorded anew
+    events, steps = recorded()
+    assert sorted(set(steps)) == [1, 2] and len(events) == 2 * len(round_)
+
+    with pytest.raises(PipeConfigError, match="trace_dir times a pipeline"):
+        fit(PipeStrategy(schedule="1f1b", stages=2, trace_dir=str(trace_dir)), 1)
