@@ -140,19 +140,21 @@ def _tau_bar(stage: int, stages: int, micro_batches: int) -> int:
     return math.ceil((stages - 1 - stage) / micro_batches)
 
 
-#: Weight copies per device (the module's own weights included) by schedule name, from the
-#: "weights/stage" column of ALGORITHMS.md section 11 with the optional copies that the default
-#: options use: pipedream keeps ``tau_bar + 1`` stashed versions plus the master copy, pipemare's
-#: discrepancy correction a velocity, xpipe a forward and a backward prediction. Functions take
+#: Weight copies per device (the module's own weights included) by schedule name, as the weight
+#: policies hold them with the default options (measured in docs/memory.md, which counts the copies
+#: beyond the module's own): pipedream keeps ``tau_bar + 1`` versions besides the one the module
+#: shows, 2BW a second buffer and, where a forward and its backward straddle a STEP, the master the
+#: optimizer steps; pipemare the master and its correction velocity; xpipe the master and a forward
+#: and a backward prediction; avgpipe ``N`` replicas and the center. Functions take
 #: ``(stage, stages, micro_batches, replicas)``; other schedules may register theirs here.
 WEIGHT_COPIES: dict[str, Callable[[int, int, int, int], int]] = {
     "gpipe": lambda s, p, m, n: 1,
     "1f1b": lambda s, p, m, n: 1,
     "interleaved_1f1b": lambda s, p, m, n: 1,
     "pipedream": lambda s, p, m, n: _tau_bar(s, p, m) + 2,
-    "pipedream_2bw": lambda s, p, m, n: 2,
-    "pipemare": lambda s, p, m, n: 2,
-    "xpipe": lambda s, p, m, n: 3,
+    "pipedream_2bw": lambda s, p, m, n: 1 + min(2, 1 + _tau_bar(s, p, m)),
+    "pipemare": lambda s, p, m, n: 3,
+    "xpipe": lambda s, p, m, n: 4,
     "avgpipe": lambda s, p, m, n: n + 1,
 }
 

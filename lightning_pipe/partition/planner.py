@@ -34,6 +34,7 @@ from itertools import accumulate
 from lightning_pipe.partition.profile import Profile, interpolate
 from lightning_pipe.schedules import ASYNC_SCHEDULES, SYNC_SCHEDULES, build_schedule
 from lightning_pipe.schedules.ir import Kind
+from lightning_pipe.simulate import WEIGHT_COPIES
 
 GIB = float(2**30)
 ALL_SCHEDULES = (*SYNC_SCHEDULES, *ASYNC_SCHEDULES)
@@ -143,16 +144,8 @@ def min_max_split(
 # ---------------------------------------------------------------------------------- schedules
 def extra_weight_copies(schedule: str, stage: int, stages: int, micro_batches: int) -> int:
     """Weight-sized tensors beyond the module's own parameters (``c_S(d) - 1``; docs/memory.md)."""
-    behind = stages - 1 - stage  # the 1F1B warm-up depth w_s
-    if schedule == "pipedream":
-        return 1 + math.ceil(behind / micro_batches)
-    if schedule == "pipedream_2bw":
-        return min(2, 1 + math.ceil(behind / micro_batches))
-    if schedule == "pipemare":
-        return 2  # optimizer master + correction velocity (the default pipemare_correction=True)
-    if schedule == "xpipe":
-        return 3  # master + forward and backward predictions
-    return 0
+    rule = WEIGHT_COPIES.get(schedule)
+    return rule(stage, stages, micro_batches, 1) - 1 if rule else 0
 
 
 @lru_cache(maxsize=256)
