@@ -13,7 +13,11 @@ whose building blocks this script reuses. One pair of processes per (workload, M
    ``--cost-windows`` steps after one of warm-up. Twice: *alone* (the other rank waits at a
    barrier) and *together* (both ranks run their stage at the same moment, as they compute in a
    pipeline on a 2-core machine). The transfer time is half the median round trip of the boundary
-   activation out (header and payload, the executor's ``Transport``) and its gradient back;
+   activation out (header and payload, the executor's ``Transport``) and its gradient back.
+   A third set, *in the pipeline*, comes from one untimed step of the schedule run right before its
+   timed window with the executor's ``ActionRecorder`` on (``lightning_pipe.simulate.measured_costs``:
+   the median recorded forward, backward and STEP of each stage, with the time to post the message
+   each sends, and the median delay of the messages a receive was already waiting for);
 2. **times one window of every schedule** (rotating order): ``Executor`` with ``build_schedule``
    for gpipe and 1f1b (optimizer step at the STEP action), and one window of ``async_schedule`` per
    step for pipedream, pipedream_2bw, pipemare and xpipe with their weight policies (the stream
@@ -56,7 +60,7 @@ from lightning_pipe.engine import ActionRecorder, Transport, split_micro_batches
 from lightning_pipe.engine.p2p import ACTIVATION_TAG, GRADIENT_TAG, Header  # noqa: E402
 from lightning_pipe.engine.weights import POLICIES  # noqa: E402
 from lightning_pipe.schedules import ASYNC_SCHEDULES, Kind, async_schedule, build_schedule  # noqa: E402
-from lightning_pipe.simulate import Costs, simulate, simulate_async  # noqa: E402
+from lightning_pipe.simulate import Costs, measured_costs, simulate, simulate_async  # noqa: E402
 
 SYNC = ("gpipe", "1f1b")
 
@@ -163,6 +167,21 @@ def measure_costs(workload: Workload, micro_batches: int, rank: int, group: Any,
     return costs
 
 
+def recorded_costs(variant: Variant, rank: int) -> dict[str, float]:
+    """One untimed step of ``variant`` with the executor's recorder on (every rank calls this); the
+    costs it shows (:func:`lightning_pipe.simulate.measured_costs`): this rank's forward, backward and
+    STEP, and the boundary's transfer time. ``time.time()`` is one clock for both processes here."""
+    variant.executor.recorder = recorder = ActionRecorder(rank)
+    recorder.enabled = True
+    variant.step()
+    variant.executor.recorder = None
+    everyone: list[Any] = [None] * STAGES
+    dist.all_gather_object(everyone, recorder.events)
+    costs = measured_costs([e for events in everyone for e in events], STAGES)
+    return {"forward": costs.forward[rank], "backward": costs.backward[rank], "step": costs.step,
+            "transfer": costs.link(0)}
+
+
 def worker(rank: int, workload_name: str, micro_batches: int, args: dict[str, Any]) -> dict[str, Any]:
     """Rounds of: measure the costs, then one timed window of every schedule (rotating order), so
     that each prediction is compared with runs made under the same machine conditions."""
@@ -182,6 +201,8 @@ def worker(rank: int, workload_name: str, micro_batches: int, args: dict[str, An
         shift = window % len(variants)
         for variant in variants[shift:] + variants[:shift]:
             gc.collect()
+            dist.barrier()
+            costs[-1][variant.name.split()[1]]["pipeline"] = recorded_costs(variant, rank)  # "ours <schedule>"
             dist.barrier()
             clocks[variant.name].start()
             for _ in range(args["steps_per_window"]):
@@ -207,12 +228,15 @@ def worker(rank: int, workload_name: str, micro_batches: int, args: dict[str, An
 
 
 # ---------------------------------------------------------------------------------------- report
+MODES = ("alone", "together", "pipeline")
+
+
 def costs_of(ranks: list[dict[str, Any]], schedule: str, mode: str) -> Costs:
-    """Costs of one round from every rank's measurements (``mode``: ``alone`` or ``together``)."""
+    """Costs of one round from every rank's measurements (``mode``: one of :data:`MODES`)."""
     return Costs(
         forward=[r[schedule][mode]["forward"] for r in ranks],
         backward=[r[schedule][mode]["backward"] for r in ranks],
-        transfer=[ranks[0]["transfer"]],
+        transfer=[ranks[0][schedule][mode]["transfer"] if mode == "pipeline" else ranks[0]["transfer"]],
         step=max(r[schedule][mode]["step"] for r in ranks),  # one STEP cost for every device: the slower one
     )
 
@@ -249,7 +273,7 @@ def report(jobs: list[dict[str, Any]], max_load: float = 0.25, min_rounds: int =
     for job in selected:
         wl, m, rounds = job["workload"], job["micro_batches"], job["costs"]
         for schedule in (*SYNC, *ASYNC_SCHEDULES):
-            for mode in ("alone", "together"):
+            for mode in MODES:
                 cells = [
                     "/".join(_ms([r[s][schedule][mode][key] for r in rounds]) for s in range(STAGES))
                     for key in ("forward", "backward", "step")
@@ -258,8 +282,8 @@ def report(jobs: list[dict[str, Any]], max_load: float = 0.25, min_rounds: int =
     lines += [
         "",
         "| workload | M | schedule | measured ms/step, median (min-max) | simulated, costs alone | ratio | "
-        "simulated, costs together | ratio | other load |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "simulated, costs together | ratio | simulated, costs in the pipeline | ratio | other load |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for job in selected:
         wl, m, rounds = job["workload"], job["micro_batches"], job["costs"]
@@ -267,7 +291,7 @@ def report(jobs: list[dict[str, Any]], max_load: float = 0.25, min_rounds: int =
             windows = job["windows"][f"ours {schedule}"]
             measured = [w["seconds"] / (w["samples"] / WORKLOADS[wl].batch) for w in windows]
             cells = []
-            for mode in ("alone", "together"):
+            for mode in MODES:
                 sims = [predicted(schedule, m, costs_of(r, schedule, mode)) for r in rounds]
                 ratio = statistics.median(p / x for p, x in zip(sims, measured))  # same round: same conditions
                 cells.append(f"{_ms(sims)} | {ratio:.2f}")

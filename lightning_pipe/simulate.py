@@ -134,6 +134,66 @@ class Simulation:
         return "\n".join(lines)
 
 
+# ---------------------------------------------------------------------------------------- measured costs
+_SENT_BY = {Kind.RECV_ACTIVATION: (Kind.SEND_ACTIVATION, -1), Kind.RECV_GRADIENT: (Kind.SEND_GRADIENT, +1)}
+
+
+def measured_costs(
+    events: Sequence[TimedAction], stages: int, chunks: int = 1, steps: Sequence[int] | None = None
+) -> Costs:
+    """The costs a measured run shows, to simulate other schedules or micro-batch counts with them.
+
+    ``events`` are the recorded actions of one pipeline (``PipeStrategy(trace_dir=...)``'s
+    ``events-rank{r}.json`` through :func:`lightning_pipe.tracing.events_from_rows`, or an
+    ``ActionRecorder``), ``device`` being the rank; devices ``>= stages`` (other data-parallel
+    pipelines) are ignored. Per virtual stage, forward and backward are the medians of the recorded
+    ones, each with the median time it took to post the message it sends; ``step`` is the slowest
+    device's median STEP (0 for synchronous schedules under Lightning, whose optimizer steps outside
+    the schedule). The transfer time of a boundary is the median delay from a send being posted to
+    its receive finishing, over the receives that were already waiting when it was posted (a later
+    receive says nothing about the message); 0 when none was. ``steps`` (parallel to ``events``)
+    tells apart micro-batches of different training steps that share a number.
+    """
+    steps = list(steps) if steps is not None else [0] * len(events)
+    virtual = stages * chunks
+    durations: dict[tuple[Kind, int], list[float]] = {}
+    sends: dict[tuple[Kind, int, int, int | None, int], TimedAction] = {}
+    for event, step in zip(events, steps):
+        if event.device >= stages:
+            continue
+        vs = event.action.chunk * stages + event.device
+        durations.setdefault((event.action.kind, vs), []).append(event.duration)
+        if event.action.kind.is_send:
+            sends[(event.action.kind, vs, step, event.action.micro_batch, event.action.replica)] = event
+    delays: dict[int, list[float]] = {}
+    for event, step in zip(events, steps):
+        if event.device >= stages or event.action.kind not in _SENT_BY:
+            continue
+        kind, direction = _SENT_BY[event.action.kind]
+        vs = event.action.chunk * stages + event.device
+        send = sends.get((kind, vs + direction, step, event.action.micro_batch, event.action.replica))
+        if send is not None and event.start <= send.end:
+            delays.setdefault(min(vs, vs + direction), []).append(event.end - send.start)
+
+    def median(kind: Kind, vs: int) -> float:
+        return median_of(durations.get((kind, vs), []))
+
+    forward = [median(Kind.FORWARD, vs) + median(Kind.SEND_ACTIVATION, vs) for vs in range(virtual)]
+    backward = [median(Kind.BACKWARD, vs) + median(Kind.SEND_GRADIENT, vs) for vs in range(virtual)]
+    transfer = [median_of(delays.get(boundary, [])) for boundary in range(virtual - 1)]
+    step = max((median(Kind.STEP, d) for d in range(stages)), default=0.0)
+    return Costs(forward, backward, transfer, step)
+
+
+def median_of(values: Sequence[float]) -> float:
+    """The median (0 for no values)."""
+    ordered = sorted(values)
+    if not ordered:
+        return 0.0
+    middle = len(ordered) // 2
+    return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
+
+
 # ---------------------------------------------------------------------------------------- weight copies
 def _tau_bar(stage: int, stages: int, micro_batches: int) -> int:
     """Most optimizer steps between a micro-batch's forward and backward (ALGORITHMS.md section 5)."""

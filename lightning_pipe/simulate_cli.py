@@ -1,13 +1,15 @@
-"""``python -m lightning_pipe.simulate_cli``: simulate a schedule on uniform costs, print it, draw it.
+"""``python -m lightning_pipe.simulate_cli``: simulate a schedule, print it, draw it.
 
     python -m lightning_pipe.simulate_cli --schedule 1f1b --stages 4 --micro_batches 8 --png 1f1b.png
+    python -m lightning_pipe.simulate_cli --schedule pipemare --stages 2 --micro_batches 8 --costs_from trace/
 """
 
 from __future__ import annotations
 
 from lightning_pipe.plot import chrome_trace, timeline_png
 from lightning_pipe.schedules import ASYNC_SCHEDULES, build_schedule
-from lightning_pipe.simulate import Costs, Simulation, simulate, simulate_async
+from lightning_pipe.simulate import Costs, Simulation, measured_costs, simulate, simulate_async
+from lightning_pipe.tracing import read_trace
 
 
 def main(
@@ -20,10 +22,12 @@ def main(
     transfer: float = 0.0,
     step: float = 0.0,
     windows: int = 4,
+    costs_from: str | None = None,
     png: str | None = None,
     trace: str | None = None,
 ) -> Simulation:
-    """Simulate a schedule on uniform costs, print the result, optionally draw it.
+    """Simulate a schedule on uniform costs or on the costs of a measured run, print the result,
+    optionally draw it.
 
     Args:
         schedule: any synchronous or asynchronous schedule name.
@@ -35,11 +39,28 @@ def main(
         transfer: one-way time of a boundary message (milliseconds).
         step: time of one optimizer STEP (milliseconds).
         windows: asynchronous schedules: windows simulated before the drain.
+        costs_from: the ``trace_dir`` of a measured run (``PipeStrategy(trace_dir=...)``): every
+            stage's forward, backward, transfer and STEP times come from its recorded actions
+            (:func:`~lightning_pipe.simulate.measured_costs`) instead of ``forward``, ``backward``,
+            ``transfer`` and ``step``, so you can ask what another schedule or micro-batch count would
+            do with the costs your run showed (same stages, chunks and micro-batch size).
         png: write the timeline picture here.
         trace: write a Chrome-trace JSON here.
     """
     ms = 1e-3
-    costs = Costs.uniform(stages * chunks, forward * ms, backward * ms, transfer * ms, step * ms)
+    if costs_from is None:
+        costs = Costs.uniform(stages * chunks, forward * ms, backward * ms, transfer * ms, step * ms)
+    else:
+        try:
+            events, steps = read_trace(costs_from)
+        except FileNotFoundError as error:
+            raise SystemExit(str(error)) from None
+        if len({e.device for e in events if e.device < stages}) < stages:
+            raise SystemExit(f"{costs_from} records fewer than {stages} ranks; give --stages as the traced run had.")
+        costs = measured_costs(events, stages, chunks, steps)
+        print(f"costs from {costs_from} (ms per micro-batch, per virtual stage): forward "
+              f"{[round(f / ms, 3) for f in costs.forward]}, backward {[round(b / ms, 3) for b in costs.backward]}, "
+              f"transfer {[round(t / ms, 3) for t in costs.transfer]}, step {costs.step / ms:.3f}")
     if schedule in ASYNC_SCHEDULES:
         sim = simulate_async(schedule, stages, micro_batches, costs, windows)
         title = f"{schedule}: {stages} stages, M={micro_batches}, {windows} windows and the drain"

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
@@ -41,6 +42,15 @@ def events_from_rows(rows: list[dict[str, Any]]) -> tuple[list[TimedAction], lis
         TimedAction(r["device"], Action(Kind(r["kind"]), r["micro_batch"], r["chunk"], r.get("replica", 0)), r["start"], r["end"]) for r in rows
     ]
     return events, [r["step"] for r in rows]
+
+
+def read_trace(trace_dir: str | os.PathLike[str]) -> tuple[list[TimedAction], list[int]]:
+    """Every rank's recorded events (``events-rank{r}.json``) of a ``trace_dir``, and their steps."""
+    paths = sorted(Path(trace_dir).glob("events-rank*.json"))
+    if not paths:
+        raise FileNotFoundError(f"{trace_dir} holds no events-rank*.json; train with PipeStrategy(trace_dir=...) first.")
+    rows = [row for path in paths for row in json.loads(path.read_text())]
+    return events_from_rows(rows)
 
 
 class RunTracer:

@@ -10,7 +10,9 @@ from hypothesis import strategies as st
 
 from lightning_pipe.plot import chrome_trace, timeline_png
 from lightning_pipe.schedules import ASYNC_SCHEDULES, STEP, B, F, Kind, Schedule, ScheduleError, build_schedule
-from lightning_pipe.simulate import Costs, TimedAction, closed_form_step_time, simulate, simulate_async, weight_copies
+from lightning_pipe.simulate import (
+    Costs, TimedAction, closed_form_step_time, measured_costs, simulate, simulate_async, weight_copies,
+)
 
 durations = st.floats(min_value=0.1, max_value=10.0, allow_nan=False)
 
@@ -139,3 +141,48 @@ def test_command_line_entry(tmp_path, capsys) -> None:
     assert sim.step_time == pytest.approx(2 * 3e-3)
     assert (tmp_path / "x.png").stat().st_size > 0 and (tmp_path / "x.json").stat().st_size > 0
     assert "step time 6.000 ms" in capsys.readouterr().out
+
+
+positive = st.floats(min_value=0.1, max_value=10.0, allow_nan=False)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.sampled_from(["gpipe", "1f1b", "interleaved_1f1b", *ASYNC_SCHEDULES]), st.integers(2, 4), st.data())
+def test_measured_costs_of_a_run_are_the_costs_that_made_it(name: str, stages: int, data) -> None:
+    """A simulated run read as a measured one gives back its costs: per-virtual-stage forward and
+    backward, every boundary's transfer (from the receives that waited) and the STEP."""
+    chunks = 2 if name == "interleaved_1f1b" else 1
+    virtual = stages * chunks
+    costs = Costs([data.draw(positive) for _ in range(virtual)], [data.draw(positive) for _ in range(virtual)],
+                  [data.draw(positive) for _ in range(virtual - 1)], data.draw(positive))
+    if name in ASYNC_SCHEDULES:
+        events = simulate_async(name, stages, 2 * stages, costs, windows=4).events
+    else:
+        events = simulate(build_schedule(name, stages, 2 * stages, chunks), costs).events
+    got = measured_costs(events, stages, chunks)
+    assert got.forward == pytest.approx(costs.forward, rel=1e-9)
+    assert got.backward == pytest.approx(costs.backward, rel=1e-9)
+    assert got.transfer == pytest.approx(costs.transfer, rel=1e-9)
+    assert got.step == pytest.approx(costs.step, rel=1e-9)
+
+
+def test_command_line_takes_the_costs_of_a_measured_run(tmp_path, capsys) -> None:
+    """``--costs_from trace_dir``: the per-stage costs recorded in a run (here a simulated one written
+    as PipeStrategy(trace_dir=...) writes it) drive the simulation of another schedule."""
+    from lightning_pipe.engine import ActionRecorder
+    from lightning_pipe.simulate_cli import main
+
+    costs = Costs([1e-3, 2e-3], [2e-3, 3e-3], [0.5e-3], 0.25e-3)
+    for device in range(2):
+        recorder = ActionRecorder(device)
+        for event in simulate(build_schedule("1f1b", 2, 4), costs).events:
+            if event.device == device:
+                recorder.record(event.action, event.start, event.end)
+        (tmp_path / f"events-rank{device}.json").write_text(json.dumps(recorder.rows()))
+    sim = main(schedule="pipemare", stages=2, micro_batches=8, costs_from=str(tmp_path))
+    assert sim.step_time == pytest.approx(simulate_async("pipemare", 2, 8, costs).step_time, rel=1e-9)
+    assert "forward [1.0, 2.0], backward [2.0, 3.0], transfer [0.5]" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="fewer than 3 ranks"):
+        main(schedule="1f1b", stages=3, costs_from=str(tmp_path))
+    with pytest.raises(SystemExit, match="holds no events"):
+        main(costs_from=str(tmp_path / "empty"))

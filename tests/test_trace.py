@@ -10,7 +10,8 @@ import pytest
 
 from lightning_pipe import PipeConfigError, PipeStrategy
 from lightning_pipe.schedules import async_schedule
-from lightning_pipe.tracing import events_from_rows
+from lightning_pipe.simulate import measured_costs
+from lightning_pipe.tracing import events_from_rows, read_trace
 from tests.launch import launch
 
 
@@ -56,6 +57,10 @@ def test_measured_run_writes_trace_and_follows_the_schedule(tmp_path) -> None:
     assert {e["args"]["step"] for e in complete} == {1, 2, 3}
     # receives that waited are separate events, so compute and waiting can be told apart
     assert any(e["cat"] == "RECV_ACT" for e in complete) and any(e["cat"] == "RECV_GRAD" for e in complete)
+    # the run's own costs, as the simulator takes them (simulate_cli --costs_from)
+    recorded, recorded_steps = read_trace(trace_dir)
+    costs = measured_costs(recorded, stages, steps=recorded_steps)
+    assert all(t > 0 for t in (*costs.forward, *costs.backward, costs.step)) and len(costs.transfer) == 1
 
 
 def test_avgpipe_rounds_are_recorded_and_every_fit_records_its_own(tmp_path) -> None:
