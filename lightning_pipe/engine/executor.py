@@ -10,7 +10,10 @@ Rules that keep it deadlock-free and overlapped:
 * sends are asynchronous and are only waited for at the end of :meth:`Executor.run` (gloo sends
   complete when the peer receives, so waiting earlier can deadlock);
 * before each compute action, receives up to the next compute action are posted, so transfers run
-  while this rank computes (an activation's payload is posted once its header is read);
+  while this rank computes. An activation's payload can only be posted once its header is read,
+  which is when the compute that needs it waits: gloo's ``Work.is_completed()`` stays ``False`` until
+  ``wait()`` and a timed-out ``wait`` closes the connection, so there is no way to learn earlier
+  that a header has arrived (gradients need no header and travel early);
 * every wait goes through the :class:`~.watchdog.Watchdog`, so a failed peer ends this rank too.
 """
 
@@ -330,19 +333,6 @@ class Executor:
             if action.kind.is_recv and not self._post(action):
                 break
             self._posted += 1
-        self._post_arrived_payloads()
-
-    def _post_arrived_payloads(self) -> None:
-        """Post the payload of every activation whose header has arrived, so the tensors travel while
-        this rank computes instead of after the compute that needs them asks (in posting order, which
-        is each channel's message order)."""
-        for key, pending in self._received.items():
-            if pending.payload is not None:
-                continue
-            if not pending.header[0].is_completed():
-                break
-            self.watchdog.wait(pending.header[0], f"the header of {Action(key[0], key[2], key[1])} from rank {pending.src}")
-            self._post_payload(pending)
 
     def _post(self, action: Action) -> bool:
         """Post one receive; ``False`` if it cannot be posted yet (gradient shapes unknown)."""
