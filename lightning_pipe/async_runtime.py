@@ -42,6 +42,7 @@ class AsyncRuntime:
         self.window = 0
         self.policy: WeightPolicy | None = None
         self.policies: list[WeightPolicy] = []  # of every stage this process runs
+        self._restore: list[dict[str, Any]] | None = None  # a checkpoint's policy states, loaded at start
 
     def start(
         self, root: nn.Module, optimizer: torch.optim.Optimizer, options: AsyncOptions, scheduler: Any | None,
@@ -52,7 +53,22 @@ class AsyncRuntime:
         policy.steps = policy.batches_before_segment = steps_done
         self.policy = self.executor.policy = policy
         self.policies = [policy]
+        self.load_restored()
         return policy
+
+    def restore(self, states: Sequence[dict[str, Any]]) -> None:
+        """Resume from a checkpoint's policy states, one per stage this process runs: now if the
+        policies exist, else when they are created (at the first asynchronous step)."""
+        self._restore = list(states)
+        if self.policies:
+            self.load_restored()
+
+    def load_restored(self) -> None:
+        """Load what :meth:`restore` was given into the policies just created."""
+        if self._restore is not None:
+            for policy, state in zip(self.policies, self._restore):
+                policy.load_state_dict(state)
+            self._restore = None
 
     def run_window(self, micro_batches: Sequence[Any], weights: Sequence[float], scale_loss: Any = None) -> list[Any]:
         if len(micro_batches) != self.micro_batches:

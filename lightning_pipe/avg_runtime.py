@@ -12,7 +12,8 @@ from typing import Any, Literal
 import torch
 from torch import Tensor, nn
 
-from lightning_pipe.engine import Executor
+from lightning_pipe.config import PipeConfigError
+from lightning_pipe.engine import Executor, batch_size, split_micro_batches
 from lightning_pipe.engine.averaging import ElasticAveraging
 from lightning_pipe.schedules import Schedule, ScheduleError, build_avgpipe, validate
 
@@ -61,6 +62,27 @@ class AvgRuntime:
         self.tagged = tagged
         self.policy: ElasticAveraging | None = None
         self._checked: set[int] = set()
+        self._restore: dict[str, Any] | None = None  # a checkpoint's replicas, loaded at start
+
+    def split(self, batch: Any, micro_batches: int, first: bool) -> tuple[list[Any], int]:
+        """The batch's ``N`` replica mini-batches, each split into micro-batches (replica-major), and the
+        micro-batches per replica: ``micro_batches``, or fewer for a short last batch (not the ``first``)."""
+        replicas = self.options.parallel_pipelines
+        parts = split_micro_batches(batch, replicas)
+        smallest = min(batch_size(p) for p in parts)
+        if smallest < micro_batches and first or smallest == 0:
+            raise PipeConfigError(
+                f"a batch of {batch_size(batch)} samples cannot feed parallel_pipelines={replicas} × micro_batches="
+                f"{micro_batches}; use a batch size of at least {replicas * micro_batches} (the batch holds every "
+                "replica's mini-batch)" + (" or drop_last=True in the DataLoader." if not first else ".")
+            )
+        count = min(micro_batches, smallest)
+        return [mb for part in parts for mb in split_micro_batches(part, count)], count
+
+    def loss_weights(self, sizes: Sequence[int], count: int) -> list[float]:
+        """Each micro-batch's share of its replica's mini-batch, so every replica's gradient is its own mean."""
+        replicas = range(self.options.parallel_pipelines)
+        return [s / sum(sizes[r * count:(r + 1) * count]) for r in replicas for s in sizes[r * count:(r + 1) * count]]
 
     def schedule(self, micro_batches: int) -> Schedule:
         """The merged schedule of a round with ``micro_batches`` micro-batches per replica."""
@@ -80,13 +102,24 @@ class AvgRuntime:
         self, root: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: int,
         clip: Callable[[Sequence[Tensor]], None] | None, gradient_group: Any, gradient_world: int,
     ) -> ElasticAveraging:
-        """Create the replicas and the center from the module's current weights (at the first training step)."""
+        """Create the replicas and the center from the module's current weights (at the first training
+        step), then load a checkpoint's replicas if :meth:`restore` was given some."""
         o = self.options
         self.policy = ElasticAveraging(
             root, optimizer, self.stage, self.stages, micro_batches, o.parallel_pipelines, o.resolved_alpha, o.period,
             o.averaging, clip, gradient_group, gradient_world,
         )
+        if self._restore is not None:
+            self.policy.load_state_dict(self._restore)
+            self._restore = None
         return self.policy
+
+    def restore(self, state: dict[str, Any]) -> None:
+        """Resume from this stage's part of a checkpoint: now if started, else at :meth:`start`."""
+        if self.policy is not None:
+            self.policy.load_state_dict(state)
+        else:
+            self._restore = state
 
     def run_round(self, micro_batches: Sequence[Any], weights: Sequence[float], count: int) -> list[Any]:
         """One round: every replica's ``count`` micro-batches (replica-major), STEPs and AVGs."""

@@ -187,6 +187,7 @@ class EmulatedAsyncRuntime(AsyncRuntime):
             self.executor.executors[s].policy = policy
             self.policies.append(policy)
         self.policy = self.policies[0]
+        self.load_restored()
         self._original = optimizer
         # the stages step their shares from now on; torch's "scheduler stepped before optimizer"
         # warning for an epoch-interval scheduler of this optimizer would be misleading

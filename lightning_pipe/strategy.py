@@ -242,14 +242,12 @@ class PipeStrategy(DDPStrategy):
         self.avg_options = AvgOptions(parallel_pipelines if parallel_pipelines != "auto" else 1, avgpipe_alpha,
                                       avgpipe_period, avgpipe_averaging, advance_forward if advance_forward != "auto" else 0)
         self._avg: AvgRuntime | None = None
-        self._avg_resume: dict[str, Any] | None = None  # a checkpoint's replicas, applied at the first round
         self.trace_dir, self.trace_steps = trace_dir, trace_steps
         self._tracer: RunTracer | None = None
         self.auto_balance = AutoBalanceOptions(auto_balance_memory, auto_balance_speeds, profile_cache)
         self._plan: Plan | None = None  # balance="auto": the chosen split and its predictions
         self._layer_params: list[int] = []
         self._async: AsyncRuntime | None = None
-        self._async_resume: dict[str, Any] | None = None  # a checkpoint's policy state, applied at start
         self._counts: list[int] | None = None
         self._topology: Topology | None = None
         self._partition: PartitionedTrunk | None = None
@@ -541,7 +539,7 @@ class PipeStrategy(DDPStrategy):
         n = batch_size(batch)
         averaging = training and self._avg is not None
         if averaging:  # N replica mini-batches, each split into micro-batches (replica-major)
-            micro_batches, count = self._replica_micro_batches(batch, n)
+            micro_batches, count = self._avg.split(batch, self.micro_batches, first=not self._seen_batch)
         else:
             count = self._micro_batch_count(n, training)
             micro_batches = split_micro_batches(batch, count)
@@ -560,9 +558,8 @@ class PipeStrategy(DDPStrategy):
         if asynchronous and self._async.policy is None:
             self._start_async(stages, micro_batches[0])
         weights = [s / n / module.trainer.accumulate_grad_batches for s in sizes] if training else None
-        if averaging:  # each replica's gradient is the mean over its own mini-batch
-            replicas = self.avg_options.parallel_pipelines
-            weights = [s / sum(sizes[r * count:(r + 1) * count]) for r in range(replicas) for s in sizes[r * count:(r + 1) * count]]
+        if averaging:
+            weights = self._avg.loss_weights(sizes, count)
         scaler = getattr(self.precision_plugin, "scaler", None) if training else None
         scale = scaler.scale if scaler else None
         try:
@@ -581,40 +578,21 @@ class PipeStrategy(DDPStrategy):
             raise
         return outputs, sizes, n, capture
 
-    def _replica_micro_batches(self, batch: Any, n: int) -> tuple[list[Any], int]:
-        """avgpipe: the batch's ``N`` replica mini-batches split into ``count`` micro-batches each, replica-major."""
-        replicas = self.avg_options.parallel_pipelines
-        parts = split_micro_batches(batch, replicas)
-        smallest = min(batch_size(p) for p in parts)
-        if smallest < self.micro_batches and not self._seen_batch or smallest == 0:
-            raise PipeConfigError(
-                f"a batch of {n} samples cannot feed parallel_pipelines={replicas} × micro_batches={self.micro_batches}; "
-                f"use a batch size of at least {replicas * self.micro_batches} (the batch holds every replica's mini-batch)"
-                + (" or drop_last=True in the DataLoader." if self._seen_batch else ".")
-            )
-        count = min(self.micro_batches, smallest)  # a short last batch: fewer, smaller micro-batches
-        return [mb for part in parts for mb in split_micro_batches(part, count)], count
-
     def _start_avg(self) -> None:
         """Create the replicas and the center at the first avgpipe round (after any checkpoint was restored)."""
         trainer = self.lightning_module.trainer
         if getattr(self.precision_plugin, "scaler", None) is not None:
             raise PipeConfigError("schedule='avgpipe' steps inside the pipeline without fp16 loss scaling; use precision='bf16-mixed' or 32.")
-        optimizer = self.optimizers[0]
-        optimizer = optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
+        optimizer = _unwrapped(self.optimizers[0])
         data_parallel = self.num_pipelines > 1
         self._avg.start(
             self.lightning_module, optimizer, self.micro_batches,
             make_clip(trainer.gradient_clip_val, trainer.gradient_clip_algorithm),
             self._topology.stage_group if data_parallel else None, self.num_pipelines,
         )
-        if self._avg_resume is not None:
-            self._avg.policy.load_state_dict(self._avg_resume)
-            self._avg_resume = None
 
     def _avg_training_step(self, args: tuple, kwargs: dict) -> Tensor:
         """One avgpipe round: every replica's forwards, backwards, STEP and AVG; returns the mean loss."""
-        module = self.lightning_module
         if self._avg.policy is None:
             self._start_avg()
         with self.precision_plugin.train_step_context():
@@ -625,6 +603,12 @@ class PipeStrategy(DDPStrategy):
             # every rank learned the same map, so every rank raises
             reject_shared(self._outside.users, "which avgpipe replicas step independently", PipeConfigError)
         self._grad_stash = []
+        return self._replayed_loss(losses, sizes, n, capture)
+
+    def _replayed_loss(self, losses: list[Any], sizes: list[int], n: int, capture: LogCapture) -> Tensor:
+        """The batch loss (micro-batch losses weighted by their sizes) on every rank of the pipeline,
+        after replaying the last stage's ``self.log`` calls on each of them."""
+        module = self.lightning_module
         loss = sum(s / n * float(l) for s, l in zip(sizes, losses)) if losses else 0.0
         loss, records = self._from_last_stage((loss, combine(capture.records, module)))
         replay(module, records, owner=self._topology.is_last_stage)
@@ -653,7 +637,6 @@ class PipeStrategy(DDPStrategy):
 
     def _pipeline_training_step(self, args: tuple, kwargs: dict) -> Tensor:
         """A flushed step, or one window of an asynchronous segment (and its drain at the segment's end)."""
-        module = self.lightning_module
         asynchronous = self._asynchronous_now()
         params = self._trainable_parameters()
         # a flushed step starts from empty gradients (kept ones belong to gradient accumulation);
@@ -672,12 +655,10 @@ class PipeStrategy(DDPStrategy):
         self._grad_stash = [p.grad for p in params]
         for p, grad in zip(params, kept):
             p.grad = grad
-        loss = sum(s / n * float(l) for s, l in zip(sizes, losses)) if losses else 0.0
-        loss, records = self._from_last_stage((loss, combine(capture.records, module)))
-        replay(module, records, owner=self._topology.is_last_stage)
+        loss = self._replayed_loss(losses, sizes, n, capture)
         if asynchronous:
             self._log_async_diagnostics(n)
-        return torch.tensor(loss, device=self.root_device)
+        return loss
 
     # ------------------------------------------------------------------ asynchronous schedules
     def _start_async(self, stages: ModuleStages, micro_batch: Any) -> None:
@@ -686,8 +667,7 @@ class PipeStrategy(DDPStrategy):
         An emulated pipeline first finds which stage uses each parameter outside the trunk, on
         ``micro_batch``, and gives every stage its own optimizer share and scheduler copy."""
         trainer = self.lightning_module.trainer
-        optimizer = self.optimizers[0]
-        optimizer = optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
+        optimizer = _unwrapped(self.optimizers[0])
         step_schedulers = [c for c in trainer.lr_scheduler_configs if c.interval == "step"]
         if len(step_schedulers) > 1:
             raise PipeConfigError(f"schedule={self.schedule!r} supports one step-interval lr scheduler, got {len(step_schedulers)}.")
@@ -699,10 +679,6 @@ class PipeStrategy(DDPStrategy):
             self._start_emulated(stages, micro_batch, optimizer, scheduler, clip)
         else:
             self._async.start(self.lightning_module, optimizer, self.async_options, scheduler, clip, trainer.global_step)
-        if self._async_resume is not None:
-            for policy, state in zip(self._async.policies, self._async_resume):
-                policy.load_state_dict(state)
-            self._async_resume = None
 
     def _start_emulated(self, stages: ModuleStages, micro_batch: Any, optimizer: Any, scheduler: Any, clip: Any) -> None:
         module, trainer = self.lightning_module, self.lightning_module.trainer
@@ -867,8 +843,7 @@ class PipeStrategy(DDPStrategy):
 
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
         """One torch-format optimizer state for the whole module on rank 0 (``{}`` elsewhere)."""
-        if isinstance(optimizer, LightningOptimizer):
-            optimizer = optimizer._optimizer
+        optimizer = _unwrapped(optimizer)
         if self._partition is None:
             return optimizer.state_dict()
         self._drain()
@@ -929,16 +904,13 @@ class PipeStrategy(DDPStrategy):
 
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:
         states = checkpoint.get("pipe_async_state")
-        if states is not None and self._topology is not None and len(states) == self.num_stages:
-            self._async_resume = states if self.emulating else [states[self._topology.stage]]
+        if states is not None and self._async is not None and len(states) == self.num_stages:
+            self._async.restore(states if self.emulating else [states[self._topology.stage]])
         states = checkpoint.get("pipe_avgpipe_state")
-        if states is not None and self._topology is not None and len(states) == self._topology.stages:
-            self._avg_resume = states[self._topology.stage]
-            if self._avg is not None and self._avg.policy is not None:
-                self._avg.policy.load_state_dict(self._avg_resume)
-                self._avg_resume = None
+        if states is not None and self._avg is not None and len(states) == self._topology.stages:
+            self._avg.restore(states[self._topology.stage])
         for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
-            raw = optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
+            raw = _unwrapped(optimizer)
             raw.load_state_dict(slice_optimizer_state(state, self._local_param_names(raw), self._param_order))
         _optimizers_to_device(self.optimizers, self.root_device)
 
@@ -970,3 +942,8 @@ def _diagnostics(policy: Any) -> dict[str, float]:
     if norm is not None:
         values["prediction_norm" if hasattr(policy, "prediction_norm") else "correction_norm"] = norm
     return values
+
+
+def _unwrapped(optimizer: Any) -> torch.optim.Optimizer:
+    """The torch optimizer behind Lightning's ``LightningOptimizer`` wrapper (or ``optimizer`` itself)."""
+    return optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer

@@ -16,7 +16,6 @@ STEPS = 4
 def merged_state(records):
     """Whole-model weights from the ranks of pipeline 0: trunk layers from their owners,
     layers before the trunk from stage 0, layers after it from the last stage."""
-    stages = [r for r in records if r["rank"] < len(records)]
     first, last = records[0], records[-1]
     state = {}
     for record in records:
