@@ -342,23 +342,7 @@ class PipeStrategy(DDPStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
             check_async_trainer(self.schedule, trainer.accumulate_grad_batches, len(self.optimizers))
-            if self.schedule in ASYNC_SCHEDULES and self._async is None and self.emulating:
-                self._async = EmulatedAsyncRuntime(self.schedule, self._executor, self.num_stages, self.micro_batches)
-            elif self.schedule in ASYNC_SCHEDULES and self._async is None:
-                stages = self._topology.stages
-                self._async = AsyncRuntime(self.schedule, self._executor, self._topology.stage, stages, self.micro_batches)
-            elif self._async is not None:
-                self._async.executor = self._executor
-            if self.schedule == "avgpipe":
-                if self.emulating:
-                    raise PipeConfigError(
-                        "schedule='avgpipe' runs one process per stage and cannot be emulated in one process; "
-                        "set devices to the number of stages (or stages=None)."
-                    )
-                tagged = self._get_process_group_backend() == "gloo" or self._topology.stages == 1
-                if self._avg is None:
-                    self._avg = AvgRuntime(self._executor, self._topology.stage, self._topology.stages, self.avg_options, tagged)
-                self._avg.executor = self._executor
+            self._setup_runtime()
         self.setup_precision_plugin()
         # Lightning clips with this rank's parameters only; the pipeline needs the global norm
         self.precision_plugin.clip_grad_by_norm = lambda optimizer, clip_val: self._outside.clip_by_global_norm(
@@ -366,6 +350,26 @@ class PipeStrategy(DDPStrategy):
         )
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
+
+    def _setup_runtime(self) -> None:
+        """The runtime of an asynchronous schedule or of avgpipe (created once, given each fit's executor)."""
+        topology = self._topology
+        if self.schedule in ASYNC_SCHEDULES:
+            if self._async is None and self.emulating:
+                self._async = EmulatedAsyncRuntime(self.schedule, self._executor, self.num_stages, self.micro_batches)
+            elif self._async is None:
+                self._async = AsyncRuntime(self.schedule, self._executor, topology.stage, topology.stages, self.micro_batches)
+            self._async.executor = self._executor
+        elif self.schedule == "avgpipe":
+            if self.emulating:
+                raise PipeConfigError(
+                    "schedule='avgpipe' runs one process per stage and cannot be emulated in one process; "
+                    "set devices to the number of stages (or stages=None)."
+                )
+            if self._avg is None:
+                tagged = self._get_process_group_backend() == "gloo" or topology.stages == 1
+                self._avg = AvgRuntime(self._executor, topology.stage, topology.stages, self.avg_options, tagged)
+            self._avg.executor = self._executor
 
     def _sync_metrics_within_stage_group(self, module: LightningModule) -> None:
         # every stage of a pipeline holds a replica of the last stage's metric state (see
