@@ -158,8 +158,9 @@ def profile_and_split(
     return fixed_plan(profile, schedule, stages, micro_batches, machine, chunks)
 
 
-def agreed_plan(is_rank_zero: bool, world_size: int, work: Any) -> Plan:
-    """Run ``work()`` on rank 0 and broadcast its plan (or its error) to every rank."""
+def agreed_plan(is_rank_zero: bool, world_size: int, work: Any, what: str = "balance='auto'") -> Any:
+    """Run ``work()`` on rank 0 and broadcast its result (or its error) to every rank; ``what`` names
+    the work in the error the other ranks raise."""
     box: list[Any] = [None]
     if is_rank_zero:
         try:
@@ -167,7 +168,7 @@ def agreed_plan(is_rank_zero: bool, world_size: int, work: Any) -> Plan:
         except (PlanError, PipeConfigError) as error:
             box[0] = error
         except Exception as error:  # any other failure must still reach (and end) the other ranks
-            box[0] = RuntimeError(f"balance='auto' failed on rank 0: {type(error).__name__}: {error}")
+            box[0] = RuntimeError(f"{what} failed on rank 0: {type(error).__name__}: {error}")
     if world_size > 1:
         dist.broadcast_object_list(box, src=0)
     if isinstance(box[0], BaseException):

@@ -21,6 +21,7 @@ tuning again: the checkpoint's replicas only fit the configuration that wrote th
 from __future__ import annotations
 
 import copy
+import inspect
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -93,7 +94,17 @@ def user_optimizer(module: LightningModule) -> tuple[type, dict[str, Any]]:
     from lightning.pytorch.core.optimizer import _init_optimizers_and_lr_schedulers
 
     optimizer = _init_optimizers_and_lr_schedulers(module)[0][0]
-    return type(optimizer), dict(optimizer.defaults)
+    return optimizer_spec(optimizer)
+
+
+def optimizer_spec(optimizer: torch.optim.Optimizer) -> tuple[type, dict[str, Any]]:
+    """``optimizer``'s class and the defaults its constructor accepts again (torch's ``AdamW`` keeps a
+    ``decoupled_weight_decay`` default that ``AdamW(...)`` itself refuses)."""
+    cls, defaults = type(optimizer), dict(optimizer.defaults)
+    accepted = inspect.signature(cls.__init__).parameters
+    if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in accepted.values()):
+        defaults = {k: v for k, v in defaults.items() if k in accepted}
+    return cls, defaults
 
 
 def optimizer_factory(spec: tuple[type, dict[str, Any]]) -> OptimizerFactory:
@@ -146,7 +157,7 @@ def predict_candidates(
 
 def agreed(is_rank_zero: bool, world_size: int, work: Callable[[], Any]) -> Any:
     """``work()`` on rank 0, broadcast to every rank (its error too)."""
-    return agreed_plan(is_rank_zero, world_size, work)
+    return agreed_plan(is_rank_zero, world_size, work, what="the avgpipe tuner")
 
 
 def decide(

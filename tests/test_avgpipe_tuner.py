@@ -161,3 +161,18 @@ def test_auto_trains_exactly_like_the_chosen_values_given_by_hand(tmp_path, monk
     trainer, _ = _fit(resumed, ckpt_path=path, steps=4)
     assert (resumed.avg_options.parallel_pipelines, resumed.micro_batches, resumed.avg_options.advance_forward) == (n, m, a)
     assert trainer.global_step == 4
+
+
+def test_the_users_optimizer_class_is_rebuilt_from_its_defaults():
+    """Trials and the STEP profile rebuild the user's optimizer from its class and defaults; torch's
+    AdamW keeps a ``decoupled_weight_decay`` default its constructor refuses."""
+    from lightning_pipe.avg_autotune import optimizer_factory, optimizer_spec
+
+    layer = nn.Linear(4, 4)
+    for optimizer in (torch.optim.AdamW(layer.parameters(), lr=3e-3, weight_decay=0.1),
+                      torch.optim.SGD(layer.parameters(), lr=0.1, momentum=0.9, nesterov=True)):
+        spec = optimizer_spec(optimizer)
+        rebuilt = optimizer_factory(spec)(nn.Linear(4, 4).parameters())
+        assert type(rebuilt) is type(optimizer)
+        assert {k: rebuilt.defaults[k] for k in spec[1]} == spec[1]
+        assert rebuilt.defaults["lr"] == optimizer.defaults["lr"]

@@ -92,6 +92,8 @@ TRAINING_RUNS = {
     "interleaved": (["--config", os.path.join(CONFIGS, "interleaved.yaml")],
                     "lightning_pipe: interleaved_1f1b, 2 stage(s) × 1 pipeline(s), 4 micro-batches per batch, "
                     "2 chunks per stage"),
+    "avgpipe_auto": (["--config", os.path.join(CONFIGS, "avgpipe_auto.yaml")],
+                     "lightning_pipe: avgpipe, 2 stage(s) × 1 pipeline(s), "),  # M and N are tuned
     "command_line_override": (
         ["--config", os.path.join(CONFIGS, "1f1b.yaml"), "--trainer.strategy=lightning_pipe.PipeStrategy",
          "--trainer.strategy.schedule=gpipe", "--trainer.strategy.micro_batches=2"],
