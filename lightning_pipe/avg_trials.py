@@ -1,12 +1,12 @@
 """Measure avgpipe candidates on the real devices: step 5 of the tuner (ALGORITHMS.md section 13).
 
 The tuner's prediction (:mod:`lightning_pipe.avg_tuner`) takes each layer's compute time from a tight
-profiling loop. Inside a real round compute is slower, and not by one factor: a compute action that
-follows a wait for a peer starts on a core that went idle, and on the 2-core CPU machine of
-docs/avgpipe.md that costs about 0.3-1 ms per action whatever its size, so candidates with many
-small micro-batches lose more than predicted. Trials run the best predicted candidates for a few
-rounds each with the real executor, transport, weight policy and optimizer class, on copies of this
-rank's stage, and the tuner keeps the fastest measured.
+profiling loop. Inside a real round compute runs slower (up to 35 % on the 2-core CPU machine of
+docs/avgpipe.md, by an amount that changes from run to run) and messages take time the prediction
+does not charge, while the best predicted candidates often lie within a few percent of each other:
+their order is noise. Trials run the best predicted candidates for a few rounds each with the real
+executor, transport, weight policy and optimizer class, on copies of this rank's stage, and the
+tuner keeps the fastest measured.
 
 Every rank of the job calls :func:`measure_candidates` with the same candidates. A candidate is
 built afresh in every window and dropped after it (so trials never hold more than one candidate's
@@ -74,7 +74,7 @@ class TrialStage:
 def trial_loss(output: Any, _micro_batch: Any) -> Tensor:
     """The last stage's stand-in loss: the mean of every floating-point output tensor."""
     tensors = [t for t in tree_flatten(output)[0] if isinstance(t, Tensor) and t.is_floating_point()]
-    return sum(t.float().mean() for t in tensors)
+    return sum((t.float().mean() for t in tensors), torch.zeros(()))
 
 
 def candidate_round(trial: TrialStage, candidate: Candidate) -> Callable[[], None]:
