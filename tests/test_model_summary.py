@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import lightning as L
+import torch
 from lightning.pytorch.callbacks import ModelSummary
 
 from lightning_pipe.model_summary import freeze_model_summaries
@@ -13,14 +14,16 @@ from tests.lightning_run import TrunkModel
 def test_summaries_taken_before_the_cut_count_every_stage():
     trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, callbacks=[ModelSummary(max_depth=2)])
     module = TrunkModel()
+    module.example_input_array = torch.zeros(2, 8)  # the summary runs it through the whole module, before the cut
     whole = sum(p.numel() for p in module.parameters())
     freeze_model_summaries(trainer, module, is_global_zero=True)
     PartitionedTrunk(module.model, "model", [(0, 6), (6, 12)], [1])  # this process keeps stage 1 only
     assert sum(p.numel() for p in module.parameters()) < whole
     summaries = [c._summary(trainer, module) for c in trainer.callbacks if isinstance(c, ModelSummary)]
     assert summaries and all(s.total_parameters == s.trainable_parameters == whole for s in summaries)
-    names = [row for column, rows in summaries[0]._get_summary_data() if column == "Name" for row in rows]
-    assert "model.0" in names and "model.11" in names  # depth 2: the layers another process runs are listed
+    columns = dict(summaries[0]._get_summary_data())
+    assert "model.0" in columns["Name"] and "model.11" in columns["Name"]  # depth 2: other processes' layers listed
+    assert columns["Out sizes"][columns["Name"].index("model.11")] == "[2, 16]"
     # other ranks do not print; they summarise nothing
     other = L.Trainer(accelerator="cpu", devices=1, logger=False, callbacks=[ModelSummary()])
     freeze_model_summaries(other, TrunkModel(), is_global_zero=False)

@@ -78,9 +78,9 @@ class PartitionedTrunk:
             held = ", ".join(f"{self.name}[{self.bounds[vs][0]}:{self.bounds[vs][1]}]" for vs in self.local)
             raise TrunkUsageError(
                 f"{self.name} is split across pipeline stages and this process only holds {held}, so it runs only "
-                "inside a pipelined step; outside one (after fit, or in ModelSummary with example_input_array) load "
-                "the checkpoint into a fresh module with MyModule.load_from_checkpoint(path), or set "
-                "enable_model_summary=False."
+                "inside a pipelined step. Outside one (after fit, or a logger drawing the graph from "
+                "example_input_array) load the checkpoint into a fresh module with MyModule.load_from_checkpoint(path), "
+                "or turn the graph off (e.g. TensorBoardLogger(log_graph=False))."
             )
         return self._active(value)
 
