@@ -128,6 +128,7 @@ def worker(args: argparse.Namespace) -> None:
     data = TensorDataset(x, torch.randn(samples, WIDTHS[-1]))
     strategy = lightning_pipe.PipeStrategy(
         schedule="1f1b", micro_batches=args.micro_batches, balance=args.balance, profile_cache=args.cache,
+        auto_balance_refine=args.refine,
     )
     clock = StepClock(args.warmup)
     trainer = L.Trainer(
@@ -143,6 +144,7 @@ def worker(args: argparse.Namespace) -> None:
             "samples_per_s": clock.timed * batch / (clock.end[0] - clock.start[0]),
             "other_load": clock.other_load,
             "predicted_stage_ms": [s.time * 1e3 for s in plan.stages] if plan else None,
+            "measured_stage_ms": [t * 1e3 for t in strategy._measured] if strategy._measured else None,
             "predicted_step_ms": plan.step_time * 1e3 if plan else None,
             "predicted_uniform_step_ms": predicted_uniform_ms(args, strategy) if plan else None,
         }
@@ -164,7 +166,7 @@ def run_variant(args: argparse.Namespace, balance: str, cache: str) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "result.json")
         command = [sys.executable, os.path.abspath(__file__), "--worker", "--balance", balance, "--out", out,
-                   "--cache", cache, "--steps", str(args.steps), "--warmup", str(args.warmup),
+                   "--cache", cache, "--steps", str(args.steps), "--warmup", str(args.warmup), "--refine", str(args.refine),
                    "--micro-batches", str(args.micro_batches), "--micro-batch-size", str(args.micro_batch_size)]
         with socket.socket() as probe:  # our own rendezvous port: Lightning's pick races with other jobs
             probe.bind(("127.0.0.1", 0))
@@ -192,6 +194,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5, help="rounds; each runs both variants")
     parser.add_argument("--steps", type=int, default=20, help="timed training steps per run")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps first")
+    parser.add_argument("--refine", type=int, default=2,
+                        help="balance='auto' refinement moves from measured stage times (auto_balance_refine; 0: none)")
     parser.add_argument("--micro-batches", type=int, default=8)
     parser.add_argument("--micro-batch-size", type=int, default=32)
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds per run before it is killed")
@@ -224,20 +228,24 @@ def main() -> None:
     used, note = (quiet, f"{len(quiet)} of {len(rounds)} rounds with other load <= {args.max_other_load} cores")
     if not quiet:
         used, note = list(range(len(rounds))), f"all {len(rounds)} rounds (none was quiet)"
-    print("| round | uniform samples/s | auto samples/s | auto / uniform | other load (cores) uniform / auto |")
-    print("|---|---|---|---|---|")
+    print("| round | uniform samples/s | auto samples/s | auto / uniform | auto split (measured ms per micro-batch) | "
+          "other load (cores) uniform / auto |")
+    print("|---|---|---|---|---|---|")
     for i, (u, a) in enumerate(rounds):
         mark = "" if i in used else " (left out)"
+        measured = f" ({', '.join(f'{t:.2f}' for t in a['measured_stage_ms'])})" if a["measured_stage_ms"] else ""
         print(f"| {i + 1}{mark} | {u['samples_per_s']:.0f} | {a['samples_per_s']:.0f} | "
-              f"{a['samples_per_s'] / u['samples_per_s']:.2f} | {u['other_load']:.2f} / {a['other_load']:.2f} |")
+              f"{a['samples_per_s'] / u['samples_per_s']:.2f} | {a['counts']}{measured} | "
+              f"{u['other_load']:.2f} / {a['other_load']:.2f} |")
     medians = {name: statistics.median(results[name][i]["samples_per_s"] for i in used) for name in results}
     ratios = [rounds[i][1]["samples_per_s"] / rounds[i][0]["samples_per_s"] for i in used]
-    print(f"\nsplits: uniform {results['uniform'][0]['counts']}, auto {results['auto'][0]['counts']}")
+    print(f"\nsplits: uniform {results['uniform'][0]['counts']}, auto (planned, then refined {args.refine} moves at most) "
+          f"{sorted({str(r['counts']) for r in results['auto']})}")
     print(f"medians over {note}: uniform {medians['uniform']:.0f}, auto {medians['auto']:.0f} samples/s; "
           f"auto / uniform: median of per-round ratios {statistics.median(ratios):.2f}x, "
           f"ratio of medians {medians['auto'] / medians['uniform']:.2f}x")
     auto = results["auto"][0]
-    print(f"auto's predicted stage times (ms per micro-batch): {[round(t, 3) for t in auto['predicted_stage_ms']]}; "
+    print(f"auto's predicted stage times of the first round's split (ms per micro-batch): {[round(t, 3) for t in auto['predicted_stage_ms']]}; "
           f"predicted step {auto['predicted_step_ms']:.1f} ms vs {auto['predicted_uniform_step_ms']:.1f} ms for uniform "
           f"(predicted auto / uniform {auto['predicted_uniform_step_ms'] / auto['predicted_step_ms']:.2f}x, both from rank 0's "
           "profile taken at the first auto run's setup)")

@@ -14,12 +14,14 @@ Steps (all before the trunk is cut, so every layer is still present on every ran
    exact min-max split of ALGORITHMS.md section 12 for the configured schedule and micro-batch count
    under the per-device memory limits and speeds.
 4. The chosen split (or rank 0's error) is broadcast to every rank, so all ranks cut identically.
+5. :func:`refine` (every rank): the split's stages are measured on the devices for a few steps and
+   layers move off the measured bottleneck while that shrinks it (ALGORITHMS.md section 12 step 4).
 """
 
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -28,13 +30,17 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.trainer.states import TrainerFn
+from torch.utils._pytree import tree_map
 
 from lightning_pipe.config import PipeConfigError
-from lightning_pipe.engine import split_micro_batches
+from lightning_pipe.engine import Transport, Watchdog, split_micro_batches
 from lightning_pipe.log_replay import LogCapture
-from lightning_pipe.partition import find_trunk
-from lightning_pipe.partition.planner import GIB, Machine, Plan, PlanError, fixed_plan
-from lightning_pipe.partition.profile import capture_trunk_input, profile_trunk
+from lightning_pipe.partition import find_trunk, stage_bounds
+from lightning_pipe.partition.planner import GIB, Machine, Plan, PlanError, StageCosts, fixed_plan, refine_split
+from lightning_pipe.partition.profile import Profile, capture_trunk_input, profile_trunk
+from lightning_pipe.schedules import SYNC_SCHEDULES
+from lightning_pipe.topology import Topology
+from lightning_pipe.trials import measure_stage
 
 _STEPS = {
     TrainerFn.FITTING: ("fit_loop", "training_step"),
@@ -53,11 +59,22 @@ class AutoBalanceOptions:
             device's total memory on CUDA, no limit on CPU.
         speeds: relative speed of each stage's device (``1.0`` = the profiling device).
         cache: JSON file for profiles; ``None``: profile every run.
+        refine: most boundary moves of the refinement from measured stage times (0: none).
     """
 
     memory_gib: float | Sequence[float] | None = None
     speeds: Sequence[float] | None = None
     cache: str | None = None
+    refine: int = 2
+
+
+@dataclass(frozen=True)
+class AutoBalance:
+    """Rank 0's result: the chosen plan, with what refinement needs on every rank."""
+
+    plan: Plan
+    profile: Profile  # the profile the plan came from (memory checks of refinement moves)
+    inputs: Any  # the trunk input of the whole profiled batch (the first stage feeds it to the trials)
 
 
 def memory_limit(options: AutoBalanceOptions, device: torch.device) -> float | list[float] | None:
@@ -140,7 +157,7 @@ def profile_and_split(
     options: AutoBalanceOptions,
     device: torch.device,
     recompute: bool = False,
-) -> Plan:
+) -> AutoBalance:
     """Rank 0's work: sample batch, trunk input, profile, split (see the module docstring).
 
     Random states and the module's buffers (e.g. BatchNorm running statistics) are restored
@@ -153,9 +170,55 @@ def profile_and_split(
         step = getattr(module, hook)
         with LogCapture(module):
             sample = capture_trunk_input(module, trunk, lambda: step(micro_batch, 0), hook)
+            inputs = capture_trunk_input(module, trunk, lambda: step(batch, 0), hook) if options.refine else None
         profile = profile_trunk(trunk, sample, device, cache=options.cache, module=module)
-    machine = Machine(memory=memory_limit(options, device), speeds=options.speeds, recompute=recompute)
-    return fixed_plan(profile, schedule, stages, micro_batches, machine, chunks)
+    plan = fixed_plan(profile, schedule, stages, micro_batches, machine_of(options, device, recompute), chunks)
+    inputs = tree_map(lambda t: t.detach().cpu() if isinstance(t, torch.Tensor) else t, inputs)  # broadcast to every rank
+    return AutoBalance(plan, profile, inputs)
+
+
+def machine_of(options: AutoBalanceOptions, device: torch.device, recompute: bool = False) -> Machine:
+    """The planner's view of the devices: memory limits, speeds, activation recomputation."""
+    return Machine(memory=memory_limit(options, device), speeds=options.speeds, recompute=recompute)
+
+
+def refine(
+    auto: AutoBalance, options: AutoBalanceOptions, trunk: torch.nn.Sequential, topology: Topology, transport: Transport | None,
+    watchdog: Watchdog, device: torch.device, recompute: bool = False, report: Callable[[str], None] | None = None,
+) -> tuple[Plan, list[float]]:
+    """Every rank: ALGORITHMS.md section 12 step 4 on the real devices (:func:`~lightning_pipe.partition.planner.refine_split`).
+
+    Each split tried runs a few synchronous steps on copies of every stage's layers
+    (:func:`lightning_pipe.trials.measure_stage`, the schedule itself when synchronous, 1F1B for the
+    asynchronous ones, whose compute is the same); every rank learns every stage's time, the
+    slowest over data-parallel pipelines, so all ranks make the same moves. Returns the plan's
+    predictions for the split kept and its measured stage times (seconds per micro-batch).
+    """
+    plan = auto.plan
+    schedule = plan.schedule if plan.schedule in SYNC_SCHEDULES else "1f1b"
+    machine = machine_of(options, device, recompute)
+    costs = StageCosts(auto.profile, plan.schedule, topology.stages, plan.micro_batches, machine, chunks=1)
+
+    def measure(counts: list[int]) -> list[float]:
+        start, end = stage_bounds(counts)[topology.stage]
+        with preserved_random_state():
+            mine = measure_stage(trunk[start:end], topology.stage, topology.stages, topology.pipeline_ranks, transport,
+                                 watchdog, schedule, plan.micro_batches, auto.inputs if topology.stage == 0 else None, device)
+        everyone: list[Any] = [None] * topology.world_size
+        if topology.world_size > 1:
+            dist.all_gather_object(everyone, (topology.stage, mine))
+        else:
+            everyone = [(topology.stage, mine)]
+        return [max(t for s, t in everyone if s == stage) for stage in range(topology.stages)]
+
+    def tell(counts: list[int], times: list[float], kept: bool) -> None:
+        if report is not None:
+            ms = ", ".join(f"{t * 1e3:.2f}" for t in times)
+            report(f"balance='auto' refinement: {counts} measured [{ms}] ms per micro-batch per stage"
+                   + ("" if kept else " (slower bottleneck, not kept)"))
+
+    counts, times = refine_split(plan.balance, measure, costs.feasible, options.refine, tell)
+    return (plan if counts == plan.balance else costs.plan(counts)), times
 
 
 def agreed_plan(is_rank_zero: bool, world_size: int, work: Any, what: str = "balance='auto'") -> Any:

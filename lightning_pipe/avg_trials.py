@@ -12,9 +12,8 @@ Every rank of the job calls :func:`measure_candidates` with the same candidates.
 built afresh in every window and dropped after it (so trials never hold more than one candidate's
 copies, i.e. no more memory than the run they try), warmed up, then timed between barriers; the
 candidates take turns in rotating order, so a slow phase of a shared machine hits each alike.
-Nothing here touches the user's module, optimizer or data order: the copies are the stage's layers
-only, the first stage feeds them the trunk's input, and the last stage's loss is the mean of its
-output (the user's code before and after the trunk is not timed).
+What runs is described in :mod:`lightning_pipe.trials`: copies of the stage's layers, the trunk's
+input on the first stage, a stand-in loss on the last.
 """
 
 from __future__ import annotations
@@ -27,14 +26,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
-from torch import Tensor, nn
-from torch.utils._pytree import tree_flatten, tree_map
+from torch import nn
 
 from lightning_pipe.avg_tuner import Candidate
 from lightning_pipe.engine import Executor, SequentialStage, Transport, Watchdog, split_micro_batches
 from lightning_pipe.engine.averaging import ElasticAveraging
 from lightning_pipe.schedules import build_avgpipe
+from lightning_pipe.trials import barrier, on_device, stand_in_loss, synchronize
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 
@@ -71,12 +69,6 @@ class TrialStage:
     gradient_world: int = 1
 
 
-def trial_loss(output: Any, _micro_batch: Any) -> Tensor:
-    """The last stage's stand-in loss: the mean of every floating-point output tensor."""
-    tensors = [t for t in tree_flatten(output)[0] if isinstance(t, Tensor) and t.is_floating_point()]
-    return sum((t.float().mean() for t in tensors), torch.zeros(()))
-
-
 def candidate_round(trial: TrialStage, candidate: Candidate) -> Callable[[], None]:
     """A function that runs one round of ``candidate`` on this rank (fresh copies, fresh optimizer)."""
     layers = copy.deepcopy(trial.layers).to(trial.device).train()
@@ -85,11 +77,11 @@ def candidate_round(trial: TrialStage, candidate: Candidate) -> Callable[[], Non
     policy = ElasticAveraging(layers, optimizer, trial.stage, trial.stages, m, n, trial.alpha,
                               gradient_group=trial.gradient_group, gradient_world=trial.gradient_world)
     first, last = trial.stage == 0, trial.stage == trial.stages - 1
-    chunk = SequentialStage(layers, input_fn=(lambda mb: mb) if first else None, loss_fn=trial_loss if last else None)
+    chunk = SequentialStage(layers, input_fn=(lambda mb: mb) if first else None, loss_fn=stand_in_loss if last else None)
     executor = Executor(trial.stage, trial.ranks, [chunk], trial.transport, trial.watchdog, policy=policy)
     schedule = build_avgpipe(trial.stages, m, n, candidate.advance)
     if first:
-        inputs = tree_map(lambda t: t.to(trial.device) if isinstance(t, Tensor) else t, trial.inputs)
+        inputs = on_device(trial.inputs, trial.device)
         micro_batches = [mb for part in split_micro_batches(inputs, n) for mb in split_micro_batches(part, m)]
     else:
         micro_batches = [None] * (n * m)  # only the first stage reads its micro-batches
@@ -98,16 +90,6 @@ def candidate_round(trial: TrialStage, candidate: Candidate) -> Callable[[], Non
         executor.run(schedule, micro_batches)
 
     return run
-
-
-def _barrier() -> None:
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        dist.barrier()
-
-
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def measure_candidates(
@@ -136,13 +118,13 @@ def measure_candidates(
             run = candidate_round(trial, candidates[i])
             for _ in range(warmup):
                 run()
-            _synchronize(trial.device)
-            _barrier()
+            synchronize(trial.device)
+            barrier()
             start = time.perf_counter()
             for _ in range(rounds):
                 run()
-            _synchronize(trial.device)
-            _barrier()
+            synchronize(trial.device)
+            barrier()
             times[i].append((time.perf_counter() - start) / rounds)
             del run
             if progress is not None:

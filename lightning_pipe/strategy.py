@@ -41,7 +41,7 @@ from lightning_pipe.checkpoint import check_keys, merge_optimizer_states, merge_
 from lightning_pipe.async_options import AsyncOptions, Prediction
 from lightning_pipe.async_runtime import AsyncRuntime, make_clip
 from lightning_pipe import avg_autotune
-from lightning_pipe.auto_balance import AutoBalanceOptions, agreed_plan, memory_limit, profile_and_split
+from lightning_pipe.auto_balance import AutoBalance, AutoBalanceOptions, agreed_plan, memory_limit, profile_and_split, refine
 from lightning_pipe.avg_autotune import AutoValues
 from lightning_pipe.avg_runtime import AvgOptions, AvgRuntime, keeps_one_fifo_order
 from lightning_pipe.avg_trials import TrialStage
@@ -62,6 +62,7 @@ from lightning_pipe.partition.split import PartitionedTrunk
 from lightning_pipe.schedules import ASYNC_SCHEDULES, SYNC_SCHEDULES, build_schedule
 from lightning_pipe.topology import Topology
 from lightning_pipe.tracing import RunTracer, check_trace_options
+from lightning_pipe.trials import device_clock
 
 ScheduleName = Literal["gpipe", "1f1b", "interleaved_1f1b", "pipedream", "pipedream_2bw", "pipemare", "xpipe", "avgpipe"]
 
@@ -112,7 +113,8 @@ class PipeStrategy(DDPStrategy):
             stage for interleaved), ``"uniform"`` (equal counts), ``"parameters"`` (balanced parameter
             counts) or ``"auto"`` (rank 0 profiles every trunk layer on its device with the first batch
             and picks the split that minimises the slowest stage's predicted time under the memory limits,
-            for the given schedule and ``micro_batches``; every rank uses that split; docs/planning.md).
+            for the given schedule and ``micro_batches``; then every rank measures it for a few steps and
+            layers move off the measured bottleneck, ``auto_balance_refine``; docs/planning.md).
         module: attribute path of the trunk ``nn.Sequential``; default: the module's only
             ``nn.Sequential`` attribute.
         chunks_per_stage: chunks (virtual stages) per device for ``"interleaved_1f1b"``; must stay 1 for
@@ -163,6 +165,10 @@ class PipeStrategy(DDPStrategy):
             ``[1.0, 2.0]`` when the second is twice as fast); default: all equal.
         profile_cache: ``balance="auto"`` only: JSON file caching the per-layer profiles (keyed by model
             structure, input shape and device); default: profile at every start.
+        auto_balance_refine: ``balance="auto"`` only: after the planner's split, every rank runs a few
+            steps of it on copies of its layers and measures each stage; then up to this many times a
+            layer of the measured bottleneck moves to its faster neighbour, kept while the measured
+            bottleneck shrinks (ALGORITHMS.md section 12 step 4). ``0``: trust the profile.
         accelerator: set by the Trainer.
         parallel_devices: set by the Trainer.
         cluster_environment: set by the Trainer.
@@ -201,6 +207,7 @@ class PipeStrategy(DDPStrategy):
         auto_balance_memory: float | list[float] | None = None,
         auto_balance_speeds: list[float] | None = None,
         profile_cache: str | None = None,
+        auto_balance_refine: int = 2,
         accelerator: Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -244,8 +251,11 @@ class PipeStrategy(DDPStrategy):
         self._avg: AvgRuntime | None = None
         self.trace_dir, self.trace_steps = trace_dir, trace_steps
         self._tracer: RunTracer | None = None
-        self.auto_balance = AutoBalanceOptions(auto_balance_memory, auto_balance_speeds, profile_cache)
+        if auto_balance_refine < 0:
+            raise PipeConfigError(f"auto_balance_refine={auto_balance_refine} must be at least 0 (0: no refinement).")
+        self.auto_balance = AutoBalanceOptions(auto_balance_memory, auto_balance_speeds, profile_cache, auto_balance_refine)
         self._plan: Plan | None = None  # balance="auto": the chosen split and its predictions
+        self._measured: list[float] | None = None  # balance="auto" refined: each stage's measured time
         self._layer_params: list[int] = []
         self._async: AsyncRuntime | None = None
         self._counts: list[int] | None = None
@@ -337,7 +347,8 @@ class PipeStrategy(DDPStrategy):
                     "trace_dir times a pipeline whose stages run at once in separate processes; an emulated one runs "
                     "them one after another in this process. Set devices to the number of stages, or trace_dir=None."
                 )
-            self._tracer = RunTracer(self.trace_dir, self.trace_steps, self.global_rank)  # every fit records its own steps
+            # every fit records its own steps
+            self._tracer = RunTracer(self.trace_dir, self.trace_steps, self.global_rank, device_clock(self.root_device))
         self._executor = self._build_executor()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
@@ -418,11 +429,8 @@ class PipeStrategy(DDPStrategy):
         topology = self._topology
         _, trunk = find_trunk(module, self.module)
         start, end = stage_bounds(self._counts)[topology.stage]
-        transport = None
-        if topology.stages > 1:
-            transport = Transport(self.root_device, tagged=self._get_process_group_backend() == "gloo")
         return TrialStage(
-            trunk[start:end], topology.stage, topology.stages, topology.pipeline_ranks, transport, self._watchdog,
+            trunk[start:end], topology.stage, topology.stages, topology.pipeline_ranks, self._transport(), self._watchdog,
             avg_autotune.optimizer_factory(prediction.optimizer), prediction.inputs if topology.stage == 0 else None,
             self.root_device, self.avg_options.alpha, topology.stage_group if self.num_pipelines > 1 else None,
             self.num_pipelines,
@@ -435,16 +443,30 @@ class PipeStrategy(DDPStrategy):
         self._avg_auto = AutoValues(self.avg_options.parallel_pipelines, self.micro_batches, self.avg_options.advance_forward)
 
     def _auto_balance(self, trainer: Trainer, module: LightningModule) -> Plan:
-        """Rank 0 profiles and splits (auto_balance.py); every rank receives the same plan."""
+        """Rank 0 profiles and splits, every rank receives the same plan, then all refine it on the
+        devices (auto_balance.py)."""
         stages = self.num_stages  # of the pipeline, also when one process emulates it
 
-        def work() -> Plan:
+        def work() -> AutoBalance:
             with self.precision_plugin.train_step_context():
                 return profile_and_split(trainer, module, self.module, self.schedule, stages, self.micro_batches,
                                          self.chunks_per_stage, self.auto_balance, self.root_device,
                                          self.checkpoint_activations)
 
-        return agreed_plan(self.global_rank == 0, self.world_size, work)
+        auto = agreed_plan(self.global_rank == 0, self.world_size, work)
+        if not self.auto_balance.refine or self._topology.stages == 1 or self.chunks_per_stage > 1:
+            return auto.plan  # nothing to measure in one process; interleaved splits are searched locally already
+        _, trunk = find_trunk(module, self.module)
+        with self.precision_plugin.train_step_context():
+            plan, self._measured = refine(auto, self.auto_balance, trunk, self._topology, self._transport(), self._watchdog,
+                                          self.root_device, self.checkpoint_activations, rank_zero_info)
+        return plan
+
+    def _transport(self) -> Transport | None:
+        """This rank's point-to-point layer (``None`` for a one-stage pipeline)."""
+        if self._topology.stages == 1:
+            return None
+        return Transport(self.root_device, tagged=self._get_process_group_backend() == "gloo")
 
     def _cut(self, module: LightningModule) -> PartitionedTrunk:
         assert self._topology is not None and self._counts is not None
@@ -464,14 +486,11 @@ class PipeStrategy(DDPStrategy):
         if self.emulating:
             names = [self._partition.describe_chunk(c) for c in range(len(self._partition.local))]
             return LocalPipeline(self.num_stages, self.chunks_per_stage, self._watchdog, names)
-        transport = None
-        if self._topology.stages > 1:
-            transport = Transport(self.root_device, tagged=self._get_process_group_backend() == "gloo")
         return Executor(
             self._topology.stage,
             self._topology.pipeline_ranks,
             [],  # chunk callables are bound per step (they close over the step's arguments)
-            transport,
+            self._transport(),
             self._watchdog,
             names=[self._partition.describe_chunk(c) for c in range(len(self._partition.local))],
             recorder=self._tracer.recorder if self._tracer is not None else None,
@@ -491,6 +510,7 @@ class PipeStrategy(DDPStrategy):
         if self._counts is not None and self._partition is not None:
             name = self._partition.name
             header = ["stage", "layers", "parameters"] + (["predicted time", "predicted peak memory"] if self._plan else [])
+            header += ["measured time"] if self._measured else []
             rows = []
             for vs, (start, end) in enumerate(stage_bounds(self._counts)):
                 device, chunk = vs % stages, vs // stages
@@ -500,6 +520,8 @@ class PipeStrategy(DDPStrategy):
                 if self._plan is not None:
                     predicted = self._plan.stages[vs]
                     row += [f"{predicted.time * 1e3:.2f} ms/micro-batch", format_bytes(predicted.memory)]
+                if self._measured:
+                    row += [f"{self._measured[vs] * 1e3:.2f} ms/micro-batch"]
                 rows.append(row)
             widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
             for row in [header, *rows]:

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import json
 import os
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -60,12 +62,15 @@ class RunTracer:
         trace_dir: directory for the files.
         steps: training steps to record.
         device: this rank's row (its global rank).
+        clock: seconds, one wall clock for the processes of a host; on CUDA one that first waits
+            for the device (:func:`lightning_pipe.trials.device_clock`), so spans are compute, not
+            kernel launches.
     """
 
-    def __init__(self, trace_dir: str, steps: int, device: int) -> None:
+    def __init__(self, trace_dir: str, steps: int, device: int, clock: Callable[[], float] = time.time) -> None:
         self.trace_dir = trace_dir
         self.steps = steps
-        self.recorder = ActionRecorder(device)
+        self.recorder = ActionRecorder(device, clock)
         self.seen = 0  # training steps started so far
 
     def start_step(self) -> None:

@@ -29,6 +29,8 @@ def test_auto_balance_cuts_identically_and_equals_one_device(tmp_path):
     assert counts[0] == counts[1] and sum(counts[0]) == 12 and len(counts[0]) == 2
     assert_matches(reference, records, [0, 1])
     assert "balance='auto'" in output and "predicted peak memory" in output and "ms/micro-batch" in output
+    # refinement (on by default) measured the plan on both processes, and training still equals one device
+    assert "balance='auto' refinement: [" in output and "measured time" in output
     assert len(json.loads(cache.read_text())) == 1  # rank 0 profiled once and cached it
 
 

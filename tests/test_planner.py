@@ -12,7 +12,8 @@ from hypothesis import strategies as st
 from torch import nn
 
 from lightning_pipe.partition.planner import (
-    GIB, Machine, PlanError, evaluate, explore, fixed_plan, in_flight, min_max_split, plan, split_for,
+    GIB, Machine, PlanError, evaluate, explore, fixed_plan, in_flight, min_max_split, plan, refine_split, refinement_move,
+    split_for,
 )
 from lightning_pipe.partition.profile import LayerProfile, Profile, capture_trunk_input, interpolate, profile_trunk
 
@@ -229,3 +230,41 @@ def test_explore_picks_micro_batches_by_predicted_time_and_breaks_ties():
     best = plan([one, eight], 8, 2, schedules=["xpipe", "pipedream"])
     assert (best.schedule, best.micro_batches, best.weight_copies) == ("pipedream", 1, 3)
     assert plan([one, eight], 8, 2, schedules=["pipedream_2bw"]).micro_batches == 2  # 2bw needs M >= P
+
+
+# ---------------------------------------------------------------------------------- refinement (section 12 step 4)
+def test_refinement_moves_a_layer_off_the_measured_bottleneck_to_its_faster_neighbour():
+    anything = lambda counts: True  # noqa: E731
+    assert refinement_move([4, 4, 4], [1.0, 3.0, 2.0], anything) == [5, 3, 4]
+    assert refinement_move([4, 4, 4], [2.0, 3.0, 1.0], anything) == [4, 3, 5]
+    assert refinement_move([4, 4], [5.0, 1.0], anything) == [3, 5]
+    assert refinement_move([1, 7], [5.0, 1.0], anything) is None  # the bottleneck holds one layer
+    # the faster neighbour's move does not fit memory: the other neighbour takes the layer
+    assert refinement_move([4, 4, 4], [1.0, 3.0, 2.0], lambda counts: counts[0] < 5) == [4, 3, 5]
+    assert refinement_move([4, 4, 4], [1.0, 3.0, 2.0], lambda counts: False) is None
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.floats(0.1, 10.0), min_size=4, max_size=12), st.integers(2, 4), st.integers(0, 6))
+def test_refinement_keeps_only_moves_that_shrink_the_measured_bottleneck(layer_times, stages, moves):
+    """A stage's measured time is the sum of its layers' true times (which the profile got wrong):
+    the first split is measured, every kept move shrinks the bottleneck, the first move that does not
+    ends the search, and at most ``moves`` moves are measured."""
+    layers = len(layer_times)
+    if layers < stages:
+        return
+    start = [layers // stages + (k < layers % stages) for k in range(stages)]
+
+    def measure(counts):
+        bounds = list(itertools.accumulate([0, *counts]))
+        return [sum(layer_times[bounds[k]:bounds[k + 1]]) for k in range(stages)]
+
+    log = []  # (split, its bottleneck, kept)
+    counts, times = refine_split(start, measure, lambda counts: True, moves,
+                                 lambda split, t, kept: log.append((split, max(t), kept)))
+    assert log[0] == (start, max(measure(start)), True) and len(log) <= moves + 1
+    kept = [bottleneck for _, bottleneck, k in log if k]
+    assert all(a > b for a, b in zip(kept, kept[1:]))  # strictly shrinking
+    assert all(k for _, _, k in log[:-1])  # only the last measurement may be rejected
+    assert counts == [split for split, _, k in log if k][-1] and times == measure(counts) and sum(counts) == layers
+    assert len({tuple(split) for split, _, _ in log}) == len(log)  # no split is measured twice

@@ -347,6 +347,51 @@ def _descend(costs: StageCosts, counts: list[int], batch: int | None) -> Plan:
     return best
 
 
+def refinement_move(counts: Sequence[int], times: Sequence[float], feasible: Callable[[list[int]], bool]) -> list[int] | None:
+    """Section 12 step 4's next split to try, from measured per-stage times: one layer of the measured
+    bottleneck stage moved to its faster neighbour (the other one if that does not fit memory);
+    ``None`` when the bottleneck holds a single layer or no move fits."""
+    slowest = max(range(len(times)), key=lambda d: times[d])
+    if counts[slowest] <= 1:
+        return None
+    for neighbour in sorted((n for n in (slowest - 1, slowest + 1) if 0 <= n < len(counts)), key=lambda n: times[n]):
+        trial = list(counts)
+        trial[slowest] -= 1
+        trial[neighbour] += 1
+        if feasible(trial):
+            return trial
+    return None
+
+
+def refine_split(
+    counts: Sequence[int], measure: Callable[[list[int]], list[float]], feasible: Callable[[list[int]], bool],
+    moves: int, report: Callable[[list[int], list[float], bool], None] | None = None,
+) -> tuple[list[int], list[float]]:
+    """Section 12 step 4: measure ``counts`` (``measure(split)`` gives each stage's time), then move a
+    boundary layer away from the measured bottleneck (:func:`refinement_move`) while the measured
+    bottleneck shrinks, at most ``moves`` times; a move back to a split already kept ends it (that
+    split was slower). Returns the kept split and its measured times; ``report(split, times, kept)``
+    hears of every measurement."""
+    counts = list(counts)
+    times = measure(counts)
+    visited = [counts]
+    if report is not None:
+        report(counts, times, True)
+    for _ in range(moves):
+        trial = refinement_move(counts, times, feasible)
+        if trial is None or trial in visited:
+            break
+        visited.append(trial)
+        trial_times = measure(trial)
+        better = max(trial_times) < max(times)
+        if report is not None:
+            report(trial, trial_times, better)
+        if not better:
+            break
+        counts, times = trial, trial_times
+    return counts, times
+
+
 def smallest_memory(
     profile: Profile, schedule: str, stages: int, micro_batches: int, machine: Machine = Machine(), chunks: int = 2,
     batch: int | None = None,
