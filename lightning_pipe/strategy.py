@@ -64,6 +64,8 @@ from lightning_pipe.topology import Topology
 from lightning_pipe.tracing import RunTracer, check_trace_options
 from lightning_pipe.trials import device_clock
 
+BALANCE_KEY = "pipe_balance"  #: where a checkpoint keeps the layer counts per (virtual) stage
+
 ScheduleName = Literal["gpipe", "1f1b", "interleaved_1f1b", "pipedream", "pipedream_2bw", "pipemare", "xpipe", "avgpipe"]
 
 _DESCRIPTIONS = {
@@ -329,7 +331,12 @@ class PipeStrategy(DDPStrategy):
         module = self.lightning_module
         self.precision_plugin.convert_module(module)
         if self._partition is None:
-            if self.balance == "auto":
+            stored = (trainer._checkpoint_connector._loaded_checkpoint or {}).get(BALANCE_KEY)
+            if self.balance == "auto" and stored is not None and len(stored) == len(self._counts):
+                # the checkpoint's per-stage state (asynchronous policies, avgpipe replicas) fits only its split
+                rank_zero_info(f"lightning_pipe: balance='auto' adopts the checkpoint's split {stored}")
+                self._counts = list(stored)
+            elif self.balance == "auto":
                 self._plan = self._auto_balance(trainer, module)
                 self._counts = self._plan.balance
             if self._avg_auto.any_auto:
@@ -898,6 +905,8 @@ class PipeStrategy(DDPStrategy):
             parts = self._gather_in_first_pipeline(self._avg.policy.state_dict())
             if parts:
                 checkpoint["pipe_avgpipe_state"] = parts  # per stage: replicas, their optimizer states, round count
+        if self._counts is not None:  # what a resumed run with balance="auto" adopts instead of planning again
+            checkpoint[BALANCE_KEY] = list(self._counts)
         if self.schedule == "avgpipe":  # what a resumed run with "auto" options adopts instead of tuning again
             o = self.avg_options
             checkpoint[avg_autotune.CHECKPOINT_KEY] = {

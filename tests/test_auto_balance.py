@@ -97,3 +97,24 @@ def test_nothing_fits_the_memory_limit_fails_at_setup_with_the_smallest_need():
     with pytest.raises(PipeConfigError, match=r"no split of 5 layers over 2 stages fits 1\.0 KiB per device; the smallest "
                                               r"needs [\d.]+ KiB: balance=\[\d, \d\] with schedule='1f1b', micro_batches=2"):
         _fit(strategy)
+
+
+def test_a_resumed_run_keeps_the_checkpoints_split(tmp_path, monkeypatch):
+    """A checkpoint records the split; resuming with balance="auto" adopts it instead of profiling
+    again (a new profile or refinement could choose another split than the stages' saved state)."""
+    from lightning_pipe import PipeStrategy, auto_balance
+
+    strategy = PipeStrategy(schedule="1f1b", micro_batches=2, stages=2, balance="auto")
+    trainer = L.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=2, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(DropoutNet(), datamodule=ShuffledData())
+    path = str(tmp_path / "auto.ckpt")
+    trainer.save_checkpoint(path)
+    assert torch.load(path, weights_only=False)["pipe_balance"] == strategy._counts
+    monkeypatch.setattr(auto_balance, "profile_and_split", lambda *a, **k: pytest.fail("planned again"))
+    monkeypatch.setattr("lightning_pipe.strategy.profile_and_split", lambda *a, **k: pytest.fail("planned again"))
+    resumed = PipeStrategy(schedule="1f1b", micro_batches=2, stages=2, balance="auto")
+    trainer = L.Trainer(accelerator="cpu", devices=1, strategy=resumed, max_steps=4, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(DropoutNet(), datamodule=ShuffledData(), ckpt_path=path)
+    assert resumed._counts == strategy._counts and trainer.global_step == 4
