@@ -150,9 +150,12 @@ def measured_costs(
     ones, each with the median time it took to post the message it sends; ``step`` is the slowest
     device's median STEP (0 for synchronous schedules under Lightning, whose optimizer steps outside
     the schedule). The transfer time of a boundary is the median delay from a send being posted to
-    its receive finishing, over the receives that were already waiting when it was posted (a later
-    receive says nothing about the message); 0 when none was. ``steps`` (parallel to ``events``)
-    tells apart micro-batches of different training steps that share a number.
+    its receive finishing, over the receives that were already waiting when it was posted. When none
+    was, it is the shortest such delay over the later receives: each bounds the transfer from above
+    (the message was there by the time that receive ended), the shortest is the tightest bound, and
+    with it no receive would have waited longer than it did; 0 without any receive. ``steps``
+    (parallel to ``events``) tells apart micro-batches of different training steps that share a
+    number.
     """
     steps = list(steps) if steps is not None else [0] * len(events)
     virtual = stages * chunks
@@ -165,22 +168,27 @@ def measured_costs(
         durations.setdefault((event.action.kind, vs), []).append(event.duration)
         if event.action.kind.is_send:
             sends[(event.action.kind, vs, step, event.action.micro_batch, event.action.replica)] = event
-    delays: dict[int, list[float]] = {}
+    delays: dict[int, list[float]] = {}  # from receives already waiting when the send was posted
+    bounds: dict[int, list[float]] = {}  # from later receives: the message took at most this long
     for event, step in zip(events, steps):
         if event.device >= stages or event.action.kind not in _SENT_BY:
             continue
         kind, direction = _SENT_BY[event.action.kind]
         vs = event.action.chunk * stages + event.device
         send = sends.get((kind, vs + direction, step, event.action.micro_batch, event.action.replica))
-        if send is not None and event.start <= send.end:
-            delays.setdefault(min(vs, vs + direction), []).append(event.end - send.start)
+        if send is not None:
+            waiting = event.start <= send.end
+            (delays if waiting else bounds).setdefault(min(vs, vs + direction), []).append(event.end - send.start)
 
     def median(kind: Kind, vs: int) -> float:
         return median_of(durations.get((kind, vs), []))
 
     forward = [median(Kind.FORWARD, vs) + median(Kind.SEND_ACTIVATION, vs) for vs in range(virtual)]
     backward = [median(Kind.BACKWARD, vs) + median(Kind.SEND_GRADIENT, vs) for vs in range(virtual)]
-    transfer = [median_of(delays.get(boundary, [])) for boundary in range(virtual - 1)]
+    transfer = [
+        median_of(delays[boundary]) if boundary in delays else min(bounds.get(boundary, [0.0]))
+        for boundary in range(virtual - 1)
+    ]
     step = max((median(Kind.STEP, d) for d in range(stages)), default=0.0)
     return Costs(forward, backward, transfer, step)
 
