@@ -31,7 +31,7 @@ from torch import nn
 from lightning_pipe.partition.profile import Profile
 from lightning_pipe.schedules import MergeCosts, build_avgpipe
 from lightning_pipe.schedules.avgpipe import warmup_forwards
-from lightning_pipe.simulate import Costs, simulate
+from lightning_pipe.simulate import Costs, Simulation, simulate
 
 
 @dataclass(frozen=True)
@@ -156,14 +156,8 @@ def predict(
     ``step``: seconds of one STEP + AVG; ``None`` takes the slowest stage's profiled ``fits[s].step``
     (the simulator has one STEP duration for all stages, and the slowest one sets the pace)."""
     stages = len(fits)
-    if step is None:
-        step = max(f.step for f in fits)
     b = batch // replicas // micro_batches
-    forward = tuple(f.forward(b) for f in fits)
-    backward = tuple(f.backward(b) for f in fits)
-    transfer = tuple(latency + (f.output_per_sample * b / bandwidth if bandwidth else 0.0) for f in fits[:-1])
-    schedule = build_avgpipe(stages, micro_batches, replicas, advance, MergeCosts(forward, backward, transfer, step))
-    round_time = simulate(schedule, Costs(forward, backward, transfer, step), replicas).step_time
+    round_time = simulate_round(fits, batch, replicas, micro_batches, advance, bandwidth, latency, step).step_time
     peaks = tuple(
         replicas * kappa * f.params + f.params
         + replicas * min(micro_batches, warmup_forwards(s, stages, micro_batches, advance) + 1) * f.activation_per_sample * b
@@ -172,6 +166,23 @@ def predict(
     feasible = memory is None or all(p <= (1 - margin) * cap for p, cap in zip(peaks, memory))
     return Candidate(replicas, micro_batches, advance, b, round_time, batch / round_time if round_time else float("inf"),
                      peaks, feasible)
+
+
+def simulate_round(
+    fits: Sequence[StageFit], batch: int, replicas: int, micro_batches: int, advance: int = 0,
+    bandwidth: float | None = None, latency: float = 0.0, step: float | None = None,
+) -> Simulation:
+    """One round of a candidate simulated with the fitted costs: the replicas' merged lists
+    (:func:`~lightning_pipe.schedules.build_avgpipe`) through :func:`~lightning_pipe.simulate.simulate`.
+    Arguments as :func:`predict`."""
+    if step is None:
+        step = max(f.step for f in fits)
+    b = batch // replicas // micro_batches
+    forward = tuple(f.forward(b) for f in fits)
+    backward = tuple(f.backward(b) for f in fits)
+    transfer = tuple(latency + (f.output_per_sample * b / bandwidth if bandwidth else 0.0) for f in fits[:-1])
+    schedule = build_avgpipe(len(fits), micro_batches, replicas, advance, MergeCosts(forward, backward, transfer, step))
+    return simulate(schedule, Costs(forward, backward, transfer, step), replicas)
 
 
 def tune(

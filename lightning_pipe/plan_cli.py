@@ -7,9 +7,12 @@ It builds the module from its class path and init arguments, captures the trunk 
 module's own code on one micro-batch (its ``forward`` on a random tensor of ``batch_shape``, or its
 ``training_step`` on the first batch of ``datamodule``), profiles every trunk layer at the smallest and
 the largest candidate micro-batch size, and for every schedule and candidate micro-batch count runs the
-exact min-max split (ALGORITHMS.md section 12). It prints schedules × predicted throughput and memory,
-the chosen plan's partition, the same schedule with ``balance="uniform"`` for comparison, and writes a
-timeline PNG of the chosen plan. Class paths also resolve from the current directory.
+exact min-max split (ALGORITHMS.md section 12). Named among the schedules, ``avgpipe`` is tuned as
+``parallel_pipelines="auto"`` tunes it (ALGORITHMS.md section 13: ``N``, ``M`` and advance-forward on the
+split 1F1B would use; prediction only, the strategy's trials on the devices need a run). It prints
+schedules × predicted throughput and memory, the chosen plan's partition, the same schedule with
+``balance="uniform"`` for comparison, and writes a timeline PNG of the chosen plan. Class paths also
+resolve from the current directory.
 """
 
 from __future__ import annotations
@@ -17,19 +20,21 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 from lightning.pytorch import LightningDataModule, LightningModule
 
+from lightning_pipe import avg_tuner
 from lightning_pipe.auto_balance import preserved_random_state
 from lightning_pipe.engine import batch_size as batch_size_of
 from lightning_pipe.engine import split_micro_batches
 from lightning_pipe.log_replay import LogCapture
 from lightning_pipe.partition import find_trunk, resolve_balance
 from lightning_pipe.partition.planner import (
-    ALL_SCHEDULES, GIB, Machine, Plan, PlanError, best_of, candidate_micro_batches, evaluate, explore, format_bytes,
+    ALL_SCHEDULES, GIB, Machine, Plan, PlanError, StagePlan, best_of, candidate_micro_batches, evaluate, explore,
+    format_bytes,
 )
 from lightning_pipe.partition.profile import Profile, capture_trunk_input, interpolate, profile_trunk
 from lightning_pipe.schedules import ASYNC_SCHEDULES, SYNC_SCHEDULES
@@ -47,6 +52,27 @@ class PlanReport:
     text: str
     timeline: str | None = None
     simulated: Any = None  # lightning_pipe.simulate.Simulation of the chosen plan
+    avgpipe: AvgPipePlan | None = None  # when avgpipe was explored
+
+
+@dataclass
+class AvgPipePlan:
+    """avgpipe's tuned values next to the planner's terms.
+
+    Args:
+        candidate: the tuner's best candidate (``replicas`` = ``parallel_pipelines``, ``advance`` =
+            ``advance_forward``).
+        balance: trunk layers per stage (the split 1F1B would use).
+        fits: the per-stage fitted costs it was predicted with.
+        uniform: the same ``N``, ``M`` and advance on ``balance="uniform"``.
+        step_note: why the STEP + AVG time is missing from the prediction (empty when it is in).
+    """
+
+    candidate: avg_tuner.Candidate
+    balance: list[int]
+    fits: list[avg_tuner.StageFit]
+    uniform: Plan | None
+    step_note: str = ""
 
 
 def table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
@@ -98,6 +124,8 @@ def plan(
     timeline: str | None = "plan.png",
     repeats: int = 5,
     threads: int | None = None,
+    max_parallel_pipelines: int = 4,
+    advance_forward: list[int] | None = None,
 ) -> PlanReport:
     """Profile ``model``'s trunk, predict every schedule × micro-batch count, print the best plan.
 
@@ -112,7 +140,8 @@ def plan(
         memory_gib: memory limit per device in GiB (one value or one per stage); default: none.
         speeds: relative speed of each stage's device; default: all equal to the profiling device.
         schedules: schedules to explore; default: the synchronous ones (``gpipe``, ``1f1b``,
-            ``interleaved_1f1b``); asynchronous ones change the training semantics, name them to include them.
+            ``interleaved_1f1b``); asynchronous ones and ``avgpipe`` change the training semantics, name
+            them to include them.
         micro_batches: candidate micro-batch counts ``M``; default: the divisors of ``B`` within
             ``min_micro_batches`` .. ``max_micro_batches``.
         min_micro_batches: smallest candidate ``M``.
@@ -129,6 +158,8 @@ def plan(
         repeats: timed runs per layer (median kept).
         threads: torch CPU threads while profiling; match what each stage process will get (Lightning's
             launcher gives each of ``n`` processes ``cores / n`` threads); default: torch's default.
+        max_parallel_pipelines: largest number ``N`` of parallel pipelines avgpipe is tried with.
+        advance_forward: advance-forward values avgpipe is tried with (default ``[0, 1, 2]``).
     """
     if threads is not None:
         torch.set_num_threads(threads)
@@ -165,16 +196,26 @@ def plan(
         recompute=checkpoint_activations,
     )
     chosen = list(schedules) if schedules else list(SYNC_SCHEDULES)
-    plans = explore(profiles, total, stages, chosen, candidates, machine, chunks)
+    plans = explore(profiles, total, stages, [s for s in chosen if s != "avgpipe"], candidates, machine, chunks)
+    avgpipe = None
+    if "avgpipe" in chosen:
+        avgpipe = plan_avgpipe(model, trunk, profiles, total, stages, candidates, machine,
+                               max_parallel_pipelines, advance_forward if advance_forward is not None else [0, 1, 2])
+        plans = {s: (avgpipe_as_plan(avgpipe) if avgpipe else None) if s == "avgpipe" else plans[s] for s in chosen}
     best = best_of(plans.values())
     uniform = None
-    if best is not None:
+    if best is not None and best.schedule == "avgpipe":
+        uniform = avgpipe.uniform
+    elif best is not None:
         v = chunks if best.schedule == "interleaved_1f1b" else 1
         counts = resolve_balance("uniform", trunk, stages * v)
         uniform = evaluate(interpolate(profiles, best.micro_batch_size), best.schedule, stages, best.micro_batches,
                            counts, machine, chunks, total)
-    report = PlanReport(profiles, plans, best, uniform, names, "")
-    if best is not None and timeline:
+    report = PlanReport(profiles, plans, best, uniform, names, "", avgpipe=avgpipe)
+    if best is not None and best.schedule == "avgpipe" and timeline:
+        report.simulated = write_avgpipe_timeline(avgpipe, total, machine, stages, timeline)
+        report.timeline = timeline
+    elif best is not None and timeline:
         report.simulated = write_timeline(best, profiles, machine, stages, chunks, timeline)
         report.timeline = timeline
     report.text = render(report, type(model).__name__, name, total, stages, machine)
@@ -195,15 +236,22 @@ def render(report: PlanReport, model_name: str, trunk_name: str, total: int, sta
     ]
     rows = []
     for schedule, found in report.plans.items():
-        kind = "async" if schedule in ASYNC_SCHEDULES else "sync"
+        kind = "async" if schedule in ASYNC_SCHEDULES else "elastic" if schedule == "avgpipe" else "sync"
         if found is None:
             rows.append([schedule, kind, "-", "-", "-", "-", "-", "does not fit / not allowed"])
             continue
+        if schedule == "avgpipe":
+            kind, m = "elastic", f"{found.micro_batches} {_avg_values(report.avgpipe)}"
+        else:
+            m = str(found.micro_batches)
         rows.append([
-            schedule, kind, str(found.micro_batches), str(found.balance), f"{found.step_time * 1e3:.2f}",
+            schedule, kind, m, str(found.balance), f"{found.step_time * 1e3:.2f}",
             f"{found.throughput:.0f}", format_bytes(max(found.memory)), str(found.weight_copies),
         ])
     lines.append(table(["schedule", "kind", "M", "balance", "step ms", "samples/s", "peak memory", "weight copies"], rows))
+    if report.avgpipe is not None:
+        lines.append("avgpipe: M per pipeline, N pipelines, advance a; its time is a simulated round of N pipelines' "
+                     "batches including their optimizer steps and averaging (the other rows leave the optimizer step out)")
     best = report.best
     if best is None:
         lines.append("\nno schedule fits; raise the memory limit or use more stages.")
@@ -214,6 +262,12 @@ def render(report: PlanReport, model_name: str, trunk_name: str, total: int, sta
         f"balance={best.balance}: {best.step_time * 1e3:.2f} ms per batch, {best.throughput:.0f} samples/s (predicted)",
         "",
     ]
+    if best.schedule == "avgpipe":
+        c = report.avgpipe.candidate
+        lines[-1:-1] = [f"  avgpipe: parallel_pipelines={c.replicas}, micro_batches={c.micro_batches} per pipeline, "
+                        f"advance_forward={c.advance}" + (f"; {report.avgpipe.step_note}" if report.avgpipe.step_note else "")]
+    elif report.avgpipe is not None and report.avgpipe.step_note:
+        lines[-1:-1] = [f"  avgpipe: {report.avgpipe.step_note}"]
     rows = []
     for k, stage in enumerate(best.stages):
         where = f"{stage.device}" + (f" chunk {stage.chunk}" if best.schedule == "interleaved_1f1b" else "")
@@ -233,6 +287,92 @@ def render(report: PlanReport, model_name: str, trunk_name: str, total: int, sta
         lines.append(f"\ntimeline of the chosen plan: {report.timeline} (simulated from the same costs: "
                      f"{sim.step_time * 1e3:.2f} ms per batch, bubble {sim.bubble_fraction:.0%})")
     return "\n".join(lines)
+
+
+def plan_avgpipe(
+    model: LightningModule, trunk: torch.nn.Module, profiles: Sequence[Profile], total: int, stages: int,
+    micro_batches: Sequence[int], machine: Machine, max_replicas: int, advances: Sequence[int],
+) -> AvgPipePlan | None:
+    """avgpipe's best predicted ``N`` (at least 2: one pipeline is 1F1B with an idle center copy),
+    ``M`` and advance on the split 1F1B would use, as ``parallel_pipelines="auto"`` predicts it
+    (ALGORITHMS.md section 13); ``None`` when nothing fits."""
+    one_replica = explore(profiles, total, stages, ["1f1b"], micro_batches, machine)["1f1b"]
+    if one_replica is None:
+        return None
+    steps, note = _step_times(model, trunk, one_replica.balance)
+    fits = _at_speeds(avg_tuner.fit_stages(profiles, one_replica.balance, steps), machine)
+    memory = None if machine.memory is None else [machine.cap(d) for d in range(stages)]
+    options = dict(bandwidth=machine.bandwidth, latency=machine.latency, kappa=machine.kappa)
+    try:
+        ranked = avg_tuner.tune(fits, total, max_replicas, micro_batches, advances, memory, **options)
+    except ValueError:  # nothing fits the memory limits
+        return None
+    ranked = [c for c in ranked if c.replicas >= 2]
+    if not ranked:
+        return None
+    best = ranked[0]
+    counts = resolve_balance("uniform", trunk, stages)
+    steps, _ = _step_times(model, trunk, counts)
+    uniform_fits = _at_speeds(avg_tuner.fit_stages(profiles, counts, steps), machine)
+    uniform = avg_tuner.predict(uniform_fits, total, best.replicas, best.micro_batches, best.advance, **options)
+    return AvgPipePlan(best, list(one_replica.balance), fits, _candidate_plan(uniform, uniform_fits, counts), note)
+
+
+def avgpipe_as_plan(avgpipe: AvgPipePlan) -> Plan:
+    """The tuned avgpipe candidate as a :class:`Plan` (time per round of ``N`` pipelines' batches)."""
+    return _candidate_plan(avgpipe.candidate, avgpipe.fits, avgpipe.balance)
+
+
+def _candidate_plan(candidate: avg_tuner.Candidate, fits: Sequence[avg_tuner.StageFit], counts: Sequence[int]) -> Plan:
+    b, stages, start = candidate.micro_batch_size, [], 0
+    for d, (fit, count) in enumerate(zip(fits, counts)):
+        stages.append(StagePlan(d, 0, start, start + count, fit.params, fit.forward(b) + fit.backward(b), candidate.memory[d]))
+        start += count
+    return Plan("avgpipe", candidate.micro_batches, b, list(counts), stages, candidate.round_time, candidate.throughput,
+                candidate.replicas + 1, list(candidate.memory))
+
+
+def _avg_values(avgpipe: AvgPipePlan | None) -> str:
+    c = avgpipe.candidate if avgpipe else None
+    return f"(N={c.replicas}, a={c.advance})" if c else ""
+
+
+def _step_times(model: LightningModule, trunk: torch.nn.Module, counts: Sequence[int]) -> tuple[list[float] | None, str]:
+    """Each stage's STEP + AVG seconds with the module's own optimizer, or ``None`` and why not."""
+    from lightning.pytorch.core.optimizer import _configure_optimizers
+
+    from lightning_pipe.avg_autotune import optimizer_factory, optimizer_spec
+    from lightning_pipe.partition import stage_bounds
+
+    try:
+        optimizers, _, _ = _configure_optimizers(model.configure_optimizers())
+        factory = optimizer_factory(optimizer_spec(optimizers[0]))
+    except Exception as error:  # configure_optimizers may need a Trainer
+        return None, (f"its optimizer steps are left out: configure_optimizers failed outside a Trainer "
+                      f"({type(error).__name__}: {error})")
+    return [avg_tuner.profile_step(trunk[start:end], factory) for start, end in stage_bounds(list(counts))], ""
+
+
+def _at_speeds(fits: list[avg_tuner.StageFit], machine: Machine) -> list[avg_tuner.StageFit]:
+    """``fits`` on devices ``machine.speed(d)`` times as fast as the profiling one."""
+    def scaled(line: avg_tuner.Line, speed: float) -> avg_tuner.Line:
+        return avg_tuner.Line(line.c0 / speed, line.c1 / speed)
+
+    return [replace(f, forward=scaled(f.forward, machine.speed(d)), backward=scaled(f.backward, machine.speed(d)),
+                    step=f.step / machine.speed(d)) for d, f in enumerate(fits)]
+
+
+def write_avgpipe_timeline(avgpipe: AvgPipePlan, total: int, machine: Machine, stages: int, path: str) -> Any:
+    """Simulate one round of the tuned avgpipe candidate, draw it at ``path``, return the simulation."""
+    from lightning_pipe.plot import timeline_png
+
+    c = avgpipe.candidate
+    simulation = avg_tuner.simulate_round(avgpipe.fits, total, c.replicas, c.micro_batches, c.advance,
+                                          machine.bandwidth, machine.latency)
+    title = (f"avgpipe, {stages} stages, N={c.replicas} pipelines × M={c.micro_batches}, advance {c.advance}, "
+             f"balance={avgpipe.balance} (predicted)")
+    timeline_png(simulation.events, path, title=title)
+    return simulation
 
 
 def write_timeline(best: Plan, profiles: Sequence[Profile], machine: Machine, stages: int, chunks: int, path: str) -> Any:
@@ -276,4 +416,4 @@ if __name__ == "__main__":
     main()
 
 
-__all__ = ["ALL_SCHEDULES", "PlanReport", "main", "plan", "render", "table"]
+__all__ = ["ALL_SCHEDULES", "AvgPipePlan", "PlanReport", "main", "plan", "plan_avgpipe", "render", "table"]

@@ -52,6 +52,35 @@ def test_plan_reports_the_best_plan_and_errors_without_a_batch():
         plan(TrunkModel(), stages=2, timeline=None)
 
 
+def test_plan_tunes_avgpipe_like_the_strategy_and_compares_it(tmp_path):
+    """Named among the schedules, avgpipe gets the tuner's best N >= 2, M and advance on 1F1B's split,
+    predicted exactly as ``parallel_pipelines="auto"`` predicts it, in the same table."""
+    from lightning_pipe import avg_tuner
+
+    report = plan(TrunkModel(depth=4), stages=2, batch_shape=[16, 8], schedules=["1f1b", "avgpipe"],
+                  micro_batches=[2, 4], timeline=None, repeats=1, max_parallel_pipelines=4, advance_forward=[0, 1])
+    avg, found = report.avgpipe, report.plans["avgpipe"]
+    c = avg.candidate
+    assert c.replicas >= 2 and c.advance in (0, 1) and c.micro_batches in (2, 4)
+    assert avg.balance == report.plans["1f1b"].balance == found.balance
+    assert all(f.step > 0 for f in avg.fits)  # TrunkModel's own optimizer, stepped and averaged per stage
+    again = avg_tuner.predict(avg.fits, 16, c.replicas, c.micro_batches, c.advance)
+    assert found.throughput == pytest.approx(again.throughput) and found.step_time == pytest.approx(again.round_time)
+    assert found.weight_copies == c.replicas + 1 and found.micro_batch_size == 16 // c.replicas // c.micro_batches
+    assert f"| avgpipe  | elastic | {c.micro_batches} (N={c.replicas}, a={c.advance}) |" in report.text
+
+    only = plan(TrunkModel(depth=4), stages=2, batch_shape=[16, 8], schedules=["avgpipe"], micro_batches=[2, 4],
+                timeline=str(tmp_path / "avg.png"), repeats=1)
+    assert only.best.schedule == "avgpipe" and only.uniform.schedule == "avgpipe"
+    assert only.simulated.step_time == pytest.approx(only.best.step_time)
+    assert (tmp_path / "avg.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert f"avgpipe: parallel_pipelines={only.avgpipe.candidate.replicas}, " in only.text
+
+    tight = plan(TrunkModel(depth=4), stages=2, batch_shape=[16, 8], schedules=["avgpipe", "gpipe"],
+                 micro_batches=[2, 4], timeline=None, repeats=1, memory_gib=20 / 2**20)  # 20 KiB: two replicas do not fit
+    assert tight.avgpipe is None and tight.plans["avgpipe"] is None and tight.best.schedule == "gpipe"
+
+
 class TinyData(L.LightningDataModule):
     """20 samples of TrunkModel's input; batches of 10."""
 
@@ -86,3 +115,4 @@ def test_console_script_is_declared_and_documents_its_options(capsys):
     assert done.value.code == 0
     out = capsys.readouterr().out
     assert "--batch_shape" in out and "--memory_gib" in out and "--datamodule" in out
+    assert "--max_parallel_pipelines" in out and "--advance_forward" in out
