@@ -40,6 +40,10 @@ from lightning_pipe.partition.profile import Profile, capture_trunk_input, inter
 from lightning_pipe.schedules import ASYNC_SCHEDULES, SYNC_SCHEDULES
 
 
+#: what ``--schedules`` may name: the planner's schedules and avgpipe (through its tuner)
+PLANNED_SCHEDULES = (*ALL_SCHEDULES, "avgpipe")
+
+
 @dataclass
 class PlanReport:
     """What ``lightning-pipe plan`` computed (the printed text is :attr:`text`)."""
@@ -196,6 +200,9 @@ def plan(
         recompute=checkpoint_activations,
     )
     chosen = list(schedules) if schedules else list(SYNC_SCHEDULES)
+    unknown = [s for s in chosen if s not in PLANNED_SCHEDULES]
+    if unknown:
+        raise PlanError(f"schedule {unknown[0]!r} is not known; choose among {', '.join(PLANNED_SCHEDULES)}.")
     plans = explore(profiles, total, stages, [s for s in chosen if s != "avgpipe"], candidates, machine, chunks)
     avgpipe = None
     if "avgpipe" in chosen:
@@ -416,4 +423,4 @@ if __name__ == "__main__":
     main()
 
 
-__all__ = ["ALL_SCHEDULES", "AvgPipePlan", "PlanReport", "main", "plan", "plan_avgpipe", "render", "table"]
+__all__ = ["ALL_SCHEDULES", "PLANNED_SCHEDULES", "AvgPipePlan", "PlanReport", "main", "plan", "plan_avgpipe", "render", "table"]

@@ -50,6 +50,8 @@ def test_plan_reports_the_best_plan_and_errors_without_a_batch():
     assert sum(report.best.balance) == 8 and [p.micro_batch for p in report.profiles] == [2, 4]
     with pytest.raises(ValueError, match="give batch_shape"):
         plan(TrunkModel(), stages=2, timeline=None)
+    with pytest.raises(ValueError, match="'pipedreem' is not known; choose among gpipe, .*, xpipe, avgpipe"):
+        plan(TrunkModel(), stages=2, batch_shape=[8, 8], schedules=["1f1b", "pipedreem"], timeline=None)
 
 
 def test_plan_tunes_avgpipe_like_the_strategy_and_compares_it(tmp_path):
