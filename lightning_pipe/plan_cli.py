@@ -27,6 +27,7 @@ import torch
 from lightning.pytorch import LightningDataModule, LightningModule
 
 from lightning_pipe import avg_tuner
+from lightning_pipe.avg_autotune import ADVANCES, MAX_REPLICAS
 from lightning_pipe.auto_balance import preserved_random_state
 from lightning_pipe.engine import batch_size as batch_size_of
 from lightning_pipe.engine import split_micro_batches
@@ -128,7 +129,7 @@ def plan(
     timeline: str | None = "plan.png",
     repeats: int = 5,
     threads: int | None = None,
-    max_parallel_pipelines: int = 4,
+    max_parallel_pipelines: int = MAX_REPLICAS,
     advance_forward: list[int] | None = None,
 ) -> PlanReport:
     """Profile ``model``'s trunk, predict every schedule × micro-batch count, print the best plan.
@@ -207,7 +208,7 @@ def plan(
     avgpipe = None
     if "avgpipe" in chosen:
         avgpipe = plan_avgpipe(model, trunk, profiles, total, stages, candidates, machine,
-                               max_parallel_pipelines, advance_forward if advance_forward is not None else [0, 1, 2])
+                               max_parallel_pipelines, advance_forward if advance_forward is not None else ADVANCES)
         plans = {s: (avgpipe_as_plan(avgpipe) if avgpipe else None) if s == "avgpipe" else plans[s] for s in chosen}
     best = best_of(plans.values())
     uniform = None
@@ -247,10 +248,9 @@ def render(report: PlanReport, model_name: str, trunk_name: str, total: int, sta
         if found is None:
             rows.append([schedule, kind, "-", "-", "-", "-", "-", "does not fit / not allowed"])
             continue
+        m = str(found.micro_batches)
         if schedule == "avgpipe":
-            kind, m = "elastic", f"{found.micro_batches} {_avg_values(report.avgpipe)}"
-        else:
-            m = str(found.micro_batches)
+            m += f" (N={report.avgpipe.candidate.replicas}, a={report.avgpipe.candidate.advance})"
         rows.append([
             schedule, kind, m, str(found.balance), f"{found.step_time * 1e3:.2f}",
             f"{found.throughput:.0f}", format_bytes(max(found.memory)), str(found.weight_copies),
@@ -337,11 +337,6 @@ def _candidate_plan(candidate: avg_tuner.Candidate, fits: Sequence[avg_tuner.Sta
         start += count
     return Plan("avgpipe", candidate.micro_batches, b, list(counts), stages, candidate.round_time, candidate.throughput,
                 candidate.replicas + 1, list(candidate.memory))
-
-
-def _avg_values(avgpipe: AvgPipePlan | None) -> str:
-    c = avgpipe.candidate if avgpipe else None
-    return f"(N={c.replicas}, a={c.advance})" if c else ""
 
 
 def _step_times(model: LightningModule, trunk: torch.nn.Module, counts: Sequence[int]) -> tuple[list[float] | None, str]:
