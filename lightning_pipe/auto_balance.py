@@ -30,7 +30,6 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.trainer.states import TrainerFn
-from torch.utils._pytree import tree_map
 
 from lightning_pipe.config import PipeConfigError
 from lightning_pipe.engine import Transport, Watchdog, split_micro_batches
@@ -40,7 +39,7 @@ from lightning_pipe.partition.planner import GIB, Machine, Plan, PlanError, Stag
 from lightning_pipe.partition.profile import Profile, capture_trunk_input, profile_trunk
 from lightning_pipe.schedules import SYNC_SCHEDULES
 from lightning_pipe.topology import Topology
-from lightning_pipe.trials import measure_stage
+from lightning_pipe.trials import measure_stage, on_device
 
 _STEPS = {
     TrainerFn.FITTING: ("fit_loop", "training_step"),
@@ -173,7 +172,7 @@ def profile_and_split(
             inputs = capture_trunk_input(module, trunk, lambda: step(batch, 0), hook) if options.refine else None
         profile = profile_trunk(trunk, sample, device, cache=options.cache, module=module)
     plan = fixed_plan(profile, schedule, stages, micro_batches, machine_of(options, device, recompute), chunks)
-    inputs = tree_map(lambda t: t.detach().cpu() if isinstance(t, torch.Tensor) else t, inputs)  # broadcast to every rank
+    inputs = on_device(inputs, torch.device("cpu"))  # broadcast to every rank (captured inputs are detached)
     return AutoBalance(plan, profile, inputs)
 
 

@@ -29,10 +29,10 @@ from typing import Any
 
 import torch
 from lightning.pytorch import LightningModule, Trainer
-from torch.utils._pytree import tree_map
 
 from lightning_pipe.auto_balance import agreed_plan, first_batch, preserved_buffers, preserved_random_state
 from lightning_pipe.avg_trials import Measured, OptimizerFactory, TrialStage, fastest, measure_candidates
+from lightning_pipe.trials import on_device
 from lightning_pipe.avg_tuner import Candidate, fit_stages, profile_step, tune
 from lightning_pipe.config import PipeConfigError
 from lightning_pipe.engine import batch_size, split_micro_batches
@@ -79,8 +79,12 @@ class Choice:
 
     def as_options(self) -> dict[str, int]:
         """The values to store in a checkpoint (and to adopt from one)."""
-        c = self.best
-        return {"parallel_pipelines": c.replicas, "micro_batches": c.micro_batches, "advance_forward": c.advance}
+        return options_record(self.best.replicas, self.best.micro_batches, self.best.advance)
+
+
+def options_record(parallel_pipelines: int, micro_batches: int, advance_forward: int) -> dict[str, int]:
+    """avgpipe's values as a checkpoint stores them under :data:`CHECKPOINT_KEY` (and the strategy adopts them)."""
+    return {"parallel_pipelines": parallel_pipelines, "micro_batches": micro_batches, "advance_forward": advance_forward}
 
 
 def profile_sizes(batch: int) -> list[int]:
@@ -151,7 +155,7 @@ def predict_candidates(
             f"no avgpipe candidate with parallel_pipelines={values.parallel_pipelines} and micro_batches="
             f"{values.micro_batches} fits a batch of {size}; let both be 'auto' or change the batch size."
         )
-    inputs = tree_map(lambda t: t.detach().cpu() if isinstance(t, torch.Tensor) else t, inputs)  # broadcast to every rank
+    inputs = on_device(inputs, torch.device("cpu"))  # broadcast to every rank (captured inputs are detached)
     return Prediction(ranked, size, inputs, spec)
 
 

@@ -18,7 +18,6 @@ input on the first stage, a stand-in loss on the last.
 
 from __future__ import annotations
 
-import copy
 import statistics
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -29,10 +28,10 @@ import torch
 from torch import nn
 
 from lightning_pipe.avg_tuner import Candidate
-from lightning_pipe.engine import Executor, SequentialStage, Transport, Watchdog, split_micro_batches
+from lightning_pipe.engine import Executor, Transport, Watchdog, split_micro_batches
 from lightning_pipe.engine.averaging import ElasticAveraging
 from lightning_pipe.schedules import build_avgpipe
-from lightning_pipe.trials import barrier, on_device, stand_in_loss, synchronize
+from lightning_pipe.trials import barrier, on_device, stage_copy, synchronize
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 
@@ -71,16 +70,14 @@ class TrialStage:
 
 def candidate_round(trial: TrialStage, candidate: Candidate) -> Callable[[], None]:
     """A function that runs one round of ``candidate`` on this rank (fresh copies, fresh optimizer)."""
-    layers = copy.deepcopy(trial.layers).to(trial.device).train()
+    layers, chunk = stage_copy(trial.layers, trial.stage, trial.stages, trial.device)
     optimizer = trial.make_optimizer([p for p in layers.parameters() if p.requires_grad])
     n, m = candidate.replicas, candidate.micro_batches
     policy = ElasticAveraging(layers, optimizer, trial.stage, trial.stages, m, n, trial.alpha,
                               gradient_group=trial.gradient_group, gradient_world=trial.gradient_world)
-    first, last = trial.stage == 0, trial.stage == trial.stages - 1
-    chunk = SequentialStage(layers, input_fn=(lambda mb: mb) if first else None, loss_fn=stand_in_loss if last else None)
     executor = Executor(trial.stage, trial.ranks, [chunk], trial.transport, trial.watchdog, policy=policy)
     schedule = build_avgpipe(trial.stages, m, n, candidate.advance)
-    if first:
+    if trial.stage == 0:
         inputs = on_device(trial.inputs, trial.device)
         micro_batches = [mb for part in split_micro_batches(inputs, n) for mb in split_micro_batches(part, m)]
     else:

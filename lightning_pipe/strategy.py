@@ -385,8 +385,7 @@ class PipeStrategy(DDPStrategy):
                     "set devices to the number of stages (or stages=None)."
                 )
             if self._avg is None:
-                tagged = self._get_process_group_backend() == "gloo" or topology.stages == 1
-                self._avg = AvgRuntime(self._executor, topology.stage, topology.stages, self.avg_options, tagged)
+                self._avg = AvgRuntime(self._executor, topology.stage, topology.stages, self.avg_options, self._tagged)
             self._avg.executor = self._executor
 
     def _sync_metrics_within_stage_group(self, module: LightningModule) -> None:
@@ -407,14 +406,13 @@ class PipeStrategy(DDPStrategy):
         stages = self.num_stages
         memory = memory_limit(self.auto_balance, self.root_device)
         memory = [memory] * stages if isinstance(memory, float) else memory
-        tagged = self._get_process_group_backend() == "gloo" or stages == 1
 
         def work() -> avg_autotune.Prediction:
             with self.precision_plugin.train_step_context():
                 prediction = avg_autotune.predict_candidates(
                     trainer, module, self.module, list(self._counts), self._avg_auto, self.root_device, memory
                 )
-            if tagged:
+            if self._tagged:
                 return prediction
             fifo = [c for c in prediction.ranked if keeps_one_fifo_order(stages, c.micro_batches, c.replicas, c.advance)]
             if not fifo:
@@ -469,11 +467,17 @@ class PipeStrategy(DDPStrategy):
                                           self.root_device, self.checkpoint_activations, rank_zero_info)
         return plan
 
+    @property
+    def _tagged(self) -> bool:
+        """Whether messages may carry tags (gloo), so replicas need not share one FIFO order (NCCL);
+        a one-stage pipeline sends none."""
+        return self._get_process_group_backend() == "gloo" or self.num_stages == 1
+
     def _transport(self) -> Transport | None:
         """This rank's point-to-point layer (``None`` for a one-stage pipeline)."""
         if self._topology.stages == 1:
             return None
-        return Transport(self.root_device, tagged=self._get_process_group_backend() == "gloo")
+        return Transport(self.root_device, tagged=self._tagged)
 
     def _cut(self, module: LightningModule) -> PartitionedTrunk:
         assert self._topology is not None and self._counts is not None
@@ -909,9 +913,8 @@ class PipeStrategy(DDPStrategy):
             checkpoint[BALANCE_KEY] = list(self._counts)
         if self.schedule == "avgpipe":  # what a resumed run with "auto" options adopts instead of tuning again
             o = self.avg_options
-            checkpoint[avg_autotune.CHECKPOINT_KEY] = {
-                "parallel_pipelines": o.parallel_pipelines, "micro_batches": self.micro_batches, "advance_forward": o.advance_forward,
-            }
+            checkpoint[avg_autotune.CHECKPOINT_KEY] = avg_autotune.options_record(
+                o.parallel_pipelines, self.micro_batches, o.advance_forward)
         if not self.is_global_zero:
             return
         path = str(filepath)

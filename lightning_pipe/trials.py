@@ -58,7 +58,17 @@ def device_clock(device: torch.device) -> Callable[[], float]:
 
 
 def on_device(value: Any, device: torch.device) -> Any:
+    """``value`` with every tensor in it moved to ``device``."""
     return tree_map(lambda t: t.to(device) if isinstance(t, Tensor) else t, value)
+
+
+def stage_copy(layers: nn.Module, stage: int, stages: int, device: torch.device) -> tuple[nn.Module, SequentialStage]:
+    """A copy of ``layers`` on ``device`` in training mode, and the executor chunk that runs it: the first
+    stage takes its micro-batch as input, the last ends in :func:`stand_in_loss`."""
+    copies = copy.deepcopy(layers).to(device).train()
+    first, last = stage == 0, stage == stages - 1
+    return copies, SequentialStage(copies, input_fn=(lambda mb: mb) if first else None,
+                                   loss_fn=stand_in_loss if last else None)
 
 
 def measure_stage(
@@ -72,13 +82,11 @@ def measure_stage(
     synchronous one) with ``micro_batches`` micro-batches, the executor's recorder on. ``inputs``
     is the trunk input of one batch on the first stage (``None`` elsewhere). No optimizer steps.
     """
-    copies = copy.deepcopy(layers).to(device).train()
-    first, last = stage == 0, stage == stages - 1
-    chunk = SequentialStage(copies, input_fn=(lambda mb: mb) if first else None, loss_fn=stand_in_loss if last else None)
+    copies, chunk = stage_copy(layers, stage, stages, device)
     recorder = ActionRecorder(stage, clock=device_clock(device))
     executor = Executor(stage, ranks, [chunk], transport, watchdog, recorder=recorder)
     plan = build_schedule(schedule, stages, micro_batches)
-    parts = split_micro_batches(on_device(inputs, device), micro_batches) if first else [None] * micro_batches
+    parts = split_micro_batches(on_device(inputs, device), micro_batches) if stage == 0 else [None] * micro_batches
     for step in range(warmup + steps):
         recorder.enabled = step >= warmup
         executor.run(plan, parts)
