@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 
 import pytest
 
@@ -25,7 +26,8 @@ def test_plan_cli_prints_schedules_and_the_chosen_partition(tmp_path, capsys):
     assert "profiled on cpu at micro-batch sizes 2 and 16" in out
     for schedule in ("gpipe", "1f1b", "interleaved_1f1b"):
         assert f"| {schedule} " in out
-    assert "chosen: " in out and "| stage | layers" in out
+    # the stage column widens to "0 chunk 0" when interleaved_1f1b wins (a close call on a loaded machine)
+    assert "chosen: " in out and re.search(r"\| stage +\| layers +\| modules", out)
     # the comparison uses the chosen schedule: [3, 3], or [2, 2, 1, 1] when interleaved wins on this machine
     assert "balance='uniform' [3, 3] " in out or "balance='uniform' [2, 2, 1, 1] " in out
     assert cache.exists()
