@@ -32,8 +32,11 @@ from throughput import (  # noqa: E402  (a sibling script)
 )
 
 from lightning_pipe.engine import Executor, SequentialStage, Transport, Watchdog, split_micro_batches  # noqa: E402
-from lightning_pipe.engine.weights import POLICIES  # noqa: E402
-from lightning_pipe.schedules import ASYNC_SCHEDULES, async_schedule  # noqa: E402
+from lightning_pipe.registry import SCHEDULES  # noqa: E402
+from lightning_pipe.registry import names  # noqa: E402
+from lightning_pipe.schedules import async_schedule  # noqa: E402
+
+ASYNC_SCHEDULES = names("asynchronous")
 
 
 class AsyncEngine(Variant):
@@ -46,7 +49,7 @@ class AsyncEngine(Variant):
         self.samples_per_step = workload.batch
         self.micro_batches = micro_batches
         layers = stage_layers(workload, rank)
-        policy_class = POLICIES[schedule]
+        policy_class = SCHEDULES[schedule].policy
         if copy_loads:  # the live policies as they were before loads became storage exchanges
             policy_class = type(f"Copying{policy_class.__name__}", (policy_class,), {"exchange_values": False})
         policy = policy_class(layers, sgd(layers.parameters()), rank, STAGES, micro_batches)

@@ -47,8 +47,9 @@ except ModuleNotFoundError:  # a source checkout without `pip install -e .`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from lightning_pipe.engine import Executor, SequentialStage, Transport, Watchdog, split_micro_batches
-from lightning_pipe.engine.averaging import ElasticAveraging
-from lightning_pipe.schedules import Kind, Schedule, build_avgpipe, build_schedule
+from lightning_pipe.engine.policies import ElasticAveraging
+from lightning_pipe.registry import build_schedule
+from lightning_pipe.schedules import Kind, Schedule, build_avgpipe
 
 STAGES = 2
 

@@ -154,8 +154,8 @@ def worker(args: argparse.Namespace) -> None:
 def predicted_uniform_ms(args: argparse.Namespace, strategy: lightning_pipe.PipeStrategy) -> float:
     """The planner's prediction for balance="uniform" from the profile balance="auto" cached."""
     from lightning_pipe.partition import resolve_balance
-    from lightning_pipe.partition.planner import evaluate
-    from lightning_pipe.partition.profile import Profile
+    from lightning_pipe.planning.planner import evaluate
+    from lightning_pipe.planning.profile import Profile
 
     (entry,) = json.loads(Path(args.cache).read_text()).values()
     counts = resolve_balance("uniform", UnbalancedMLP().trunk, 2)

@@ -1,12 +1,12 @@
-"""Weight copies and activations in flight per stage, for every schedule (ALGORITHMS.md section 11).
+"""Weight copies and activations in flight per stage, for every schedule (docs/algorithms.md §11).
 
     python benchmarks/memory.py --stages 2 4 --micro-batches 4 8
 
 Activations in flight are counted on the action lists the executor runs (a forward not yet matched
 by its backward holds its activations); for the asynchronous schedules a whole segment (several
 windows and the drain) is counted. Weight copies (weight-sized tensors beyond the module's own
-parameters) are those the weight policies report while a small model trains for several windows in
-the one-process reference (lightning_pipe.emulation), which follows the same rules. Bytes are for
+parameters) are those the engine's weight policies report while a small model trains for several
+windows in the one-device emulation (every stage's policy in this process, as in a real run). Bytes are for
 workload W1 (8 x Linear(1024, 1024), micro-batch = 256 / M samples, fp32).
 """
 
@@ -17,9 +17,14 @@ import argparse
 import torch
 from torch import nn
 
-from lightning_pipe.async_options import AsyncOptions
-from lightning_pipe.emulation import AsyncEmulator
-from lightning_pipe.schedules import ASYNC_SCHEDULES, build_schedule, validate_async
+from lightning_pipe.engine import SequentialStage
+from lightning_pipe.engine.emulated import EmulatedAsyncSegments
+from lightning_pipe.engine.local import LocalPipeline
+from lightning_pipe.engine.policies import AsyncOptions
+from lightning_pipe.registry import SCHEDULES, build_schedule, names
+from lightning_pipe.schedules import validate_async
+
+ASYNC_SCHEDULES = names("asynchronous")
 
 SYNC = ("gpipe", "1f1b", "interleaved_1f1b")
 
@@ -38,15 +43,22 @@ def in_flight(actions) -> int:
 
 
 def weight_copies(schedule: str, stages: int, micro_batches: int) -> list[int]:
+    """The most weight copies each stage's policy held while a small model trained ``3 * stages`` windows."""
     torch.manual_seed(0)
-    modules = [nn.Sequential(nn.Linear(4, 4), nn.Tanh()) for _ in range(stages)]
-    optimizers = [torch.optim.Adam(m.parameters(), lr=1e-3) for m in modules]
-    emulator = AsyncEmulator(schedule, modules, optimizers, micro_batches, lambda mb: mb[0],
-                             lambda out, mb: nn.functional.mse_loss(out, mb[1]), AsyncOptions())
-    for window in range(3 * stages):
-        emulator.train_window([(torch.randn(2, 4), torch.randn(2, 4)) for _ in range(micro_batches)])
-    emulator.drain()
-    return emulator.weight_copies
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(4, 4), nn.Tanh()) for _ in range(stages)])
+    pipeline = LocalPipeline(stages)
+    pipeline.chunks = [
+        SequentialStage(model[s], input_fn=(lambda mb: mb[0]) if s == 0 else None,
+                        loss_fn=(lambda out, mb: nn.functional.mse_loss(out, mb[1])) if s == stages - 1 else None)
+        for s in range(stages)
+    ]
+    segments = EmulatedAsyncSegments(schedule, SCHEDULES[schedule].policy, pipeline, stages, micro_batches)
+    owned = [{n for n, _ in model.named_parameters() if n.startswith(f"{s}.")} for s in range(stages)]
+    segments.start_stages(model, torch.optim.Adam(model.parameters(), lr=1e-3), AsyncOptions(), None, None, 0, owned)
+    for _ in range(3 * stages):
+        segments.run_window([(torch.randn(2, 4), torch.randn(2, 4)) for _ in range(micro_batches)], [1 / micro_batches] * micro_batches)
+    segments.drain()
+    return [policy.max_copies for policy in segments.policies]
 
 
 def main() -> None:

@@ -58,9 +58,12 @@ from throughput import (  # noqa: E402
 
 from lightning_pipe.engine import ActionRecorder, Transport, split_micro_batches  # noqa: E402
 from lightning_pipe.engine.p2p import ACTIVATION_TAG, GRADIENT_TAG, Header  # noqa: E402
-from lightning_pipe.engine.weights import POLICIES  # noqa: E402
-from lightning_pipe.schedules import ASYNC_SCHEDULES, Kind, async_schedule, build_schedule  # noqa: E402
-from lightning_pipe.simulate import Costs, measured_costs, simulate, simulate_async  # noqa: E402
+from lightning_pipe.registry import SCHEDULES  # noqa: E402
+from lightning_pipe.registry import build_schedule, names  # noqa: E402
+from lightning_pipe.schedules import Kind, async_schedule  # noqa: E402
+
+ASYNC_SCHEDULES = names("asynchronous")
+from lightning_pipe.sim.simulate import Costs, measured_costs, simulate, simulate_async  # noqa: E402
 
 SYNC = ("gpipe", "1f1b")
 
@@ -83,7 +86,7 @@ def solo_costs(workload: Workload, micro_batches: int, rank: int, schedule: str,
     step is warm-up and not counted)."""
     layers = stage_layers(workload, rank)
     optimizer = sgd(layers.parameters())
-    policy = POLICIES[schedule](layers, optimizer, rank, STAGES, micro_batches) if schedule in ASYNC_SCHEDULES else None
+    policy = SCHEDULES[schedule].policy(layers, optimizer, rank, STAGES, micro_batches) if schedule in ASYNC_SCHEDULES else None
     work = _stage_work(workload, micro_batches, rank)
     if policy is None:
         lists = [build_schedule(schedule, STAGES, micro_batches).compute_actions(rank)] * (1 + windows)
@@ -354,8 +357,8 @@ def main() -> None:
 
 def write_traces(jobs: list[dict[str, Any]], directory: Path) -> None:
     """A measured and a simulated timeline per (workload, M, schedule), for comparing them by eye."""
-    from lightning_pipe.plot import timeline_png
-    from lightning_pipe.tracing import events_from_rows
+    from lightning_pipe.sim.plot import timeline_png
+    from lightning_pipe.sim.tracing import events_from_rows
 
     print("\nOne recorded step per schedule (--trace), ms per stage 0/1: compute = forward + backward + STEP as "
           "recorded, simulated = the same from the last round's costs (together), waits = receives waiting, "

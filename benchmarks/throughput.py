@@ -68,7 +68,7 @@ except ModuleNotFoundError:  # running from a source checkout without `pip insta
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from lightning_pipe.engine import Executor, SequentialStage, Transport, Watchdog, split_micro_batches
-from lightning_pipe.schedules import build_schedule
+from lightning_pipe.registry import build_schedule
 
 STAGES = 2
 LR = 0.01

@@ -1,17 +1,44 @@
 """lightning_pipe: pipeline-parallel training strategies for PyTorch Lightning.
 
-Importing the package registers every schedule as a strategy name (``gpipe``, ``1f1b``,
-``interleaved_1f1b``, ``pipedream``, ``pipedream_2bw``, ``pipemare``, ``xpipe``, ``avgpipe``), so
-``Trainer(strategy="pipemare", devices=2)`` works after ``import lightning_pipe``.
+Importing the package registers every schedule of :mod:`lightning_pipe.registry` as a strategy name
+(``gpipe``, ``1f1b``, ``interleaved_1f1b``, ``pipedream``, ``pipedream_2bw``, ``pipemare``, ``xpipe``,
+``avgpipe``), so ``Trainer(strategy="pipemare", devices=2)`` works after ``import lightning_pipe``.
+
+The engine, schedules, planning and simulation (``lightning_pipe.engine``, ``.schedules``,
+``.planning``, ``.sim``) import no Lightning; without Lightning installed they still work, and only
+:class:`PipeStrategy` is missing.
 """
 
-from lightning.pytorch.strategies import StrategyRegistry
+from importlib.util import find_spec
 
-from lightning_pipe.config import PipeConfigError
-from lightning_pipe.engine import PeerFailure, PipelineTimeout
-from lightning_pipe.strategy import PipeStrategy
+from lightning_pipe.engine.policies import AvgPipeOptions, PipeMareOptions, XPipeOptions
+from lightning_pipe.errors import (
+    BalanceError,
+    CheckpointMismatchError,
+    LightningPipeError,
+    PeerFailure,
+    PipeConfigError,
+    PipelineTimeout,
+    PlanError,
+    ScheduleError,
+    SharedParameterError,
+    StageOutputError,
+    TrunkError,
+    TrunkUsageError,
+)
+from lightning_pipe.planning.auto_balance import AutoBalanceOptions
 
-PipeStrategy.register_strategies(StrategyRegistry)
+__version__ = "0.2.0"
 
-__version__ = "0.1.0"
-__all__ = ["PeerFailure", "PipeConfigError", "PipeStrategy", "PipelineTimeout", "__version__"]
+if find_spec("lightning") is not None:
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    from lightning_pipe.lightning import PipeStrategy
+
+    PipeStrategy.register_strategies(StrategyRegistry)
+
+__all__ = [
+    "AutoBalanceOptions", "AvgPipeOptions", "BalanceError", "CheckpointMismatchError", "LightningPipeError", "PeerFailure",
+    "PipeConfigError", "PipeMareOptions", "PipeStrategy", "PipelineTimeout", "PlanError", "ScheduleError",
+    "SharedParameterError", "StageOutputError", "TrunkError", "TrunkUsageError", "XPipeOptions", "__version__",
+]

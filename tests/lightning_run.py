@@ -193,7 +193,7 @@ def avgpipe_values(strategy: Any) -> tuple[int, int, int] | None:
     """``(parallel_pipelines, micro_batches, advance_forward)`` of an avgpipe strategy (after any tuning)."""
     if getattr(strategy, "schedule", None) != "avgpipe":
         return None
-    return strategy.avg_options.parallel_pipelines, strategy.micro_batches, strategy.avg_options.advance_forward
+    return strategy.options.avgpipe.parallel_pipelines, strategy.micro_batches, strategy.options.avgpipe.advance_forward
 
 
 if __name__ == "__main__":

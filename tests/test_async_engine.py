@@ -11,18 +11,19 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_pipe.async_options import AsyncOptions
-from lightning_pipe.emulation import AsyncEmulator
+from lightning_pipe.engine.policies import AsyncOptions, PipeMareOptions, XPipeOptions
+from tests.reference.async_reference import AsyncEmulator
 from lightning_pipe.engine import Executor, SequentialStage, Transport, Watchdog, split_micro_batches
-from lightning_pipe.engine.weights import POLICIES
+from lightning_pipe.registry import SCHEDULES
 from lightning_pipe.partition import resolve_balance, stage_bounds
-from lightning_pipe.schedules import ASYNC_SCHEDULES, async_schedule
+from lightning_pipe.registry import names
+from lightning_pipe.schedules import async_schedule
 from tests.distributed import run_workers, values
 
 pytestmark = pytest.mark.multiprocess
 
 SEGMENTS = (3, 2)  # windows per segment: a drain after 3 Lightning steps, then 2 more and a drain
-OPTIONS = AsyncOptions(pipemare_lr_warmup_steps=4)  # T1 still rescheduling during the test
+OPTIONS = AsyncOptions(PipeMareOptions(lr_warmup_steps=4))  # T1 still rescheduling during the test
 
 
 def make_trunk(stages: int) -> nn.Sequential:
@@ -50,7 +51,7 @@ def stage_modules(trunk: nn.Sequential, stages: int) -> list[nn.Sequential]:
     return [trunk[a:b] for a, b in stage_bounds(resolve_balance("uniform", trunk, stages))]
 
 
-CASES = [c for c in itertools.product(ASYNC_SCHEDULES, (1, 2, 4), ("sgd", "adam"))]
+CASES = [c for c in itertools.product(names("asynchronous"), (1, 2, 4), ("sgd", "adam"))]
 
 
 def distributed(rank: int, world: int) -> dict:
@@ -61,7 +62,7 @@ def distributed(rank: int, world: int) -> dict:
             continue
         module = stage_modules(make_trunk(world), world)[rank]
         optimizer = make_optimizer(optimizer_kind, module.parameters())
-        policy = POLICIES[name](module, optimizer, rank, world, micro_batches, OPTIONS)
+        policy = SCHEDULES[name].policy(module, optimizer, rank, world, micro_batches, OPTIONS)
         stage = SequentialStage(module, input_fn=(lambda mb: mb[0]) if rank == 0 else None,
                                 loss_fn=loss_fn if rank == world - 1 else None)
         executor = Executor(rank, list(range(world)), [stage], Transport(torch.device("cpu")),
@@ -119,11 +120,11 @@ def test_distributed_equals_reference(world):
 
 
 def copy_bound(name: str, stage: int, stages: int, micro_batches: int) -> int:
-    """Weight copies beyond the module's parameters, ALGORITHMS.md section 11."""
+    """Weight copies beyond the module's parameters, docs/algorithms.md §11."""
     warmup = stages - 1 - stage
     return {
         "pipedream": -(-warmup // micro_batches) + 1,  # tau_bar + 1 stashed versions
         "pipedream_2bw": 2,
-        "pipemare": 1 + OPTIONS.pipemare_correction,  # masters (+ velocity)
+        "pipemare": 1 + OPTIONS.pipemare.correction,  # masters (+ velocity)
         "xpipe": 3,  # masters + forward and backward predictions
     }[name]

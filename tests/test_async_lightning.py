@@ -6,8 +6,8 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_pipe.async_options import AsyncOptions
-from lightning_pipe.emulation import AsyncEmulator
+from lightning_pipe.engine.policies import AsyncOptions, PipeMareOptions, XPipeOptions
+from tests.reference.async_reference import AsyncEmulator
 from lightning_pipe.engine import split_micro_batches
 from tests.launch import launch
 from tests.lightning_run import TrunkModel, make_data
@@ -15,7 +15,7 @@ from tests.lightning_run import TrunkModel, make_data
 pytestmark = pytest.mark.multiprocess
 
 EPOCHS, BATCH, MICRO = 2, 16, 4
-OPTIONS = {"pipemare_lr_warmup_steps": 5}
+OPTIONS = {"pipemare": {"lr_warmup_steps": 5}}
 
 
 def reference(schedule: str, clip: float, interval: str) -> tuple[list[float], dict]:
@@ -27,7 +27,7 @@ def reference(schedule: str, clip: float, interval: str) -> tuple[list[float], d
     schedulers = [torch.optim.lr_scheduler.StepLR(o, step_size=2, gamma=0.5) for o in optimizers]
     per_step = schedulers if interval == "step" else None  # epoch schedulers: stepped below, after the drain
     emulator = AsyncEmulator(schedule, stages, optimizers, MICRO, lambda mb: mb[0],
-                             lambda out, mb: nn.functional.cross_entropy(out, mb[1]), AsyncOptions(**OPTIONS),
+                             lambda out, mb: nn.functional.cross_entropy(out, mb[1]), AsyncOptions(PipeMareOptions(**OPTIONS["pipemare"])),
                              per_step, clip_val=clip)
     x, y = make_data().tensors
     losses = []

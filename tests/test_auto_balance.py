@@ -22,7 +22,7 @@ def test_auto_balance_cuts_identically_and_equals_one_device(tmp_path):
     reference = train(common)
     code, output, records = launch({
         **common, "devices": 2,
-        "strategy": {"schedule": "1f1b", "micro_batches": 4, "balance": "auto", "profile_cache": str(cache)},
+        "strategy": {"schedule": "1f1b", "micro_batches": 4, "balance": "auto", "auto_balance": {"profile_cache": str(cache)}},
     })
     assert code == 0, output[-3000:]
     counts = [r["counts"] for r in records]
@@ -81,7 +81,8 @@ def test_profiling_at_setup_changes_nothing_about_the_run(tmp_path):
     emulating 2 stages)."""
     from lightning_pipe import PipeStrategy
 
-    strategy = PipeStrategy(schedule="1f1b", micro_batches=2, stages=2, balance="auto", profile_cache=str(tmp_path / "p.json"))
+    strategy = PipeStrategy(schedule="1f1b", micro_batches=2, stages=2, balance="auto",
+                            auto_balance={"profile_cache": str(tmp_path / "p.json")})
     losses, state = _fit(strategy)
     assert len(strategy._counts) == 2 and sum(strategy._counts) == 5 and strategy._plan is not None
     want_losses, want_state = _fit(PipeStrategy(schedule="1f1b", micro_batches=2, stages=2, balance=strategy._counts))
@@ -93,7 +94,8 @@ def test_profiling_at_setup_changes_nothing_about_the_run(tmp_path):
 def test_nothing_fits_the_memory_limit_fails_at_setup_with_the_smallest_need():
     from lightning_pipe import PipeConfigError, PipeStrategy
 
-    strategy = PipeStrategy(schedule="1f1b", micro_batches=2, stages=2, balance="auto", auto_balance_memory=2.0**-20)
+    strategy = PipeStrategy(schedule="1f1b", micro_batches=2, stages=2, balance="auto",
+                            auto_balance={"memory_gib": 2.0**-20})
     with pytest.raises(PipeConfigError, match=r"no split of 5 layers over 2 stages fits 1\.0 KiB per device; the smallest "
                                               r"needs [\d.]+ KiB: balance=\[\d, \d\] with schedule='1f1b', micro_batches=2"):
         _fit(strategy)
@@ -102,7 +104,8 @@ def test_nothing_fits_the_memory_limit_fails_at_setup_with_the_smallest_need():
 def test_a_resumed_run_keeps_the_checkpoints_split(tmp_path, monkeypatch):
     """A checkpoint records the split; resuming with balance="auto" adopts it instead of profiling
     again (a new profile or refinement could choose another split than the stages' saved state)."""
-    from lightning_pipe import PipeStrategy, auto_balance
+    from lightning_pipe import PipeStrategy
+    from lightning_pipe.planning import auto_balance
 
     strategy = PipeStrategy(schedule="1f1b", micro_batches=2, stages=2, balance="auto")
     trainer = L.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=2, logger=False,
@@ -111,8 +114,7 @@ def test_a_resumed_run_keeps_the_checkpoints_split(tmp_path, monkeypatch):
     path = str(tmp_path / "auto.ckpt")
     trainer.save_checkpoint(path)
     assert torch.load(path, weights_only=False)["pipe_balance"] == strategy._counts
-    monkeypatch.setattr(auto_balance, "profile_and_split", lambda *a, **k: pytest.fail("planned again"))
-    monkeypatch.setattr("lightning_pipe.strategy.profile_and_split", lambda *a, **k: pytest.fail("planned again"))
+    monkeypatch.setattr(auto_balance, "split_by_profile", lambda *a, **k: pytest.fail("planned again"))
     resumed = PipeStrategy(schedule="1f1b", micro_batches=2, stages=2, balance="auto")
     trainer = L.Trainer(accelerator="cpu", devices=1, strategy=resumed, max_steps=4, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)

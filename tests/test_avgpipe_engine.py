@@ -11,9 +11,9 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_pipe.avg_emulation import AvgPipeReference
+from tests.reference.avgpipe_reference import AvgPipeReference
 from lightning_pipe.engine import Executor, SequentialStage, Transport, Watchdog, split_micro_batches
-from lightning_pipe.engine.averaging import ElasticAveraging
+from lightning_pipe.engine.policies import ElasticAveraging
 from lightning_pipe.partition import resolve_balance, stage_bounds
 from lightning_pipe.schedules import averaging_order, build_avgpipe
 from tests.distributed import run_workers, values

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_pipe.avg_emulation import AvgPipeReference
+from tests.reference.avgpipe_reference import AvgPipeReference
 from lightning_pipe.engine import split_micro_batches
 from lightning_pipe.schedules import averaging_order, build_avgpipe
 from tests.launch import launch
@@ -20,7 +20,7 @@ from tests.lightning_run import TrunkModel, make_data
 pytestmark = pytest.mark.multiprocess
 
 EPOCHS, BATCH, MICRO, REPLICAS = 2, 16, 2, 2
-STRATEGY = {"schedule": "avgpipe", "micro_batches": MICRO, "parallel_pipelines": REPLICAS, "advance_forward": 1}
+STRATEGY = {"schedule": "avgpipe", "micro_batches": MICRO, "avgpipe": {"parallel_pipelines": REPLICAS, "advance_forward": 1}}
 OWNERS = (("pre.", "model.0.", "model.2.", "model.4."), ("model.6.", "model.8.", "model.10.", "head."))
 
 
@@ -30,7 +30,7 @@ def reference() -> tuple[list[float], TrunkModel, AvgPipeReference]:
     stages = [nn.Sequential(model.pre, nn.ReLU(), *model.model[:half]), nn.Sequential(*model.model[half:], model.head)]
     ref = AvgPipeReference(stages, lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9), REPLICAS, lambda mb: mb[0],
                            lambda out, mb: F.cross_entropy(out, mb[1]))
-    order = averaging_order(build_avgpipe(2, MICRO, REPLICAS, STRATEGY["advance_forward"]))
+    order = averaging_order(build_avgpipe(2, MICRO, REPLICAS, STRATEGY["avgpipe"]["advance_forward"]))
     x, y = make_data().tensors
     losses = []
     for _ in range(EPOCHS):
@@ -84,7 +84,7 @@ def test_lightning_equals_reference_and_resumes_exactly(tmp_path):
 def test_auto_options_are_tried_on_both_processes_and_agreed():
     """All avgpipe options "auto" on 2 processes: rank 0 predicts, both ranks run the trials of the
     best three over the real transport, and both adopt the fastest and train with it."""
-    auto = {"schedule": "avgpipe", "parallel_pipelines": "auto", "micro_batches": "auto", "advance_forward": "auto"}
+    auto = {"schedule": "avgpipe", "micro_batches": "auto", "avgpipe": {"parallel_pipelines": "auto", "advance_forward": "auto"}}
     code, output, records = launch({"devices": 2, "batch_size": BATCH, "strategy": auto, "epochs": 1,
                                     "trainer": {"enable_model_summary": True}})
     assert code == 0, output[-3000:]

@@ -1,4 +1,4 @@
-"""avgpipe's schedule as data: per-replica lists from ALGORITHMS.md section 10 and the device merge.
+"""avgpipe's schedule as data: per-replica lists from docs/algorithms.md §10 and the device merge.
 
 Pure Python, no processes.
 """
@@ -10,9 +10,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from lightning_pipe.schedules import (
-    Action, Kind, MergeCosts, Schedule, ScheduleError, avgpipe_replica, build_avgpipe, build_schedule, validate,
+    Action, Kind, MergeCosts, Schedule, ScheduleError, avgpipe_replica, build_avgpipe, validate,
     with_communication,
 )
+from lightning_pipe.registry import build_schedule
 from lightning_pipe.schedules.avgpipe import warmup_forwards
 
 FAST = settings(max_examples=80, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
@@ -84,18 +85,32 @@ def test_strategy_name_and_option_errors():
     import lightning as L
 
     from lightning_pipe import PipeStrategy
-    from lightning_pipe.config import PipeConfigError
+    from lightning_pipe.errors import PipeConfigError
 
     trainer = L.Trainer(strategy="avgpipe", accelerator="cpu", devices=2, logger=False)
-    assert trainer.strategy.schedule == "avgpipe" and trainer.strategy.avg_options.resolved_alpha == pytest.approx(0.45)
-    for bad, message in [({"avgpipe_alpha": 1.5}, "avgpipe_alpha=1.5 must lie in"),
+    assert trainer.strategy.schedule == "avgpipe" and trainer.strategy.options.avgpipe.resolved_alpha == pytest.approx(0.45)
+    for bad, message in [({"alpha": 1.5}, "alpha=1.5 must lie in"),
                          ({"parallel_pipelines": 0}, "parallel_pipelines=0 must be at least 1"),
-                         ({"avgpipe_period": 0}, "avgpipe_period=0 must be at least 1"),
-                         ({"avgpipe_averaging": "both"}, "must be 'async' or 'sync'"),
+                         ({"period": 0}, "period=0 must be at least 1"),
+                         ({"averaging": "both"}, "must be 'async' or 'sync'"),
                          ({"advance_forward": -1}, "advance_forward=-1 must be at least 0"),
-                         ({"avgpipe_trials": -1}, "avgpipe_trials=-1 must be at least 0")]:
+                         ({"trials": -1}, "trials=-1 must be at least 0")]:
         with pytest.raises(PipeConfigError, match=message):
-            PipeStrategy(schedule="avgpipe", **bad)
-    for name in ("parallel_pipelines", "advance_forward", "micro_batches"):  # "auto" is avgpipe's tuner
+            PipeStrategy(schedule="avgpipe", avgpipe=bad)
+    with pytest.raises(PipeConfigError, match="micro_batches='auto' needs schedule='avgpipe'"):  # "auto" is avgpipe's tuner
+        PipeStrategy(schedule="1f1b", micro_batches="auto")
+    for name in ("parallel_pipelines", "advance_forward"):
         with pytest.raises(PipeConfigError, match=f"{name}='auto' needs schedule='avgpipe'"):
-            PipeStrategy(schedule="1f1b", **{name: "auto"})
+            PipeStrategy(schedule="1f1b", avgpipe={name: "auto"})
+
+
+def test_flat_option_names_of_0_1_still_work_with_a_warning():
+    """The 0.1 names (``avgpipe_alpha=...``) map onto the groups for one release, with a FutureWarning."""
+    from lightning_pipe import AvgPipeOptions, PipeStrategy
+
+    with pytest.warns(FutureWarning, match=r"avgpipe_alpha=\.\.\.\) is deprecated .* avgpipe=AvgPipeOptions\(alpha=\.\.\.\)"):
+        strategy = PipeStrategy(schedule="avgpipe", avgpipe_alpha=0.5, parallel_pipelines=3)
+    assert strategy.options.avgpipe == AvgPipeOptions(parallel_pipelines=3, alpha=0.5)
+    with pytest.warns(FutureWarning, match="pipemare=PipeMareOptions"):
+        strategy = PipeStrategy(schedule="pipemare", pipemare_correction=False)
+    assert strategy.options.pipemare.correction is False

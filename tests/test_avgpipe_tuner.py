@@ -7,13 +7,13 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_pipe.avg_autotune import Choice, describe
-from lightning_pipe.avg_trials import TrialStage, fastest, measure_candidates
-from lightning_pipe.avg_tuner import Candidate, fit_line, fit_stages, predict, profile_step, tune
+from lightning_pipe.planning.avgpipe_autotune import Choice, describe
+from lightning_pipe.planning.avgpipe_trials import TrialStage, fastest, measure_candidates
+from lightning_pipe.planning.avgpipe_tuner import Candidate, fit_line, fit_stages, predict, profile_step, tune
 from lightning_pipe.engine import Transport, Watchdog
-from lightning_pipe.partition.profile import LayerProfile, Profile
+from lightning_pipe.planning.profile import LayerProfile, Profile
 from lightning_pipe.schedules import MergeCosts, build_avgpipe
-from lightning_pipe.simulate import Costs, simulate
+from lightning_pipe.sim.simulate import Costs, simulate
 from tests.distributed import run_workers, values
 
 
@@ -142,31 +142,33 @@ def test_auto_trains_exactly_like_the_chosen_values_given_by_hand(tmp_path, monk
     """All three avgpipe options "auto" (one process, one stage): profiling, prediction and trials
     leave no trace, so training equals the chosen values given by hand; a checkpoint stores them and
     a resumed "auto" run adopts them without tuning again."""
-    from lightning_pipe import PipeStrategy, avg_autotune
+    from lightning_pipe import PipeStrategy
+    from lightning_pipe.lightning import auto as lightning_auto
+    from lightning_pipe.planning import avgpipe_autotune as avg_autotune
 
-    auto = PipeStrategy(schedule="avgpipe", parallel_pipelines="auto", micro_batches="auto", advance_forward="auto")
+    auto = PipeStrategy(schedule="avgpipe", micro_batches="auto", avgpipe={"parallel_pipelines": "auto", "advance_forward": "auto"})
     trainer, losses = _fit(auto)
-    n, m, a = auto.avg_options.parallel_pipelines, auto.micro_batches, auto.avg_options.advance_forward
+    n, m, a = auto.options.avgpipe.parallel_pipelines, auto.micro_batches, auto.options.avgpipe.advance_forward
     assert 1 <= n <= 4 and 16 % n == 0 and (16 // n) % m == 0 and a in avg_autotune.ADVANCES, (n, m, a)
-    assert trainer.global_step == 3 and auto._avg.policy.replicas == n
-    _, by_hand = _fit(PipeStrategy(schedule="avgpipe", parallel_pipelines=n, micro_batches=m, advance_forward=a))
+    assert trainer.global_step == 3 and auto._runtime.rounds.policy.replicas == n
+    _, by_hand = _fit(PipeStrategy(schedule="avgpipe", micro_batches=m, avgpipe={"parallel_pipelines": n, "advance_forward": a}))
     assert losses == by_hand
 
     path = str(tmp_path / "auto.ckpt")
     trainer.save_checkpoint(path)
     assert torch.load(path, weights_only=False)[avg_autotune.CHECKPOINT_KEY] == {
         "parallel_pipelines": n, "micro_batches": m, "advance_forward": a}
-    monkeypatch.setattr(avg_autotune, "predict_candidates", lambda *args, **kwargs: pytest.fail("tuned again"))
-    resumed = PipeStrategy(schedule="avgpipe", parallel_pipelines="auto", micro_batches="auto", advance_forward="auto")
+    monkeypatch.setattr(lightning_auto, "predict_candidates", lambda *args, **kwargs: pytest.fail("tuned again"))
+    resumed = PipeStrategy(schedule="avgpipe", micro_batches="auto", avgpipe={"parallel_pipelines": "auto", "advance_forward": "auto"})
     trainer, _ = _fit(resumed, ckpt_path=path, steps=4)
-    assert (resumed.avg_options.parallel_pipelines, resumed.micro_batches, resumed.avg_options.advance_forward) == (n, m, a)
+    assert (resumed.options.avgpipe.parallel_pipelines, resumed.micro_batches, resumed.options.avgpipe.advance_forward) == (n, m, a)
     assert trainer.global_step == 4
 
 
 def test_the_users_optimizer_class_is_rebuilt_from_its_defaults():
     """Trials and the STEP profile rebuild the user's optimizer from its class and defaults; torch's
     AdamW keeps a ``decoupled_weight_decay`` default its constructor refuses."""
-    from lightning_pipe.avg_autotune import optimizer_factory, optimizer_spec
+    from lightning_pipe.planning.avgpipe_autotune import optimizer_factory, optimizer_spec
 
     layer = nn.Linear(4, 4)
     for optimizer in (torch.optim.AdamW(layer.parameters(), lr=3e-3, weight_decay=0.1),

@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from lightning_pipe.checkpoint import CheckpointMismatchError
+from lightning_pipe.errors import CheckpointMismatchError
 from tests.launch import launch
 from tests.lightning_run import TrunkModel, make_data, train
 
@@ -82,7 +82,7 @@ def test_checkpoint_of_another_model_names_the_keys(tmp_path):
     assert code != 0
     assert "the checkpoint does not match the model: unexpected keys [model.12.weight, model.12.bias]" in output
     with pytest.raises(CheckpointMismatchError):
-        from lightning_pipe.checkpoint import check_keys
+        from lightning_pipe.lightning.checkpointing import check_keys
 
         check_keys(["a"], ["b"])
     assert os.path.exists(ckpt)

@@ -14,8 +14,8 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
-from lightning_pipe.async_options import AsyncOptions
-from lightning_pipe.emulation import AsyncEmulator, pipemare_lr_factor, round_half_up, xpipe_distances
+from lightning_pipe.engine.policies import AsyncOptions, PipeMareOptions, XPipeOptions
+from tests.reference.async_reference import AsyncEmulator, pipemare_lr_factor, round_half_up, xpipe_distances
 
 SCHEDULES = ("pipedream", "pipedream_2bw", "pipemare", "xpipe")
 
@@ -94,7 +94,7 @@ def test_single_stage_is_plain_minibatch_training(schedule, M, opt_kind):
     emu_sched = torch.optim.lr_scheduler.StepLR(emu_opt, step_size=2, gamma=0.5)
     emu = AsyncEmulator(
         schedule, [emu_stage], [emu_opt], M, input_fn, mse,
-        options=AsyncOptions(pipemare_lr_reschedule=True, pipemare_correction=True, pipemare_lr_warmup_steps=3),
+        options=AsyncOptions(PipeMareOptions(lr_reschedule=True, correction=True, lr_warmup_steps=3)),
         schedulers=[emu_sched], clip_val=0.5, clip_algorithm="norm",
     )
 
@@ -318,7 +318,7 @@ def test_pipemare_scalar_trace_M1_P2(correction):
         b.append(b[g] - LR * dz * y)
         a.append(a[g] - LR * dz * b[g] * 2 * a_bwd * x)  # live: backward reads w at B time, activation from F
         delta.append(gamma * delta[g] + (1 - gamma) * (a[g + 1] - a[g]))
-    options = AsyncOptions(pipemare_correction=correction, pipemare_correction_decay=gamma)
+    options = AsyncOptions(PipeMareOptions(correction=correction, correction_decay=gamma))
     emu, losses, trace, final = run_scalar("pipemare", Square(1.2), T, options=options)
     assert losses == pytest.approx(expected_losses, abs=1e-12)
     assert trace == pytest.approx([v for t in range(T) for v in (a[t], b[t + 1])], abs=1e-12)
@@ -356,7 +356,7 @@ def test_pipemare_scalar_trace_M1_P3_with_T1_and_T2():
     stages = [Square(1.2), Scale(0.7), Scale(-0.8)]
     emu = AsyncEmulator(
         "pipemare", stages, [torch.optim.SGD(s.parameters(), lr=LR) for s in stages], 1, input_fn, scalar_loss,
-        options=AsyncOptions(pipemare_lr_warmup_steps=K, pipemare_correction_decay=gamma),
+        options=AsyncOptions(PipeMareOptions(lr_warmup_steps=K, correction_decay=gamma)),
     )
     data = scalar_stream(T)
     losses = []
@@ -483,7 +483,7 @@ def run_segments(emu: AsyncEmulator, M: int, segments=(8, 3), seed: int = 1) -> 
 def test_weight_copies_within_section_11_bounds(schedule):
     for P, M in valid_shapes(schedule):
         for correction in ([False, True] if schedule == "pipemare" else [True]):
-            emu = emulator(schedule, mlp_stages(P), "adam", M, options=AsyncOptions(pipemare_correction=correction))
+            emu = emulator(schedule, mlp_stages(P), "adam", M, options=AsyncOptions(PipeMareOptions(correction=correction)))
             run_segments(emu, M)
             copies = emu.weight_copies
             for s in range(P):
@@ -576,7 +576,7 @@ def test_pipemare_lr_reschedule():
     opts = [torch.optim.SGD(s.parameters(), lr=LR) for s in stages]
     emu = AsyncEmulator(
         "pipemare", stages, opts, M, input_fn, lambda out, mb: out.sum(),
-        options=AsyncOptions(pipemare_lr_warmup_steps=K),
+        options=AsyncOptions(PipeMareOptions(lr_warmup_steps=K)),
     )
     for t in range(T):
         emu.train_window([(torch.tensor(float(t), dtype=torch.float64), None)])

@@ -7,14 +7,14 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_pipe.async_options import AsyncOptions
-from lightning_pipe.emulation import AsyncEmulator
+from lightning_pipe.engine.policies import AsyncOptions, PipeMareOptions, XPipeOptions
+from tests.reference.async_reference import AsyncEmulator
 from lightning_pipe.engine import split_micro_batches
 from lightning_pipe.partition import resolve_balance, stage_bounds
 from tests.lightning_run import TrunkModel, make_data, train
 
 EPOCHS, BATCH = 2, 16
-OPTIONS = {"pipemare_lr_warmup_steps": 5}
+OPTIONS = {"pipemare": {"lr_warmup_steps": 5}}
 
 
 def reference_stages(model: TrunkModel, stages: int) -> list[nn.Module]:
@@ -32,7 +32,7 @@ def emulator_for(model: TrunkModel, schedule: str, stages: int, micro: int, clip
     optimizers = optimizers or [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in modules]
     schedulers = [torch.optim.lr_scheduler.StepLR(o, step_size=2, gamma=0.5) for o in optimizers] if interval else []
     emulator = AsyncEmulator(schedule, modules, optimizers, micro, lambda mb: mb[0],
-                             lambda out, mb: nn.functional.cross_entropy(out, mb[1]), AsyncOptions(**OPTIONS),
+                             lambda out, mb: nn.functional.cross_entropy(out, mb[1]), AsyncOptions(PipeMareOptions(**OPTIONS["pipemare"])),
                              schedulers if interval == "step" else None, clip_val=clip)
     return emulator, schedulers
 

@@ -8,7 +8,7 @@ from torch import nn
 
 from lightning_pipe.engine import Executor, SequentialStage, Transport, Watchdog, split_micro_batches
 from lightning_pipe.partition import resolve_balance, stage_bounds
-from lightning_pipe.schedules import build_schedule
+from lightning_pipe.registry import build_schedule
 from tests.distributed import run_workers, values
 
 pytestmark = pytest.mark.multiprocess

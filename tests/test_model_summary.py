@@ -6,7 +6,7 @@ import lightning as L
 import torch
 from lightning.pytorch.callbacks import ModelSummary
 
-from lightning_pipe.model_summary import freeze_model_summaries
+from lightning_pipe.lightning.model_summary import freeze_model_summaries
 from lightning_pipe.partition.split import PartitionedTrunk
 from tests.lightning_run import TrunkModel
 

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from lightning_pipe.partition import BalanceError, min_max_split, resolve_balance, stage_bounds
-from lightning_pipe.partition.split import PartitionedTrunk, StageStop, TrunkUsageError
+from lightning_pipe.errors import BalanceError, TrunkUsageError
+from lightning_pipe.partition import min_max_split, resolve_balance, stage_bounds
+from lightning_pipe.partition.split import PartitionedTrunk, StageStop
 
 
 def trunk(n: int = 6) -> nn.Sequential:
@@ -52,12 +55,11 @@ def test_balance_modes():
 @given(st.lists(st.integers(0, 50), min_size=1, max_size=12), st.integers(1, 12))
 def test_min_max_split_is_optimal(costs, parts):
     parts = min(parts, len(costs))
-    counts = min_max_split(costs, parts)
+    prefix = [0, *itertools.accumulate(costs)]
+    _, counts = min_max_split(len(costs), parts, lambda i, j, d: prefix[j] - prefix[i], ties="earlier")
     assert len(counts) == parts and sum(counts) == len(costs) and min(counts) >= 1
     worst = max(sum(costs[a:b]) for a, b in stage_bounds(counts))
     # brute force over all contiguous splits
-    import itertools
-
     best = min(
         max(sum(costs[a:b]) for a, b in zip((0, *cuts), (*cuts, len(costs))))
         for cuts in itertools.combinations(range(1, len(costs)), parts - 1)

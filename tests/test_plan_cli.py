@@ -10,7 +10,8 @@ import pytest
 import lightning as L
 from torch.utils.data import DataLoader
 
-from lightning_pipe.plan_cli import main, plan
+from lightning_pipe.cli import main
+from lightning_pipe.cli.plan import plan
 from tests.lightning_run import TrunkModel, make_data
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -59,7 +60,7 @@ def test_plan_reports_the_best_plan_and_errors_without_a_batch():
 def test_plan_tunes_avgpipe_like_the_strategy_and_compares_it(tmp_path):
     """Named among the schedules, avgpipe gets the tuner's best N >= 2, M and advance on 1F1B's split,
     predicted exactly as ``parallel_pipelines="auto"`` predicts it, in the same table."""
-    from lightning_pipe import avg_tuner
+    from lightning_pipe.planning import avgpipe_tuner as avg_tuner
 
     report = plan(TrunkModel(depth=4), stages=2, batch_shape=[16, 8], schedules=["1f1b", "avgpipe"],
                   micro_batches=[2, 4], timeline=None, repeats=1, max_parallel_pipelines=4, advance_forward=[0, 1])
@@ -113,7 +114,7 @@ def test_plan_takes_the_batch_from_a_datamodule_through_training_step():
 def test_console_script_is_declared_and_documents_its_options(capsys):
     with open(os.path.join(ROOT, "pyproject.toml")) as handle:  # tomllib needs Python 3.11
         pyproject = handle.read()
-    assert '[project.scripts]\nlightning-pipe = "lightning_pipe.plan_cli:main"' in pyproject
+    assert '[project.scripts]\nlightning-pipe = "lightning_pipe.cli:main"' in pyproject
     with pytest.raises(SystemExit) as done:
         main(["plan", "--help"])
     assert done.value.code == 0

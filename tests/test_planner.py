@@ -11,11 +11,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from lightning_pipe.partition.planner import (
+from lightning_pipe.planning.planner import (
     GIB, Machine, PlanError, evaluate, explore, fixed_plan, in_flight, min_max_split, plan, refine_split, refinement_move,
     split_for,
 )
-from lightning_pipe.partition.profile import LayerProfile, Profile, capture_trunk_input, interpolate, profile_trunk
+from lightning_pipe.planning.profile import LayerProfile, Profile, capture_trunk_input, interpolate, profile_trunk
 
 
 # ---------------------------------------------------------------------------------- profiler
@@ -50,7 +50,7 @@ def test_profile_fields_are_positive_and_the_cache_skips_measuring(tmp_path):
 
 
 def test_layers_off_the_device_are_profiled_as_copies_one_at_a_time(monkeypatch):
-    from lightning_pipe.partition import profile as profile_module
+    from lightning_pipe.planning import profile as profile_module
 
     monkeypatch.setattr(profile_module, "_on", lambda layer, device: False)  # as if the trunk sat on another device
     trunk = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Linear(16, 4))

@@ -1,4 +1,4 @@
-"""Schedule IR: generators against ALGORITHMS.md sections 2-4, and the validator against broken schedules.
+"""Schedule IR: generators against docs/algorithms.md §2-4, and the validator against broken schedules.
 
 Expected action orders are written from the formulas in the spec, not by calling the generators.
 Everything here is pure Python (no torch, no processes) and runs in a few seconds.
@@ -13,6 +13,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from lightning_pipe.registry import build_schedule
 from lightning_pipe.schedules import (
     STEP,
     Action,
@@ -21,7 +22,6 @@ from lightning_pipe.schedules import (
     Kind,
     Schedule,
     ScheduleError,
-    build_schedule,
     dry_run,
     validate,
     with_communication,
@@ -272,12 +272,12 @@ def test_flush_schedules_reject_chunks(name):
 
 
 def test_unknown_schedule_name():
-    with pytest.raises(ValueError, match="unknown schedule"):
+    with pytest.raises(ValueError, match="is not available"):
         build_schedule("zero_bubble", 2, 4)
 
 
 # ---------------------------------------------------------------------------------------------------
-# 2. Exact action orders (ALGORITHMS.md sections 2-4)
+# 2. Exact action orders (docs/algorithms.md §2-4)
 # ---------------------------------------------------------------------------------------------------
 
 

@@ -8,9 +8,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lightning_pipe.plot import chrome_trace, timeline_png
-from lightning_pipe.schedules import ASYNC_SCHEDULES, STEP, B, F, Kind, Schedule, ScheduleError, build_schedule
-from lightning_pipe.simulate import (
+from lightning_pipe.sim.plot import chrome_trace, timeline_png
+from lightning_pipe.registry import build_schedule, names
+from lightning_pipe.schedules import STEP, B, F, Kind, Schedule, ScheduleError
+
+ASYNC_SCHEDULES = names("asynchronous")
+from lightning_pipe.sim.simulate import (
     Costs, TimedAction, closed_form_step_time, measured_costs, simulate, simulate_async, weight_copies,
 )
 
@@ -24,7 +27,7 @@ def test_flush_step_time_is_the_closed_form(name: str, stages: int, micro_batche
     expected = closed_form_step_time(name, [f + b] * stages, micro_batches)
     assert sim.step_time == pytest.approx(expected, rel=1e-9)
     assert expected == pytest.approx((micro_batches + stages - 1) * (f + b))
-    # the idle fraction of ALGORITHMS.md section 2
+    # the idle fraction of docs/algorithms.md §2
     assert sim.bubble_fraction == pytest.approx((stages - 1) / (micro_batches + stages - 1), abs=1e-9)
     assert sim.busy == pytest.approx([micro_batches * (f + b)] * stages)
 
@@ -75,7 +78,7 @@ def test_async_steady_state_has_no_bubble(name: str, stages: int, micro_batches:
         micro_batches = stages
     f, b = [t[0] for t in times[:stages]], [t[1] for t in times[:stages]]
     sim = simulate_async(name, stages, micro_batches, Costs(f, b))
-    # ALGORITHMS.md section 5: time per micro-batch is the slowest stage's F + B
+    # docs/algorithms.md §5: time per micro-batch is the slowest stage's F + B
     worst = max(x + y for x, y in zip(f, b))
     assert sim.step_time == pytest.approx(micro_batches * worst, rel=1e-9)
     assert sim.step_time == pytest.approx(closed_form_step_time(name, [x + y for x, y in zip(f, b)], micro_batches))
@@ -135,7 +138,7 @@ def test_pictures_are_written(tmp_path) -> None:
 
 
 def test_command_line_entry(tmp_path, capsys) -> None:
-    from lightning_pipe.simulate_cli import main
+    from lightning_pipe.cli.simulate import simulate_schedule as main
 
     sim = main(schedule="xpipe", stages=2, micro_batches=2, png=str(tmp_path / "x.png"), trace=str(tmp_path / "x.json"))
     assert sim.step_time == pytest.approx(2 * 3e-3)
@@ -177,7 +180,7 @@ def test_command_line_takes_the_costs_of_a_measured_run(tmp_path, capsys) -> Non
     """``--costs_from trace_dir``: the per-stage costs recorded in a run (here a simulated one written
     as PipeStrategy(trace_dir=...) writes it) drive the simulation of another schedule."""
     from lightning_pipe.engine import ActionRecorder
-    from lightning_pipe.simulate_cli import main
+    from lightning_pipe.cli.simulate import simulate_schedule as main
 
     costs = Costs([1e-3, 2e-3], [2e-3, 3e-3], [0.5e-3], 0.25e-3)
     for device in range(2):

@@ -10,8 +10,8 @@ import pytest
 
 from lightning_pipe import PipeConfigError, PipeStrategy
 from lightning_pipe.schedules import async_schedule
-from lightning_pipe.simulate import measured_costs
-from lightning_pipe.tracing import events_from_rows, read_trace
+from lightning_pipe.sim.simulate import measured_costs
+from lightning_pipe.sim.tracing import events_from_rows, read_trace
 from tests.launch import launch
 
 
@@ -85,7 +85,7 @@ def test_avgpipe_rounds_are_recorded_and_every_fit_records_its_own(tmp_path) -> 
         with open(trace_dir / "events-rank0.json") as f:
             return events_from_rows(json.load(f))
 
-    strategy = PipeStrategy(schedule="avgpipe", micro_batches=2, parallel_pipelines=2, trace_dir=str(trace_dir), trace_steps=2)
+    strategy = PipeStrategy(schedule="avgpipe", micro_batches=2, avgpipe={"parallel_pipelines": 2}, trace_dir=str(trace_dir), trace_steps=2)
     trainer = fit(strategy, 3)
     round_ = list(build_avgpipe(1, 2, 2).actions[0])
     events, steps = recorded()

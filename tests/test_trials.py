@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from lightning_pipe.engine import Watchdog
-from lightning_pipe.trials import measure_stage, stand_in_loss
+from lightning_pipe.planning.trials import measure_stage, stand_in_loss
 
 
 def test_a_stage_is_measured_on_copies():

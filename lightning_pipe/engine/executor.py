@@ -28,20 +28,23 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_pipe.engine.recorder import ActionRecorder
 from lightning_pipe.engine.p2p import (
-    ACTIVATION_TAG, GRADIENT_TAG, Header, TensorMeta, Transport, is_differentiable, replica_tag,
+    ACTIVATION_TAG,
+    GRADIENT_TAG,
+    Header,
+    TensorMeta,
+    Transport,
+    is_differentiable,
+    replica_tag,
 )
+from lightning_pipe.engine.policies import WeightPolicy
+from lightning_pipe.engine.recorder import ActionRecorder
 from lightning_pipe.engine.watchdog import Watchdog
-from lightning_pipe.engine.weights import WeightPolicy
+from lightning_pipe.errors import StageOutputError
 from lightning_pipe.schedules.ir import Action, Kind, Schedule
 
 StageFn = Callable[[Any, Any], Any]
 Activation = Tensor | tuple[Tensor, ...]
-
-
-class StageOutputError(TypeError):
-    """A stage returned something that cannot cross a pipeline boundary."""
 
 
 @dataclass
@@ -112,7 +115,7 @@ class Executor:
         self.chunks = list(chunks)
         self.transport = transport
         self.watchdog = watchdog or Watchdog(timeout=1800.0)
-        self.names = list(names) if names else [f"stage {schedule_device} chunk {c}" for c in range(len(chunks))]
+        self.names = list(names or [])
         self.policy = policy
         self.recorder = recorder
         self._recording: ActionRecorder | None = None
@@ -262,6 +265,9 @@ class Executor:
         else:  # pragma: no cover - new kinds must be handled explicitly
             raise NotImplementedError(kind)
 
+    def _name(self, chunk: int) -> str:
+        return self.names[chunk] if chunk < len(self.names) else f"stage {self.device_index} chunk {chunk}"
+
     def _virtual_stage(self, chunk: int) -> int:
         return self._schedule.virtual_stage(self.device_index, chunk)
 
@@ -284,10 +290,10 @@ class Executor:
                 self._outputs[(action.replica, mb)] = output
                 return
             if not isinstance(output, Tensor) or output.numel() != 1:
-                raise StageOutputError(f"{self.names[chunk]} must return a scalar loss, got {type(output).__name__}.")
+                raise StageOutputError(f"{self._name(chunk)} must return a scalar loss, got {type(output).__name__}.")
             self._outputs[(action.replica, mb)] = output.detach()
         else:
-            output = _check_output(output, self.names[chunk])
+            output = _check_output(output, self._name(chunk))
             flight.output_metas = Header.of(output).metas
         flight.output = output
         self._in_flight[(action.replica, chunk, mb)] = flight

@@ -13,8 +13,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from lightning_pipe.schedules.ir import Action
-from lightning_pipe.simulate import TimedAction
+from lightning_pipe.schedules.ir import Action, TimedAction
 
 
 class ActionRecorder:

@@ -15,14 +15,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-
-class PeerFailure(RuntimeError):
-    """Another rank of the job raised; its error message is included."""
-
-
-class PipelineTimeout(TimeoutError):
-    """A peer neither answered nor failed within the configured timeout."""
-
+from lightning_pipe.errors import PeerFailure, PipelineTimeout
 
 _ERROR_KEY = "lightning_pipe/error"
 

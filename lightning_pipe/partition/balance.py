@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
+from collections.abc import Callable, Sequence
 from itertools import accumulate
+from typing import Literal
 
 from torch import nn
 
-
-class BalanceError(ValueError):
-    """The requested split does not fit the trunk."""
+from lightning_pipe.errors import BalanceError
 
 
 def resolve_balance(balance: str | Sequence[int], layers: nn.Sequential, parts: int) -> list[int]:
@@ -33,7 +33,10 @@ def resolve_balance(balance: str | Sequence[int], layers: nn.Sequential, parts: 
             base, extra = divmod(n, parts)
             return [base + (i < extra) for i in range(parts)]
         if balance == "parameters":
-            return min_max_split([sum(p.numel() for p in layer.parameters()) for layer in layers], parts)
+            prefix = [0, *accumulate(sum(p.numel() for p in layer.parameters()) for layer in layers)]
+            found = min_max_split(n, parts, lambda i, j, d: prefix[j] - prefix[i], ties="earlier")
+            assert found is not None  # every split is feasible
+            return found[1]
         raise BalanceError(f"balance={balance!r} is not known; use 'uniform', 'parameters' or a list of layer counts.")
     counts = [int(c) for c in balance]
     if len(counts) != parts:
@@ -45,29 +48,41 @@ def resolve_balance(balance: str | Sequence[int], layers: nn.Sequential, parts: 
     return counts
 
 
-def min_max_split(costs: Sequence[float], parts: int) -> list[int]:
-    """Exact contiguous split of ``costs`` into ``parts`` non-empty runs minimising the largest sum.
+def min_max_split(
+    layers: int,
+    stages: int,
+    cost: Callable[[int, int, int], float],
+    feasible: Callable[[int, int, int], bool] = lambda i, j, d: True,
+    ties: Literal["earlier", "later"] = "later",
+) -> tuple[float, list[int]] | None:
+    """Exact min-max contiguous split of ``layers`` layers into ``stages`` non-empty stages
+    (docs/algorithms.md §12 step 1).
 
-    Dynamic program over prefix sums, ``O(parts * n^2)``; ties prefer earlier boundaries.
+    ``cost(i, j, d)`` and ``feasible(i, j, d)`` describe stage ``d`` holding layers ``i..j-1``.
+    Returns ``(bottleneck, counts)`` or ``None`` when no feasible split exists. ``O(P L^2)``
+    evaluations. Among equal bottlenecks, ``ties="later"`` puts each boundary as late as possible
+    (earlier stages take more layers), ``"earlier"`` as early as possible.
     """
-    n = len(costs)
-    prefix = [0.0, *accumulate(costs)]
-    inf = float("inf")
-    best = [[inf] * (n + 1) for _ in range(parts + 1)]
-    cut = [[0] * (n + 1) for _ in range(parts + 1)]
+    inf = math.inf
+    best = [[inf] * (layers + 1) for _ in range(stages + 1)]
+    cut = [[-1] * (layers + 1) for _ in range(stages + 1)]
     best[0][0] = 0.0
-    for k in range(1, parts + 1):
-        for j in range(k, n - (parts - k) + 1):
-            for i in range(k - 1, j):
-                cost = max(best[k - 1][i], prefix[j] - prefix[i])
-                if cost < best[k][j]:
-                    best[k][j], cut[k][j] = cost, i
-    counts, j = [], n
-    for k in range(parts, 0, -1):
-        i = cut[k][j]
+    for d in range(1, stages + 1):
+        for j in range(d, layers - (stages - d) + 1):
+            for i in range(d - 1, j):
+                if best[d - 1][i] == inf or not feasible(i, j, d - 1):
+                    continue
+                value = max(best[d - 1][i], cost(i, j, d - 1))
+                if value < best[d][j] or (ties == "later" and value == best[d][j]):
+                    best[d][j], cut[d][j] = value, i
+    if best[stages][layers] == inf:
+        return None
+    counts, j = [], layers
+    for d in range(stages, 0, -1):
+        i = cut[d][j]
         counts.append(j - i)
         j = i
-    return counts[::-1]
+    return best[stages][layers], counts[::-1]
 
 
 def stage_bounds(counts: Sequence[int]) -> list[tuple[int, int]]:

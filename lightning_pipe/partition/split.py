@@ -17,6 +17,7 @@ from typing import Any
 from torch import nn
 
 from lightning_pipe.engine.stage import run_layers
+from lightning_pipe.errors import TrunkUsageError
 
 
 class StageStop(BaseException):
@@ -28,10 +29,6 @@ class StageStop(BaseException):
     def __init__(self, output: Any) -> None:
         super().__init__("pipeline stage finished")
         self.output = output
-
-
-class TrunkUsageError(RuntimeError):
-    """The partitioned trunk was called outside a pipelined step."""
 
 
 class PartitionedTrunk:

@@ -4,9 +4,7 @@ from __future__ import annotations
 
 from torch import nn
 
-
-class TrunkError(ValueError):
-    """The module has no usable trunk, or more than one candidate."""
+from lightning_pipe.errors import TrunkError
 
 
 def find_trunk(module: nn.Module, name: str | None = None) -> tuple[str, nn.Sequential]:

@@ -1,62 +1,55 @@
-"""Pipeline schedules as data: generators of per-device action lists, and their validator."""
+"""Pipeline schedules as data: the IR, one small generator per schedule, and the validator.
+
+This package knows no schedule *names*; :mod:`lightning_pipe.registry` maps each name to its
+generator and facts. Here a generator becomes a validated :class:`Schedule`.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from functools import lru_cache
 
+from lightning_pipe.errors import ScheduleError
 from lightning_pipe.schedules.async_core import async_drain, async_window
 from lightning_pipe.schedules.avgpipe import MergeCosts, averaging_order, avgpipe_replica, build_avgpipe, merge_replicas
 from lightning_pipe.schedules.communication import with_communication
 from lightning_pipe.schedules.forward_only import forward_only as forward_only_actions
 from lightning_pipe.schedules.gpipe import gpipe
 from lightning_pipe.schedules.interleaved import interleaved_1f1b
-from lightning_pipe.schedules.ir import STEP, Action, B, F, Kind, Schedule
+from lightning_pipe.schedules.ir import STEP, Action, B, F, Kind, Schedule, TimedAction
 from lightning_pipe.schedules.one_f_one_b import one_f_one_b
-from lightning_pipe.schedules.validate import ScheduleError, dry_run, validate
+from lightning_pipe.schedules.validate import dry_run, validate
 
-#: Synchronous (flushing) schedules: one optimizer step per training step, equal to one device.
-SYNC_SCHEDULES: dict[str, Callable[..., Iterator[Action]]] = {
-    "gpipe": gpipe,
-    "1f1b": one_f_one_b,
-    "interleaved_1f1b": interleaved_1f1b,
-}
+#: ``generator(device, stages, micro_batches, chunks)``: a device's compute actions for one flushed step.
+Generator = Callable[[int, int, int, int], Iterator[Action]]
 
 
-@lru_cache(maxsize=64)
-def build_schedule(name: str, stages: int, micro_batches: int, chunks: int = 1, forward_only: bool = False) -> Schedule:
-    """Generate, add communication to and validate the named schedule.
+@lru_cache(maxsize=128)
+def flush_schedule(
+    name: str, generator: Generator, stages: int, micro_batches: int, chunks: int = 1, forward_only: bool = False
+) -> Schedule:
+    """Generate, add communication to and validate one flushed step of a synchronous schedule.
 
     Args:
-        name: one of :data:`SYNC_SCHEDULES`.
+        name: the schedule's name (carried by the result, e.g. for weight-copy counts).
+        generator: the schedule's generator (see :data:`Generator`).
         stages: devices per pipeline.
         micro_batches: micro-batches per training step.
-        chunks: chunks per device (only ``interleaved_1f1b`` uses more than one).
+        chunks: chunks (virtual stages) per device.
         forward_only: the evaluation variant (forwards only, same placement of chunks).
     """
-    if name not in SYNC_SCHEDULES:
-        raise ValueError(f"unknown schedule {name!r}; choose one of {sorted(SYNC_SCHEDULES)}.")
-    if chunks != 1 and name != "interleaved_1f1b":
-        raise ValueError(f"schedule {name!r} runs one chunk per device; got chunks={chunks}.")
-    if forward_only:
-        compute = [list(forward_only_actions(d, stages, micro_batches, chunks)) for d in range(stages)]
-    elif name == "interleaved_1f1b":
-        compute = [list(interleaved_1f1b(d, stages, micro_batches, chunks)) for d in range(stages)]
-    else:
-        compute = [list(SYNC_SCHEDULES[name](d, stages, micro_batches)) for d in range(stages)]
-    actions = tuple(with_communication(c, d, stages, chunks) for d, c in enumerate(compute))
+    make = (lambda d: forward_only_actions(d, stages, micro_batches, chunks)) if forward_only else (
+        lambda d: generator(d, stages, micro_batches, chunks))
+    actions = tuple(with_communication(list(make(d)), d, stages, chunks) for d in range(stages))
     schedule = Schedule(name, stages, micro_batches, chunks, actions, forward_only)
     validate(schedule)
     return schedule
 
 
-#: Asynchronous schedules: the async 1F1B core with a weight policy each (engine/weights.py).
-ASYNC_SCHEDULES = ("pipedream", "pipedream_2bw", "pipemare", "xpipe")
-
-
 def async_schedule(name: str, stages: int, micro_batches: int, window: int | None, windows_before_drain: int = 0) -> Schedule:
     """The actions of one asynchronous window (``window=t``) or of the drain (``window=None``,
-    after ``windows_before_drain`` windows). Micro-batch indices are segment-global."""
+    after ``windows_before_drain`` windows). Micro-batch indices are segment-global. Every
+    asynchronous schedule shares this order; ``name`` only labels the result."""
     if window is None:
         compute = [list(async_drain(d, stages, micro_batches, windows_before_drain)) for d in range(stages)]
     else:
@@ -77,9 +70,8 @@ def validate_async(name: str, stages: int, micro_batches: int, windows: int = 3)
 
 
 __all__ = [
-    "ASYNC_SCHEDULES", "async_schedule", "validate_async",
-    "MergeCosts", "averaging_order", "avgpipe_replica", "build_avgpipe", "merge_replicas",
-    "STEP", "Action", "B", "F", "Kind", "Schedule", "ScheduleError", "SYNC_SCHEDULES",
-    "build_schedule", "dry_run", "forward_only_actions", "gpipe", "interleaved_1f1b", "one_f_one_b", "validate",
-    "with_communication",
+    "STEP", "Action", "B", "F", "Generator", "Kind", "MergeCosts", "Schedule", "ScheduleError", "TimedAction",
+    "async_drain", "async_schedule", "async_window", "averaging_order", "avgpipe_replica", "build_avgpipe", "dry_run",
+    "flush_schedule", "forward_only_actions", "gpipe", "interleaved_1f1b", "merge_replicas", "one_f_one_b", "validate",
+    "validate_async", "with_communication",
 ]

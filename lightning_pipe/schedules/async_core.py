@@ -1,4 +1,4 @@
-"""The asynchronous 1F1B core (ALGORITHMS.md section 5; docs/async-semantics.md).
+"""The asynchronous 1F1B core (docs/algorithms.md §5; docs/async-semantics.md).
 
 Micro-batches form an endless stream within a segment. Stage ``s`` runs ``F(0..w_s-1)`` and then, for
 ``n = 0, 1, ...``: ``F(n + w_s)``, ``B(n)``, and STEP after every ``M``-th backward. There is no

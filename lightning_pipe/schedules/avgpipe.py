@@ -1,4 +1,4 @@
-"""avgpipe (ALGORITHMS.md section 10): N parallel pipelines on the same devices, one merged list per device.
+"""avgpipe (docs/algorithms.md §10): N parallel pipelines on the same devices, one merged list per device.
 
 Each replica (parallel pipeline) ``n`` runs a flushed 1F1B with advance forward propagation on its own
 mini-batch: stage ``s`` starts with ``k_s = min(M, w_s + a_s)`` forwards (``a_s = a`` except on the

@@ -1,4 +1,4 @@
-"""GPipe (ALGORITHMS.md section 2): all forwards, then all backwards in reverse, then STEP."""
+"""GPipe (docs/algorithms.md §2): all forwards, then all backwards in reverse, then STEP."""
 
 from __future__ import annotations
 

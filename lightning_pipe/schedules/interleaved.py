@@ -1,4 +1,4 @@
-"""Interleaved 1F1B (Megatron-LM; ALGORITHMS.md section 4).
+"""Interleaved 1F1B (Megatron-LM; docs/algorithms.md §4).
 
 Each device holds ``v`` chunks; device ``d`` owns virtual stages ``d, d + P, ..., d + (v - 1) P``.
 Forwards walk the chunks in groups of ``P`` micro-batches, backwards walk them in reverse chunk

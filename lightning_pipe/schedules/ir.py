@@ -3,7 +3,7 @@
 A schedule is data. The executor runs it, the validator proves it sound, and later the simulator and
 the timeline renderer read the very same lists, so a new schedule is one generator function.
 
-Vocabulary (ALGORITHMS.md section 0): ``P`` devices ("stages") per pipeline, each holding ``v``
+Vocabulary (docs/algorithms.md §0): ``P`` devices ("stages") per pipeline, each holding ``v``
 chunks; chunk ``c`` on device ``d`` is virtual stage ``c * P + d``; ``M`` micro-batches per step.
 """
 
@@ -123,3 +123,20 @@ class Schedule:
         return "\n".join(
             f"stage {d}: " + " ".join(map(str, self.compute_actions(d))) for d in range(self.stages)
         )
+
+
+@dataclass(frozen=True)
+class TimedAction:
+    """One action of one device with its start and end (seconds); simulated and measured alike.
+
+    For a receive, ``start``-``end`` is the time spent waiting for the message.
+    """
+
+    device: int
+    action: Action
+    start: float
+    end: float
+
+    @property
+    def duration(self) -> float:
+        return self.end - self.start

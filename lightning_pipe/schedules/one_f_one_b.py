@@ -1,4 +1,4 @@
-"""1F1B, a.k.a. PipeDream-Flush / DAPPLE (ALGORITHMS.md section 3).
+"""1F1B, a.k.a. PipeDream-Flush / DAPPLE (docs/algorithms.md §3).
 
 Stage ``s`` runs ``k_s = min(P - 1 - s, M)`` warm-up forwards, then alternates one forward with one
 backward, then drains the remaining backwards. At most ``k_s + 1`` micro-batches are in flight.

@@ -15,12 +15,9 @@ from __future__ import annotations
 
 from collections import Counter, deque
 
+from lightning_pipe.errors import ScheduleError
 from lightning_pipe.schedules.communication import peer
 from lightning_pipe.schedules.ir import Action, Kind, Schedule
-
-
-class ScheduleError(ValueError):
-    """A schedule violates one of the IR's rules."""
 
 
 def _check_steps(schedule: Schedule) -> None:

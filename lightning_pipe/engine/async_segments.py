@@ -1,0 +1,97 @@
+"""An asynchronous schedule across training steps: the window counter, the weight policy, the drain.
+
+Within a segment micro-batches stream through the pipeline without a flush (docs/algorithms.md §5):
+each training step runs one window, and a drain at the segment's end finishes what is in flight.
+The caller decides *when* to run a window or drain; this object knows *how*."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_pipe.engine.executor import Executor
+from lightning_pipe.engine.policies import AsyncOptions, Clip, WeightPolicy
+from lightning_pipe.schedules import async_schedule, validate_async
+
+
+class AsyncSegments:
+    """Runs windows of an asynchronous schedule and drains it.
+
+    Args:
+        name: the schedule's name (labels the action lists).
+        policy_class: the schedule's weight policy (:mod:`lightning_pipe.engine.policies`).
+        executor: this rank's executor (its ``policy`` is set here).
+        stage: this rank's stage; ``stages``: stages per pipeline.
+        micro_batches: micro-batches per window (fixed within a segment).
+    """
+
+    def __init__(
+        self, name: str, policy_class: type[WeightPolicy], executor: Executor, stage: int, stages: int, micro_batches: int,
+    ) -> None:
+        validate_async(name, stages, micro_batches)
+        self.name = name
+        self.policy_class = policy_class
+        self.executor = executor
+        self.stage, self.stages, self.micro_batches = stage, stages, micro_batches
+        self.window = 0
+        self.policy: WeightPolicy | None = None
+        self.policies: list[WeightPolicy] = []  # of every stage this process runs
+        self._restore: list[dict[str, Any]] | None = None  # a checkpoint's policy states, loaded at start
+
+    def start(
+        self, root: nn.Module, optimizer: torch.optim.Optimizer, options: AsyncOptions, scheduler: Any | None,
+        clip: Clip | None, steps_done: int,
+    ) -> WeightPolicy:
+        """Create the weight policy (at the first asynchronous step; ``steps_done`` on resume)."""
+        policy = self.policy_class(root, optimizer, self.stage, self.stages, self.micro_batches, options, scheduler, clip)
+        policy.steps = policy.batches_before_segment = steps_done
+        self.policy = self.executor.policy = policy
+        self.policies = [policy]
+        self.load_restored()
+        return policy
+
+    def restore(self, states: Sequence[dict[str, Any]]) -> None:
+        """Resume from a checkpoint's policy states, one per stage this process runs: now if the
+        policies exist, else when they are created (at the first asynchronous step)."""
+        self._restore = list(states)
+        if self.policies:
+            self.load_restored()
+
+    def load_restored(self) -> None:
+        """Load what :meth:`restore` was given into the policies just created."""
+        if self._restore is not None:
+            for policy, state in zip(self.policies, self._restore):
+                policy.load_state_dict(state)
+            self._restore = None
+
+    def run_window(self, micro_batches: Sequence[Any], weights: Sequence[float], scale_loss: Any = None) -> list[Any]:
+        if len(micro_batches) != self.micro_batches:
+            raise ValueError(
+                f"asynchronous schedules keep {self.micro_batches} micro-batches per batch within an epoch, got a batch "
+                f"of {len(micro_batches)} samples; set drop_last=True in the DataLoader."
+            )
+        schedule = async_schedule(self.name, self.stages, self.micro_batches, self.window)
+        outputs = self.executor.run(
+            schedule, micro_batches, weights, scale_loss=scale_loss,
+            first_micro_batch=self.window * self.micro_batches, carry_over=True,
+        )
+        self.window += 1
+        return outputs
+
+    @property
+    def in_flight(self) -> bool:
+        return self.window > 0
+
+    def drain(self) -> None:
+        """Run the outstanding backwards and STEPs; every stage ends with the same STEP count."""
+        if not self.window:
+            return
+        drain = async_schedule(self.name, self.stages, self.micro_batches, None, self.window)
+        self.executor.run(drain, [], carry_over=True)
+        self.executor.finish()
+        for policy in self.policies:
+            policy.end_segment(self.window)
+        self.window = 0

@@ -1,0 +1,99 @@
+"""Parameters outside the trunk: every stage holds a copy, only the stages that use one train it.
+
+After the first step each stage reports which of them received a gradient. A parameter used on
+several stages (an embedding tied to an LM head) gets its gradients summed across those stages, so
+all copies stay identical; every other one is owned by the stage that trains it, which is the copy
+checkpoints save and the one global-norm clipping counts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lightning_pipe.engine.collectives import all_reduce_flat
+from lightning_pipe.engine.topology import Topology
+
+
+def reject_shared(users: dict[str, list[int]], why: str, error: type[Exception]) -> None:
+    """Raise ``error`` naming every parameter used on several stages (``users``: name -> stages),
+    for schedules that step each stage's parameters on their own; ``why`` says what goes wrong."""
+    shared = sorted(name for name, stages in users.items() if len(stages) > 1)
+    if shared:
+        raise error(
+            f"parameters {', '.join(shared)} are used on several stages, {why}; untie them or use a "
+            "synchronous schedule such as '1f1b'."
+        )
+
+
+class OutsideParameters:
+    """Usage, ownership and cross-stage gradient handling of the parameters outside the trunk.
+
+    Args:
+        module: the (partitioned) LightningModule.
+        trunk_name: attribute path of the trunk.
+        topology: this rank's place in the pipelines.
+    """
+
+    def __init__(self, module: nn.Module, trunk_name: str, topology: Topology) -> None:
+        self.module = module
+        self.prefix = trunk_name + "."
+        self.topology = topology
+        self.users: dict[str, list[int]] | None = None  # parameter -> stages that use it
+
+    @property
+    def known(self) -> bool:
+        return self.users is not None
+
+    def in_trunk(self, name: str) -> bool:
+        return name.startswith(self.prefix)
+
+    def learn(self, used: Iterable[str] | None = None) -> None:
+        """Collective over the pipeline: gather which parameters each stage used (default: those
+        with a gradient now)."""
+        if used is None:
+            used = [n for n, p in self.module.named_parameters() if p.grad is not None]
+        mine = sorted(n for n in used if not self.in_trunk(n))
+        per_stage = [mine]
+        if self.topology.stages > 1:
+            per_stage = [None] * self.topology.stages
+            dist.all_gather_object(per_stage, mine, group=self.topology.pipeline_group)
+        self.users = {}
+        for stage, names in enumerate(per_stage):
+            for name in names:
+                self.users.setdefault(name, []).append(stage)
+
+    def owner(self) -> dict[str, int]:
+        """The stage whose copy of each used parameter is authoritative (unused ones: stage 0)."""
+        return {name: stages[0] for name, stages in (self.users or {}).items()}
+
+    def sum_shared_gradients(self) -> None:
+        """Sum the gradients of parameters used on several stages, across the pipeline."""
+        users = self.users or {}
+        shared = [p for n, p in self.module.named_parameters() if len(users.get(n, ())) > 1]
+        if not shared or self.topology.stages == 1:
+            return
+        for p in shared:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        all_reduce_flat([p.grad for p in shared], self.topology.pipeline_group)
+
+    def clip_by_global_norm(self, optimizer: Any, clip_val: float, device: torch.device) -> None:
+        """Norm clipping over the whole model: every parameter counted once, on the stage owning it."""
+        owner, stage = self.owner(), self.topology.stage
+        squares = torch.zeros((), device=device)
+        for name, p in self.module.named_parameters():
+            counted = self.in_trunk(name) or owner.get(name, 0) == stage
+            if p.grad is not None and counted:
+                squares = squares + p.grad.detach().float().pow(2).sum()
+        if self.topology.stages > 1:
+            dist.all_reduce(squares, group=self.topology.pipeline_group)
+        coef = (float(clip_val) / (squares.sqrt() + 1e-6)).clamp(max=1.0)
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.grad.detach().mul_(coef.to(p.grad.dtype))

@@ -1,0 +1,194 @@
+"""The weight-policy interface, and how a forward is bound to a chosen set of weights.
+
+A policy governs every trainable parameter of one rank (its trunk layers and the parameters outside
+the trunk it holds), tells the executor which weights each forward and backward sees, and performs
+the stage's STEP. Two bindings exist (docs/algorithms.md §1.1): *bound* policies
+(:mod:`.stash`, :mod:`.averaging`) run a forward with the module's parameters temporarily replaced
+by other tensors (:class:`Binding`), whose graph the backward then reuses; *live* policies
+(:mod:`.live`) change the values in the parameters' own storage between actions.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager, nullcontext
+from typing import Any, ContextManager
+
+import torch
+from torch import Tensor, nn
+
+from lightning_pipe.engine.policies.options import AsyncOptions
+
+Clip = Callable[[Sequence[Tensor]], None]
+
+
+class WeightPolicy:
+    """Base: one optimizer STEP per ``micro_batches`` backwards, stage-local clipping.
+
+    Args:
+        root: the module owning the parameters (the stage, or the whole local LightningModule).
+        optimizer: built over ``root``'s parameters.
+        stage: this stage's index; ``stages``: stages in the pipeline.
+        micro_batches: micro-batches per mini-batch ``M``.
+        options: the schedules' knobs.
+        scheduler: a step-interval LR scheduler, stepped after each STEP.
+        clip: called on the gradients (of the tensors the optimizer updates) before each STEP.
+        names: the parameters of ``root`` this stage owns (default: all); one-device emulation gives
+            each stage's policy its own share of one module.
+    """
+
+    def __init__(
+        self, root: nn.Module, optimizer: torch.optim.Optimizer, stage: int, stages: int, micro_batches: int,
+        options: AsyncOptions = AsyncOptions(), scheduler: Any | None = None, clip: Clip | None = None,
+        names: Collection[str] | None = None,
+    ) -> None:
+        self.root = root
+        self.optimizer = optimizer
+        self.stage, self.stages, self.micro_batches = stage, stages, micro_batches
+        self.options = options
+        self.scheduler = scheduler
+        self.clip = clip
+        self.params = {
+            name: p for name, p in root.named_parameters() if p.requires_grad and (names is None or name in names)
+        }
+        self.steps = 0  # global STEPs of this stage
+        self.batches_before_segment = 0  # mini-batches trained in earlier segments
+        self.max_copies = 0
+        self._tau: dict[int, int] = {}
+        self._steps_at_forward: dict[int, int] = {}
+        self.staleness_sum = 0
+        self.backwards = 0
+        self.used_names: set[str] = set()  # parameters that received a gradient
+
+    @property
+    def warmup(self) -> int:
+        return self.stages - 1 - self.stage
+
+    # -- hooks the executor calls --------------------------------------------------------------
+    def select(self, replica: int) -> None:
+        """Called before every compute, STEP and AVG with the action's replica (only avgpipe has several)."""
+
+    def forward(self, g: int) -> ContextManager[Any]:
+        self._steps_at_forward[g] = self.steps
+        return nullcontext()
+
+    def backward(self, g: int) -> ContextManager[Any]:
+        tau = self.steps - self._steps_at_forward.pop(g)
+        self._tau[g] = tau
+        self.staleness_sum += tau
+        self.backwards += 1
+        return nullcontext()
+
+    def finished(self, g: int) -> None:
+        self._tau.pop(g, None)
+
+    def step(self) -> None:
+        tensors = self._stepped_tensors()
+        self._prepare_step()
+        self.used_names |= {n for n, t in zip(self.params, tensors) if t.grad is not None}
+        if self.clip is not None:
+            self.clip([t for t in tensors if t.grad is not None])
+        scale = self._lr_scale()
+        saved = [group["lr"] for group in self.optimizer.param_groups]
+        for group in self.optimizer.param_groups:
+            group["lr"] = group["lr"] * scale
+        self._before_update()
+        self.optimizer.step()
+        self.steps += 1
+        self._after_update()
+        for group, lr in zip(self.optimizer.param_groups, saved):
+            group["lr"] = lr
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.scheduler is not None:
+            self.scheduler.step()
+        self._track_copies()
+
+    def end_segment(self, mini_batches: int) -> None:
+        """Called after a drain: ``mini_batches`` were trained in the segment."""
+        self.batches_before_segment += mini_batches
+        self._steps_at_forward.clear()
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a resumed run needs beyond weights and optimizer state (saved at drain points)."""
+        return {"steps": self.steps, "batches_before_segment": self.batches_before_segment}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.steps = state["steps"]
+        self.batches_before_segment = state["batches_before_segment"]
+
+    def _to_device(self, tensors: dict[str, Tensor]) -> dict[str, Tensor]:
+        return {n: t.to(self.params[n].device) for n, t in tensors.items()}
+
+    # -- what subclasses change ------------------------------------------------------------------
+    def _stepped_tensors(self) -> list[Tensor]:
+        return list(self.params.values())
+
+    def _prepare_step(self) -> None: ...
+
+    def _before_update(self) -> None: ...
+
+    def _after_update(self) -> None: ...
+
+    def _lr_scale(self) -> float:
+        return 1.0
+
+    def copies(self) -> int:
+        """Weight-sized copies held beyond the module's own parameters."""
+        return 0
+
+    def _track_copies(self) -> None:
+        self.max_copies = max(self.max_copies, self.copies())
+
+
+def make_clip(value: float | None, algorithm: str | None) -> Clip | None:
+    """Stage-local clipping before each STEP (``None``: no clipping)."""
+    if not value:
+        return None
+    if algorithm == "value":
+        return lambda tensors: torch.nn.utils.clip_grad_value_(tensors, value)
+    return lambda tensors: torch.nn.utils.clip_grad_norm_(tensors, value)
+
+
+class Binding:
+    """Temporarily replaces parameters of ``module`` by other ``nn.Parameter`` objects.
+
+    Within :meth:`bound`, a forward's graph references the given tensors instead of the module's own
+    parameters, so its backward sees them too, whatever happens to the real parameters meanwhile.
+    Every alias of a tied parameter is replaced together. Only public ``nn.Module`` attribute
+    assignment is used.
+
+    Args:
+        module: the module whose parameters are replaced.
+        names: the parameter names (as ``module.named_parameters()`` gives them) that may be bound.
+    """
+
+    def __init__(self, module: nn.Module, names: Iterable[str]) -> None:
+        aliases: dict[int, list[str]] = {}
+        for name, p in module.named_parameters(remove_duplicate=False):
+            aliases.setdefault(id(p), []).append(name)
+        self._slots: dict[str, list[tuple[nn.Module, str]]] = {}
+        for name in names:
+            slots = []
+            for alias in aliases[id(module.get_parameter(name))]:
+                owner, _, leaf = alias.rpartition(".")
+                slots.append((module.get_submodule(owner), leaf))
+            self._slots[name] = slots
+
+    @contextmanager
+    def bound(self, values: Mapping[str, nn.Parameter]) -> Iterator[None]:
+        """Within the block, parameter ``name`` of the module is ``values[name]``."""
+        originals: list[tuple[nn.Module, str, Any]] = []
+        try:
+            for name, value in values.items():
+                for owner, leaf in self._slots[name]:
+                    originals.append((owner, leaf, getattr(owner, leaf)))
+                    setattr(owner, leaf, value)
+            yield
+        finally:
+            for owner, leaf, original in reversed(originals):
+                setattr(owner, leaf, original)
+
+
+def detached_copy(tensor: Tensor) -> nn.Parameter:
+    """A new leaf parameter holding a copy of ``tensor``'s values (what :class:`Binding` binds)."""
+    return nn.Parameter(tensor.detach().clone())

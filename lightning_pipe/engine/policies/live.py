@@ -1,0 +1,290 @@
+"""Live policies: pipemare and xpipe (docs/algorithms.md §8, §9).
+
+The module's parameters are a storage that holds the wanted values before each forward and backward
+(autograd does not see the change), and a backward reads whatever it holds when it runs; the
+optimizer steps separate master copies. Values get into the storage without copying where possible,
+by exchanging the data pointers of two equally laid-out storages (graphs keep referencing the
+parameter's storage, so they see the exchange): xpipe's forward and backward predictions take turns
+in it, and pipemare's parameters share the masters' storage, so they follow every STEP and only a
+corrected backward exchanges in ``W - tau * delta``. Where a pointer exchange is impossible (a
+parameter that is a view) the values are copied instead.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any, ContextManager
+
+import torch
+from torch import Tensor, nn
+
+from lightning_pipe.engine.policies.base import WeightPolicy
+
+
+def _exchangeable(a: Tensor, b: Tensor) -> bool:
+    """Whether ``a`` and ``b`` each own their whole storage with the same layout, so their data
+    pointers can be exchanged."""
+    return (
+        hasattr(torch.UntypedStorage, "_swap_data_ptr_")
+        and a.dtype == b.dtype and a.device == b.device and a.shape == b.shape and a.stride() == b.stride()
+        and a.storage_offset() == 0 and b.storage_offset() == 0
+        and a.untyped_storage().nbytes() == b.untyped_storage().nbytes() == a.numel() * a.element_size()
+    )
+
+
+def _exchange(a: Tensor, b: Tensor) -> None:
+    """Exchange the values of ``a`` and ``b`` (and of every view of their storages) without copying."""
+    a.untyped_storage()._swap_data_ptr_(b.untyped_storage())
+
+
+class _LivePolicy(WeightPolicy):
+    """The module's parameters are a storage; the optimizer steps master copies."""
+
+    #: load values by exchanging storage data pointers where possible (``False``: always copy; the
+    #: throughput benchmark measures the difference)
+    exchange_values = True
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.masters = {n: nn.Parameter(p.detach().clone()) for n, p in self.params.items()}
+        master_of = {id(p): self.masters[n] for n, p in self.params.items()}
+        for group in self.optimizer.param_groups:  # the optimizer now updates the masters
+            group["params"] = [master_of.get(id(p), p) for p in group["params"]]
+        for p in list(self.optimizer.state):
+            if id(p) in master_of:
+                self.optimizer.state[master_of[id(p)]] = self.optimizer.state.pop(p)
+        self._holding: tuple[Any, ...] | None = ("masters", 0)
+
+    def load(self, values: dict[str, Tensor], token: tuple[Any, ...]) -> None:
+        """Copy ``values`` into the live storage unless it already holds what ``token`` names."""
+        if self._holding == token:
+            return
+        with torch.no_grad():
+            for name, p in self.params.items():
+                p.data.copy_(values[name])
+        self._holding = token
+
+    def load_masters(self) -> None:
+        self.load(self.masters, ("masters", self.steps))
+
+    def _stepped_tensors(self) -> list[Tensor]:
+        return list(self.masters.values())
+
+    def _prepare_step(self) -> None:
+        for name, p in self.params.items():
+            self.masters[name].grad, p.grad = p.grad, None
+
+    def end_segment(self, mini_batches: int) -> None:
+        super().end_segment(mini_batches)
+        self.load_masters()
+
+    def copies(self) -> int:
+        return 1
+
+
+class PipeMarePolicy(_LivePolicy):
+    """pipemare: F and B see the current weights (B optionally corrected by ``-tau * delta``),
+    with T1 learning-rate rescheduling."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.delta = {n: torch.zeros_like(m) for n, m in self.masters.items()} if self.options.pipemare.correction else None
+        self.correction_norm = 0.0
+        # the parameters share the masters' storage: they hold W_s at all times, with no copies
+        self.aliased = self.exchange_values and all(_exchangeable(m, torch.empty_like(m)) for m in self.masters.values())
+        if self.aliased:
+            for name, p in self.params.items():
+                p.data = self.masters[name].detach()
+
+    def load_masters(self) -> None:
+        if not self.aliased:
+            super().load_masters()
+
+    def forward(self, g: int) -> ContextManager[Any]:
+        context = super().forward(g)
+        self.load_masters()
+        return context
+
+    def backward(self, g: int) -> ContextManager[Any]:
+        context = super().backward(g)
+        tau = self._tau[g]
+        if self.delta is None or tau == 0:
+            self.load_masters()
+            return context
+        if self.aliased:
+            self.correction_norm = tau * math.sqrt(sum(float(d.pow(2).sum()) for d in self.delta.values()))
+            return self._corrected(tau)
+        with torch.no_grad():
+            for name, p in self.params.items():
+                p.data.copy_(self.masters[name]).sub_(self.delta[name], alpha=tau)
+        self._holding = None
+        self.correction_norm = tau * math.sqrt(sum(float(d.pow(2).sum()) for d in self.delta.values()))
+        return context
+
+    @contextmanager
+    def _corrected(self, tau: int) -> Iterator[None]:
+        """During the backward the masters' storage (so the parameters') holds ``W_s - tau * delta_s``."""
+        with torch.no_grad():
+            corrected = {n: torch.sub(m.detach(), self.delta[n], alpha=tau) for n, m in self.masters.items()}
+        for name, m in self.masters.items():
+            _exchange(m, corrected[name])
+        try:
+            yield
+        finally:
+            for name, m in self.masters.items():
+                _exchange(m, corrected[name])
+
+    def _lr_scale(self) -> float:
+        if not self.options.pipemare.lr_reschedule:
+            return 1.0
+        tau_hat = max(1, math.ceil(self.warmup / self.micro_batches))
+        progress = min(self.steps / max(self.options.pipemare.lr_warmup_steps, 1), 1.0)
+        return tau_hat ** -(1.0 - progress)
+
+    def _before_update(self) -> None:
+        if self.delta is not None:  # delta <- gamma delta + (1 - gamma)(W_new - W_old), without a copy of W_old
+            gamma = self.options.pipemare.correction_decay
+            for name, d in self.delta.items():
+                d.mul_(gamma).sub_(self.masters[name].detach(), alpha=1 - gamma)
+
+    def _after_update(self) -> None:
+        if self.delta is not None:
+            gamma = self.options.pipemare.correction_decay
+            for name, d in self.delta.items():
+                d.add_(self.masters[name].detach(), alpha=1 - gamma)
+
+    def copies(self) -> int:
+        return 1 + (self.delta is not None)
+
+    def state_dict(self) -> dict[str, Any]:
+        delta = None if self.delta is None else {n: d.cpu() for n, d in self.delta.items()}
+        return {**super().state_dict(), "delta": delta}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        if self.delta is not None and state.get("delta") is not None:
+            self.delta = self._to_device(state["delta"])
+
+
+def round_half_up(x: float) -> int:
+    return math.floor(x + 0.5)
+
+
+class XPipePolicy(_LivePolicy):
+    """xpipe: forwards and backwards of a mini-batch see weights predicted ``s_f`` / ``s_b`` steps ahead."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        k, K, T = self.stage, self.stages, self.micro_batches
+        self.s_forward = round_half_up((K + T - 2 - math.ceil(k / 2)) / T)
+        self.s_backward = round_half_up((T - 1 + k // 2) / T)
+        self.rule = self._rule(self.options.xpipe.prediction)
+        self._last_grad: dict[str, Tensor] = {}
+        self._cache: dict[str, tuple[int, dict[str, Tensor]] | None] = {"F": None, "B": None}
+        self.prediction_norm = 0.0
+        # which tensors hold each cached prediction's values (an exchange moves the values around)
+        self._slots: dict[tuple[Any, ...], dict[str, Tensor]] = {}
+
+    def _rule(self, rule: str) -> str:
+        if rule != "auto":
+            return rule
+        if isinstance(self.optimizer, (torch.optim.Adam, torch.optim.AdamW)):
+            return "adam"
+        if isinstance(self.optimizer, torch.optim.SGD):
+            return "momentum" if self.optimizer.param_groups[0].get("momentum", 0) else "sgd"
+        raise ValueError(
+            f"xpipe cannot derive a prediction rule from {type(self.optimizer).__name__}; set "
+            "xpipe=XPipeOptions(prediction='adam', 'momentum' or 'sgd')."
+        )
+
+    def _direction(self, master: Tensor, group: dict[str, Any], name: str) -> Tensor | None:
+        state = self.optimizer.state.get(master, {})
+        if self.rule == "adam":
+            if "exp_avg" not in state:
+                return None
+            c = float(state["step"])
+            beta1, beta2 = group["betas"]
+            m_hat = state["exp_avg"] / (1 - beta1**c)
+            v_hat = state["exp_avg_sq"] / (1 - beta2**c)
+            return m_hat / (v_hat.sqrt() + group["eps"])
+        if self.rule == "momentum":
+            return state.get("momentum_buffer")
+        return self._last_grad.get(name)
+
+    def predict(self, distance: int) -> dict[str, Tensor]:
+        name_of = {id(m): n for n, m in self.masters.items()}
+        predicted, squares = {}, 0.0
+        with torch.no_grad():
+            for group in self.optimizer.param_groups:
+                for master in group["params"]:
+                    name = name_of.get(id(master))
+                    if name is None:
+                        continue
+                    direction = self._direction(master, group, name)
+                    if direction is None or distance == 0:
+                        predicted[name] = master.detach().clone()  # frozen at the bellwether, like a prediction
+                        continue
+                    step = direction * (group["lr"] * distance)
+                    squares += float(step.pow(2).sum())
+                    predicted[name] = master.detach() - step
+        self.prediction_norm = math.sqrt(squares)
+        return predicted
+
+    def _use(self, which: str, g: int, distance: int) -> None:
+        batch = g // self.micro_batches
+        cached = self._cache[which]
+        if cached is None or cached[0] != batch:  # the bellwether of a new mini-batch predicts
+            if cached is not None:
+                self._slots.pop((which, cached[0]), None)
+            cached = (batch, self.predict(distance))
+            self._cache[which] = cached
+            self._slots[(which, batch)] = cached[1]
+            self._track_copies()
+        self._show((which, batch))
+
+    def _show(self, token: tuple[Any, ...]) -> None:
+        """Make the parameters hold the prediction ``token`` names, by exchange when possible."""
+        if self._holding == token:
+            return
+        values = self._slots.pop(token)
+        if not (self.exchange_values and all(_exchangeable(p, values[n]) for n, p in self.params.items())):
+            self._slots[token] = values
+            self.load(values, token)
+            return
+        for name, p in self.params.items():
+            _exchange(p, values[name])
+        held = self._holding
+        if held is not None and any(c is not None and (kind, c[0]) == held for kind, c in self._cache.items()):
+            self._slots[held] = values  # now holds what the parameters held
+        self._holding = token
+
+    def forward(self, g: int) -> ContextManager[Any]:
+        context = super().forward(g)
+        self._use("F", g, self.s_forward)
+        return context
+
+    def backward(self, g: int) -> ContextManager[Any]:
+        context = super().backward(g)
+        self._use("B", g, self.s_backward)
+        return context
+
+    def _before_update(self) -> None:
+        if self.rule == "sgd":  # the gradient this STEP applies (after clipping)
+            self._last_grad = {n: m.grad.detach().clone() for n, m in self.masters.items() if m.grad is not None}
+
+    def end_segment(self, mini_batches: int) -> None:
+        super().end_segment(mini_batches)
+        self._cache = {"F": None, "B": None}
+        self._slots.clear()
+
+    def copies(self) -> int:
+        return 1 + sum(c is not None for c in self._cache.values())
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "last_grad": {n: g.cpu() for n, g in self._last_grad.items()}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        self._last_grad = self._to_device(state.get("last_grad", {}))

@@ -1,0 +1,97 @@
+"""Options of the weight policies, one dataclass per schedule that has any.
+
+``PipeStrategy`` takes them as groups (``pipemare=PipeMareOptions(...)``, ``xpipe=...``,
+``avgpipe=...``); LightningCLI renders each group as a nested block. The constants the papers leave
+open are defaults here (docs/algorithms.md marks which ones were verified).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+Prediction = Literal["auto", "adam", "momentum", "sgd"]
+Averaging = Literal["async", "sync"]
+
+
+@dataclass(frozen=True)
+class PipeMareOptions:
+    """PipeMare's two techniques (docs/algorithms.md §8).
+
+    Args:
+        lr_reschedule: T1: stage ``s`` starts at ``lr / tau_s`` and reaches ``lr`` geometrically over
+            ``lr_warmup_steps`` of its optimizer steps (the last stage is unaffected).
+        lr_warmup_steps: length ``K`` of T1, in optimizer steps.
+        correction: T2: backwards run with weights corrected by ``-tau * delta``, an exponential average
+            of recent updates (one extra weight copy).
+        correction_decay: decay ``gamma`` of T2's average.
+    """
+
+    lr_reschedule: bool = True
+    lr_warmup_steps: int = 100
+    correction: bool = True
+    correction_decay: float = 0.9
+
+
+@dataclass(frozen=True)
+class XPipeOptions:
+    """XPipe's weight prediction (docs/algorithms.md §9).
+
+    Args:
+        prediction: the update direction the prediction extrapolates: ``"adam"`` (Adam's bias-corrected
+            moments), ``"momentum"`` (SGD's momentum buffer), ``"sgd"`` (the last gradient) or ``"auto"``
+            (by optimizer type).
+    """
+
+    prediction: Prediction = "auto"
+
+
+@dataclass(frozen=True)
+class AsyncOptions:
+    """The options every asynchronous weight policy is given (each reads its own group)."""
+
+    pipemare: PipeMareOptions = field(default_factory=PipeMareOptions)
+    xpipe: XPipeOptions = field(default_factory=XPipeOptions)
+
+
+@dataclass(frozen=True)
+class AvgPipeOptions:
+    """avgpipe: parallel pipelines on the same devices joined by elastic averaging (docs/avgpipe.md).
+
+    Args:
+        parallel_pipelines: pipeline replicas ``N`` on the same devices. Each Lightning batch is split
+            into ``N`` replica mini-batches (so the batch size is ``N × B``), each into ``micro_batches``
+            micro-batches; the logged loss is the mean over replicas. ``"auto"``: chosen by the tuner at
+            fit start (with ``micro_batches="auto"`` and ``advance_forward="auto"`` as well, if given).
+        alpha: elastic averaging rate; ``None`` means ``0.9 / parallel_pipelines``.
+        period: average every that many rounds (batches).
+        averaging: ``"async"`` (each replica averages right after its step) or ``"sync"`` (after all
+            replicas stepped, against the round's starting center).
+        advance_forward: extra warm-up forwards ``a`` on every stage but the last (1F1B when 0;
+            ``micro_batches`` or more: all forwards first); costs ``a`` more micro-batches of
+            activations. ``"auto"``: the tuner tries 0, 1 and 2.
+        trials: when any option is ``"auto"``: how many of the best predicted candidates run a few
+            rounds on the devices at fit start (on copies of the stages, so training is unchanged)
+            before the fastest measured is chosen; ``0`` or ``1`` trusts the prediction alone.
+    """
+
+    parallel_pipelines: int | Literal["auto"] = 2
+    alpha: float | None = None
+    period: int = 1
+    averaging: Averaging = "async"
+    advance_forward: int | Literal["auto"] = 0
+    trials: int = 3
+
+    @property
+    def resolved_alpha(self) -> float:
+        """``alpha``, or ``0.9 / N`` (EASGD's guidance) when not given; ``N`` must be resolved."""
+        if self.alpha is not None:
+            return self.alpha
+        if self.parallel_pipelines == "auto":
+            raise ValueError("alpha depends on parallel_pipelines, which the tuner has not chosen yet.")
+        return 0.9 / self.parallel_pipelines
+
+    @property
+    def tuned(self) -> bool:
+        """Whether the tuner chooses any of the values."""
+        return "auto" in (self.parallel_pipelines, self.advance_forward)

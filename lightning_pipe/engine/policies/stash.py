@@ -1,0 +1,129 @@
+"""Bound policies that stash weight versions: pipedream and pipedream_2bw (docs/algorithms.md §6, §7).
+
+A forward runs with the module bound (:class:`~.base.Binding`) to a detached snapshot of a weight
+version; its graph keeps referencing the snapshot, so the backward sees the same values while STEP
+updates the real parameters in place. Snapshot gradients land in the real parameters' ``.grad``.
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from typing import Any, ContextManager
+
+from torch import nn
+
+from lightning_pipe.engine.policies.base import Binding, WeightPolicy, detached_copy
+
+
+class _SnapshotPolicy(WeightPolicy):
+    """Forwards bind to detached snapshots of versions; backwards reuse the forward's binding."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._binding = Binding(self.root, self.params)
+        self.snapshots: dict[int, dict[str, nn.Parameter]] = {}
+        self.users: dict[int, int] = {}
+        self.version_of: dict[int, int] = {}
+
+    def _snapshot(self) -> dict[str, nn.Parameter]:
+        return {n: detached_copy(p) for n, p in self.params.items()}
+
+    def _version(self, g: int) -> int:
+        raise NotImplementedError
+
+    def forward(self, g: int) -> ContextManager[Any]:
+        super().forward(g)
+        version = self._version(g)
+        if version not in self.snapshots:
+            if version != self.steps:
+                raise RuntimeError(f"stage {self.stage}: version {version} is gone (now at {self.steps}).")
+            self.snapshots[version] = self._snapshot()
+            self._track_copies()
+        self.users[version] = self.users.get(version, 0) + 1
+        self.version_of[g] = version
+        return self._binding.bound(self.snapshots[version])
+
+    def backward(self, g: int) -> ContextManager[Any]:
+        context = super().backward(g)
+        # autograd accumulates in place into an existing .grad: point the snapshot's at the real
+        # parameter's accumulator, so no gradient is copied or added a second time
+        version = self.version_of[g]
+        for name, snap in self.snapshots[version].items() if version is not None else ():
+            snap.grad = self.params[name].grad
+        return context
+
+    def finished(self, g: int) -> None:
+        super().finished(g)
+        version = self.version_of.pop(g)
+        if version is None:  # the forward ran on the parameters themselves
+            return
+        for name, snap in self.snapshots[version].items():
+            self.params[name].grad, snap.grad = snap.grad, None
+        self.users[version] -= 1
+        self._release()
+
+    def _keep(self, version: int) -> bool:
+        return self.users.get(version, 0) > 0 or version == self.steps
+
+    def _release(self) -> None:
+        for version in [v for v in self.snapshots if not self._keep(v)]:
+            del self.snapshots[version]
+            self.users.pop(version, None)
+
+    def _after_update(self) -> None:
+        self._release()
+
+    def end_segment(self, mini_batches: int) -> None:
+        super().end_segment(mini_batches)
+        self._release()
+
+    def copies(self) -> int:
+        return len(self.snapshots)
+
+
+class StashPolicy(_SnapshotPolicy):
+    """pipedream: F uses the newest weights and stashes them for its B.
+
+    A forward whose backward comes before the stage's next STEP (``tau_s(g) = 0``: always on the
+    last stage) needs no stash: it runs on the parameters themselves, which cannot change before
+    its backward.
+    """
+
+    def _version(self, g: int) -> int:
+        return self.steps
+
+    def _steps_before_backward(self, g: int) -> bool:
+        M = self.micro_batches
+        return any(n % M == M - 1 for n in range(max(0, g - self.warmup), g))
+
+    def forward(self, g: int) -> ContextManager[Any]:
+        if self._steps_before_backward(g):
+            return super().forward(g)
+        WeightPolicy.forward(self, g)
+        self.version_of[g] = None
+        return nullcontext()
+
+
+class DoubleBufferPolicy(_SnapshotPolicy):
+    """pipedream_2bw: every F and B of mini-batch ``K`` (global) uses the version after ``K-1`` STEPs."""
+
+    def _version(self, g: int) -> int:
+        return max(self.batches_before_segment + g // self.micro_batches - 1, 0)
+
+    def _keep(self, version: int) -> bool:
+        # the pre-STEP version is needed by the next mini-batch, whose forwards may start after the STEP
+        return super()._keep(version) or version >= self.steps - 1
+
+    def _prepare_step(self) -> None:
+        if self.steps not in self.snapshots:
+            self.snapshots[self.steps] = self._snapshot()
+            self._track_copies()
+
+    def state_dict(self) -> dict[str, Any]:
+        previous = self.snapshots.get(self.steps - 1)  # the next mini-batch's forwards need it
+        return {**super().state_dict(), "previous": None if previous is None else {n: t.detach().cpu() for n, t in previous.items()}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        if state.get("previous") is not None:
+            self.snapshots[self.steps - 1] = {n: nn.Parameter(t) for n, t in self._to_device(state["previous"]).items()}

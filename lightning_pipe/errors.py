@@ -1,0 +1,68 @@
+"""Every error lightning_pipe raises on purpose, under one base class.
+
+``except LightningPipeError`` catches them all. Each also derives from the built-in exception a
+caller would expect (``ValueError`` for a bad option, ``TimeoutError`` for a hung peer, ...), so
+code written against those keeps working. Messages are one sentence that says what to change.
+"""
+
+from __future__ import annotations
+
+
+class LightningPipeError(Exception):
+    """Base of every error lightning_pipe raises on purpose."""
+
+
+# ---------------------------------------------------------------------------- configuration
+class PipeConfigError(LightningPipeError, ValueError):
+    """An option does not fit the Trainer, the module or the data; raised before training starts."""
+
+
+class TrunkError(PipeConfigError):
+    """The module has no usable trunk, or several candidates and no ``module=`` to choose."""
+
+
+class BalanceError(PipeConfigError):
+    """The requested split does not fit the trunk."""
+
+
+class PlanError(PipeConfigError):
+    """No split, schedule and micro-batch count satisfies the limits (``balance="auto"``, the planner)."""
+
+
+class SharedParameterError(PipeConfigError):
+    """A parameter outside the trunk is used by several stages of a schedule that steps them apart."""
+
+
+# ---------------------------------------------------------------------------- schedules and stages
+class ScheduleError(LightningPipeError, ValueError):
+    """A schedule's action lists break one of the IR's rules (the validator's dry run found it)."""
+
+
+class StageOutputError(LightningPipeError, TypeError):
+    """A stage returned something that cannot cross a pipeline boundary."""
+
+
+class TrunkUsageError(LightningPipeError, RuntimeError):
+    """The partitioned trunk was called outside a pipelined step."""
+
+
+class CheckpointMismatchError(LightningPipeError, KeyError):
+    """A checkpoint does not belong to this model."""
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return str(self.args[0])
+
+
+# ---------------------------------------------------------------------------- failures at run time
+class PeerFailure(LightningPipeError, RuntimeError):
+    """Another rank of the job raised; its rank and error message are included."""
+
+
+class PipelineTimeout(LightningPipeError, TimeoutError):
+    """A peer neither answered nor failed within the configured timeout."""
+
+
+__all__ = [
+    "BalanceError", "CheckpointMismatchError", "LightningPipeError", "PeerFailure", "PipeConfigError", "PipelineTimeout",
+    "PlanError", "ScheduleError", "SharedParameterError", "StageOutputError", "TrunkError", "TrunkUsageError",
+]

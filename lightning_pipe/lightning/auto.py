@@ -1,0 +1,183 @@
+"""Choices made at setup from the user's own model and data: ``balance="auto"`` and avgpipe's ``"auto"`` options.
+
+The planning itself imports no Lightning (:mod:`lightning_pipe.planning`); this module gives it what
+only Lightning knows: the first batch of the loop that is starting, the trunk input the user's own
+step produces from it, and the user's optimizer. Random states and the module's buffers (e.g.
+BatchNorm running statistics) are restored afterwards, so the run trains exactly as it would have
+with the chosen values given by hand. Rank 0 decides; every rank adopts the same choice.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
+
+import torch
+from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+
+from lightning_pipe.engine import batch_size, keeps_one_fifo_order, split_micro_batches
+from lightning_pipe.errors import PipeConfigError
+from lightning_pipe.lightning.log_replay import LogCapture
+from lightning_pipe.partition import find_trunk, stage_bounds
+from lightning_pipe.planning import auto_balance, avgpipe_autotune
+from lightning_pipe.planning.auto_balance import AutoBalance, memory_limit, preserved_buffers, preserved_random_state
+from lightning_pipe.planning.avgpipe_autotune import AutoValues, Prediction, optimizer_factory, optimizer_spec
+from lightning_pipe.planning.avgpipe_trials import TrialStage
+from lightning_pipe.planning.avgpipe_tuner import profile_step
+from lightning_pipe.planning.planner import Plan
+from lightning_pipe.planning.profile import capture_trunk_input, profile_trunk
+from lightning_pipe.planning.trials import on_device
+
+if TYPE_CHECKING:
+    from lightning_pipe.lightning.strategy import PipeStrategy
+
+_STEPS = {
+    TrainerFn.FITTING: ("fit_loop", "training_step"),
+    TrainerFn.VALIDATING: ("validate_loop", "validation_step"),
+    TrainerFn.TESTING: ("test_loop", "test_step"),
+    TrainerFn.PREDICTING: ("predict_loop", "predict_step"),
+}
+
+
+def first_batch(trainer: Trainer, module: LightningModule) -> tuple[Any, str]:
+    """The first batch of the loop that is starting (after the batch-transfer hooks) and the step
+    hook that consumes it.
+
+    It comes from the same source Lightning's own loop reads (a DataLoader passed to ``fit``, or the
+    LightningModule's / datamodule's ``*_dataloader()``, called once more), with the random states
+    restored afterwards, so the data order of the run is unchanged.
+    """
+    loop_name, hook = _STEPS.get(trainer.state.fn, _STEPS[TrainerFn.FITTING])
+    source = getattr(trainer, loop_name)._data_source
+    if not source.is_defined():
+        raise PipeConfigError(f"balance='auto' profiles one batch but no {source.name} is defined; pass a dataloader or "
+                              "give a list of layer counts.")
+    with preserved_random_state():
+        loaders = source.dataloader()
+        if isinstance(loaders, dict):
+            loaders = next(iter(loaders.values()))
+        elif isinstance(loaders, (list, tuple)):
+            loaders = loaders[0]
+        iterator = iter(loaders)
+        try:
+            batch = next(iterator)
+        except StopIteration:
+            raise PipeConfigError(f"balance='auto' profiles one batch but {source.name} is empty.") from None
+        finally:
+            del iterator  # shuts down worker processes
+    return module._apply_batch_transfer_handler(batch), hook
+
+
+# ------------------------------------------------------------------------------- balance="auto"
+def balance(strategy: PipeStrategy, trainer: Trainer, module: LightningModule) -> tuple[Plan, list[float] | None]:
+    """Rank 0 profiles and splits, every rank receives the same plan, then all refine it on the
+    devices; returns the plan and, when refined, each stage's measured time."""
+    options = strategy.options
+
+    def work() -> AutoBalance:
+        _, trunk = find_trunk(module, options.module)
+        with strategy.precision_plugin.train_step_context(), preserved_random_state(), preserved_buffers(module):
+            batch, hook = first_batch(trainer, module)
+            micro_batch = split_micro_batches(batch, int(options.micro_batches))[0]
+            step = getattr(module, hook)
+            with LogCapture(module):
+                sample = capture_trunk_input(module, trunk, lambda: step(micro_batch, 0), hook)
+                inputs = capture_trunk_input(module, trunk, lambda: step(batch, 0), hook) if options.auto_balance.refine else None
+            return auto_balance.split_by_profile(
+                trunk, sample, inputs, options.schedule, strategy.num_stages, int(options.micro_batches),
+                options.chunks_per_stage, options.auto_balance, strategy.root_device, options.checkpoint_activations, module)
+
+    auto = auto_balance.agreed(strategy.global_rank == 0, strategy.world_size, work)
+    if not options.auto_balance.refine or strategy.topology.stages == 1 or options.chunks_per_stage > 1:
+        return auto.plan, None  # nothing to measure in one process; interleaved splits are searched locally already
+    _, trunk = find_trunk(module, options.module)
+    transport = strategy.transport()
+    with strategy.precision_plugin.train_step_context():
+        return auto_balance.refine(auto, options.auto_balance, trunk, strategy.topology, transport, strategy.watchdog,
+                                   strategy.root_device, options.checkpoint_activations, rank_zero_info)
+
+
+# ------------------------------------------------------------------------------- avgpipe's tuner
+def user_optimizer(module: LightningModule) -> tuple[type, dict[str, Any]]:
+    """The class and defaults of the module's (first) optimizer; ``configure_optimizers`` is called
+    once to learn them and its objects are discarded."""
+    from lightning.pytorch.core.optimizer import _init_optimizers_and_lr_schedulers
+
+    optimizer = _init_optimizers_and_lr_schedulers(module)[0][0]
+    return optimizer_spec(optimizer)
+
+
+def predict_candidates(
+    trainer: Trainer, module: LightningModule, trunk_name: str | None, counts: list[int], values: AutoValues,
+    device: torch.device, memory: list[float] | None = None,
+) -> Prediction:
+    """Rank 0's work: profile the first batch at three micro-batch sizes and rank the candidates."""
+    _, trunk = find_trunk(module, trunk_name)
+    with preserved_random_state(), preserved_buffers(module):
+        batch, hook = first_batch(trainer, module)
+        size = batch_size(batch)
+        step = getattr(module, hook)
+        profiles = []
+        for b in avgpipe_autotune.profile_sizes(size):
+            micro_batch = split_micro_batches(batch, math.ceil(size / b))[0]
+            with LogCapture(module):
+                sample = capture_trunk_input(module, trunk, lambda: step(micro_batch, 0), hook)
+            profiles.append(profile_trunk(trunk, sample, device, repeats=3, warmup=1, module=module))
+        with LogCapture(module):
+            inputs = capture_trunk_input(module, trunk, lambda: step(batch, 0), hook)
+        spec = user_optimizer(module)
+        steps = [profile_step(copy.deepcopy(trunk[start:end]).to(device), optimizer_factory(spec))
+                 for start, end in stage_bounds(counts)]
+    ranked = avgpipe_autotune.rank_candidates(profiles, steps, counts, values, size, memory)
+    inputs = on_device(inputs, torch.device("cpu"))  # broadcast to every rank (captured inputs are detached)
+    return Prediction(ranked, size, inputs, spec)
+
+
+def tune_avgpipe(strategy: PipeStrategy, trainer: Trainer, module: LightningModule, counts: list[int]) -> dict[str, int]:
+    """avgpipe's ``"auto"`` options: a checkpoint's values, or profile, predict and try the best
+    candidates on the devices; every rank returns the same values."""
+    stored = (trainer._checkpoint_connector._loaded_checkpoint or {}).get(avgpipe_autotune.CHECKPOINT_KEY)
+    if stored is not None:
+        rank_zero_info(f"lightning_pipe: avgpipe adopts the tuned values of the checkpoint: {stored}")
+        return stored
+    options, stages = strategy.options, strategy.num_stages
+    memory = memory_limit(options.auto_balance, strategy.root_device)
+    memory = [memory] * stages if isinstance(memory, float) else memory
+    values = AutoValues(options.avgpipe.parallel_pipelines, options.micro_batches, options.avgpipe.advance_forward)
+
+    def work() -> Prediction:
+        with strategy.precision_plugin.train_step_context():
+            prediction = predict_candidates(trainer, module, options.module, counts, values, strategy.root_device, memory)
+        if strategy.tagged:
+            return prediction
+        fifo = [c for c in prediction.ranked if keeps_one_fifo_order(stages, c.micro_batches, c.replicas, c.advance)]
+        if not fifo:
+            raise PipeConfigError("no avgpipe candidate keeps one message order across replicas, as NCCL needs; "
+                                  "use gloo or parallel_pipelines=1.")
+        return replace(prediction, ranked=fifo)
+
+    prediction = avgpipe_autotune.agreed(strategy.global_rank == 0, strategy.world_size, work)
+    with strategy.precision_plugin.train_step_context():
+        choice = avgpipe_autotune.decide(
+            prediction, options.avgpipe.trials, lambda p: trial_stage(strategy, module, counts, p), strategy.global_rank == 0,
+            strategy.world_size, progress=rank_zero_info,
+        )
+    rank_zero_info(avgpipe_autotune.describe(choice))
+    return choice.as_options()
+
+
+def trial_stage(strategy: PipeStrategy, module: LightningModule, counts: list[int], prediction: Prediction) -> TrialStage:
+    """This rank's stage, as avgpipe's trials run it (copies of its layers, the real transport)."""
+    topology, options = strategy.topology, strategy.options
+    _, trunk = find_trunk(module, options.module)
+    start, end = stage_bounds(counts)[topology.stage]
+    return TrialStage(
+        trunk[start:end], topology.stage, topology.stages, topology.pipeline_ranks, strategy.transport(), strategy.watchdog,
+        optimizer_factory(prediction.optimizer), prediction.inputs if topology.stage == 0 else None,
+        strategy.root_device, options.avgpipe.alpha, topology.stage_group if strategy.num_pipelines > 1 else None,
+        strategy.num_pipelines,
+    )

@@ -1,0 +1,143 @@
+"""One ordinary checkpoint from many stages, and back.
+
+Each stage holds its trunk layers plus a replica of every parameter outside the trunk (only the
+stages that use such a parameter train it). Saving merges the stages' pieces into the state_dict
+and the torch optimizer state of the unpartitioned module, so ``MyModule.load_from_checkpoint``
+and a plain one-device Trainer read the file as if it had been written without a pipeline. Loading
+slices the same structures by parameter name.
+
+Optimizer states are matched by parameter *name*: the merged state lists parameters in the
+module's ``named_parameters()`` order, which is the order a one-device optimizer built from
+``self.parameters()`` uses. The names are stored under ``"pipe_param_names"`` (torch ignores it).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from lightning.fabric.plugins import CheckpointIO
+
+from lightning_pipe.errors import CheckpointMismatchError
+
+NAMES_KEY = "pipe_param_names"
+BALANCE_KEY = "pipe_balance"  #: layer counts per (virtual) stage: a resumed balance="auto" run adopts them
+
+
+def check_keys(checkpoint_keys: Sequence[str], model_keys: Sequence[str], strict: bool = True) -> None:
+    """Raise :class:`CheckpointMismatchError` naming missing and unexpected keys."""
+    missing = [k for k in model_keys if k not in set(checkpoint_keys)]
+    unexpected = [k for k in checkpoint_keys if k not in set(model_keys)]
+    if strict and (missing or unexpected):
+        raise CheckpointMismatchError(
+            "the checkpoint does not match the model: "
+            + (f"missing keys {_short(missing)}" if missing else "")
+            + ("; " if missing and unexpected else "")
+            + (f"unexpected keys {_short(unexpected)}" if unexpected else "")
+            + ". Load a checkpoint of the same LightningModule, or pass strict=False."
+        )
+
+
+def _short(keys: Sequence[str], limit: int = 8) -> str:
+    shown = ", ".join(keys[:limit])
+    return f"[{shown}{', ...' if len(keys) > limit else ''}] ({len(keys)})"
+
+
+def merge_state_dicts(
+    parts: Sequence[Mapping[str, Any]], key_order: Sequence[str], owner: Mapping[str, int]
+) -> dict[str, Any]:
+    """The whole module's state_dict from the stages' ``parts`` (indexed by stage).
+
+    Args:
+        parts: every stage's entries (trunk entries only appear on the stage that holds them).
+        key_order: keys of the unpartitioned module, in order.
+        owner: for keys present on several stages (outside the trunk), the stage whose copy is
+            authoritative; other such keys come from stage 0.
+    """
+    merged = {}
+    for key in key_order:
+        holders = [s for s, part in enumerate(parts) if key in part]
+        if not holders:
+            raise CheckpointMismatchError(f"no stage holds {key!r}; the pipeline lost part of the model.")
+        stage = owner.get(key, holders[0]) if len(holders) > 1 else holders[0]
+        merged[key] = parts[stage][key]
+    return merged
+
+
+def merge_optimizer_states(
+    parts: Sequence[tuple[Mapping[str, Any], list[list[str]]]], name_order: Sequence[str], owner: Mapping[str, int]
+) -> dict[str, Any]:
+    """One torch optimizer state_dict for the whole module from each stage's
+    ``(optimizer.state_dict(), parameter names per param group)``."""
+    rank = {name: i for i, name in enumerate(name_order)}
+    first_state, first_names = parts[0]
+    groups, state, all_names = [], {}, []
+    for g, group in enumerate(first_state["param_groups"]):
+        names = sorted({n for _, names in parts for n in names[g]}, key=lambda n: rank.get(n, len(rank)))
+        indices = []
+        for name in names:
+            holders = [s for s, (_, per_group) in enumerate(parts) if name in per_group[g]]
+            stage = owner.get(name, holders[0]) if owner.get(name) in holders else holders[0]
+            stage_state, stage_names = parts[stage]
+            local_index = stage_state["param_groups"][g]["params"][stage_names[g].index(name)]
+            index = len(all_names)
+            if local_index in stage_state["state"]:
+                state[index] = stage_state["state"][local_index]
+            indices.append(index)
+            all_names.append(name)
+        groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": indices})
+    return {"state": state, "param_groups": groups, NAMES_KEY: all_names}
+
+
+def slice_optimizer_state(
+    merged: Mapping[str, Any], local_names: list[list[str]], full_order: Sequence[str]
+) -> dict[str, Any]:
+    """This stage's optimizer state_dict out of a merged (or one-device) one.
+
+    Args:
+        merged: the checkpoint's optimizer state.
+        local_names: parameter names of each param group of this stage's optimizer.
+        full_order: the module's parameter names, used when the checkpoint has no names (it was
+            written by a one-device run whose optimizer was built from ``self.parameters()``).
+    """
+    names = merged.get(NAMES_KEY)
+    if names is None:
+        count = sum(len(g["params"]) for g in merged["param_groups"])
+        if count != len(full_order):
+            raise CheckpointMismatchError(
+                f"the checkpoint's optimizer has {count} parameters but the module has {len(full_order)}; "
+                "pipelines can only resume optimizers built from self.parameters()."
+            )
+        names = list(full_order)
+    index_of = {name: i for i, name in enumerate(names)}
+    flat = [i for g in merged["param_groups"] for i in g["params"]]
+    groups, state, next_index = [], {}, 0
+    for g, group in enumerate(merged["param_groups"]):
+        indices = []
+        for name in local_names[g]:
+            if name not in index_of:
+                raise CheckpointMismatchError(f"the checkpoint's optimizer has no state for parameter {name!r}.")
+            source = flat[index_of[name]]
+            if source in merged["state"]:
+                state[next_index] = merged["state"][source]
+            indices.append(next_index)
+            next_index += 1
+        groups.append({**{k: v for k, v in group.items() if k not in ("params", NAMES_KEY)}, "params": indices})
+    return {"state": state, "param_groups": groups}
+
+
+def atomic_save(io: CheckpointIO, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+    """Write to a temporary file in the target directory, then rename it into place, so a save killed
+    half-way never leaves a truncated file under the final name (remote paths: ``io`` as is)."""
+    path = str(filepath)
+    if "://" in path:  # remote filesystems: their own transaction semantics apply
+        io.save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+        return
+    partial = f"{path}.partial-{os.getpid()}"
+    try:
+        io.save_checkpoint(checkpoint, partial, storage_options=storage_options)
+        os.replace(partial, path)
+    finally:
+        if os.path.exists(partial):
+            os.remove(partial)

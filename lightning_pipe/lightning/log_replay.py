@@ -1,0 +1,162 @@
+"""Make every rank log what the last stage logged.
+
+Only the last stage computes the loss, but Lightning's loggers live on rank 0 and ModelCheckpoint,
+EarlyStopping and the progress bar read ``trainer.callback_metrics`` on every rank (a rank that
+lacks a monitored value hangs in a collective). So during the micro-batch steps ``self.log`` is
+captured, the last stage combines the calls of all micro-batches into what one full-batch call
+would have logged, the result is broadcast in the pipeline, and every rank replays it through the
+real ``LightningModule.log``.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from lightning.pytorch import LightningModule
+from torch import Tensor
+from torchmetrics import Metric
+
+_LOG_SIGNATURE = inspect.signature(LightningModule.log)
+_REDUCTIONS = {"mean": "mean", "avg": "mean", "sum": "sum", "max": "max", "min": "min"}
+_TORCH_REDUCTIONS = {torch.mean: "mean", torch.sum: "sum", torch.max: "max", torch.min: "min"}
+
+
+@dataclass
+class LoggedValue:
+    """One ``self.log`` call reduced to plain data (picklable, device-free).
+
+    For a torchmetrics ``Metric``, ``value`` is ``None`` and ``options["metric_attribute"]`` names
+    the metric; its accumulated state travels in ``metric_state`` so every rank's copy of the
+    metric equals the last stage's.
+    """
+
+    name: str
+    value: float | None
+    batch_size: int
+    options: dict[str, Any] = field(default_factory=dict)
+    metric_state: dict[str, Any] | None = None
+
+
+def _reduction(reduce_fx: Any) -> str:
+    if isinstance(reduce_fx, str) and reduce_fx.lower() in _REDUCTIONS:
+        return _REDUCTIONS[reduce_fx.lower()]
+    if reduce_fx in _TORCH_REDUCTIONS:
+        return _TORCH_REDUCTIONS[reduce_fx]
+    raise ValueError(f"self.log(reduce_fx={reduce_fx!r}) cannot be combined over micro-batches; use 'mean', 'sum', 'max' or 'min'.")
+
+
+class LogCapture:
+    """Context manager that records ``module.log`` calls instead of performing them.
+
+    Set :attr:`batch_size` to the current micro-batch size before each micro-batch step.
+    """
+
+    def __init__(self, module: LightningModule) -> None:
+        self.module = module
+        self.records: list[LoggedValue] = []
+        self.batch_size = 1
+        self._outer: Any = None
+
+    def __enter__(self) -> LogCapture:
+        self.records = []
+        self._outer = self.module.__dict__.get("log")  # captures nest: an inner one restores the outer
+        self.module.__dict__["log"] = self._record
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._outer is None:
+            self.module.__dict__.pop("log", None)
+        else:
+            self.module.__dict__["log"] = self._outer
+
+    def _record(self, name: str, value: Any, *args: Any, **kwargs: Any) -> None:
+        bound = _LOG_SIGNATURE.bind(self.module, name, value, *args, **kwargs)
+        options = {k: v for k, v in bound.arguments.items() if k not in ("self", "name", "value")}
+        batch_size = options.pop("batch_size", None) or self.batch_size
+        if isinstance(value, Metric):
+            if options.get("metric_attribute") is None:
+                names = {id(m): n for n, m in self.module.named_modules() if isinstance(m, Metric)}
+                if id(value) not in names:
+                    raise ValueError(f"self.log({name!r}, metric) needs the metric to be an attribute of the module.")
+                options["metric_attribute"] = names[id(value)]
+            self.records.append(LoggedValue(name, None, int(batch_size), options))
+            return
+        if isinstance(value, Tensor):
+            if value.numel() != 1:
+                raise ValueError(f"self.log({name!r}, ...) needs a scalar, got a tensor of shape {tuple(value.shape)}.")
+            value = value.detach().float().item()
+        elif not isinstance(value, (int, float, bool)):
+            raise TypeError(f"self.log({name!r}, {type(value).__name__}) needs a tensor, a number or a torchmetrics Metric.")
+        self.records.append(LoggedValue(name, float(value), int(batch_size), options))
+
+
+def combine(records: list[LoggedValue], module: LightningModule) -> list[LoggedValue]:
+    """Reduce the micro-batch records of each name to one record, as one full-batch call would log.
+
+    Metric records carry a snapshot of the metric's state after the last micro-batch.
+    """
+    by_name: dict[str, list[LoggedValue]] = {}
+    for record in records:
+        by_name.setdefault(record.name, []).append(record)
+    combined = []
+    for name, group in by_name.items():
+        total = sum(r.batch_size for r in group)
+        options = group[0].options
+        if group[0].value is None:
+            metric = module.get_submodule(options["metric_attribute"])
+            combined.append(LoggedValue(name, None, total, options, _metric_state(metric)))
+            continue
+        how = _reduction(options.get("reduce_fx", "mean"))
+        values = [r.value for r in group]
+        if how == "mean":
+            value = sum(r.value * r.batch_size for r in group) / total
+        else:
+            value = {"sum": sum, "max": max, "min": min}[how](values)
+        combined.append(LoggedValue(name, value, total, options))
+    return combined
+
+
+def replay(module: LightningModule, records: list[LoggedValue], owner: bool) -> None:
+    """Log ``records`` through the real ``LightningModule.log`` of ``module``.
+
+    Args:
+        owner: this rank produced the records (its metrics already hold the state).
+    """
+    for record in records:
+        if record.value is None:
+            metric = module.get_submodule(record.options["metric_attribute"])
+            if not owner:
+                _load_metric_state(metric, record.metric_state)
+            module.log(record.name, metric, batch_size=record.batch_size, **record.options)
+            continue
+        value = torch.tensor(record.value, dtype=torch.float32, device=module.device)
+        module.log(record.name, value, batch_size=record.batch_size, **record.options)
+
+
+def _to_cpu(value: Any) -> Any:
+    if isinstance(value, Tensor):
+        return value.detach().cpu()
+    if isinstance(value, list):
+        return [_to_cpu(v) for v in value]
+    return value
+
+
+def _metric_state(metric: Metric) -> dict[str, Any]:
+    state = {name: _to_cpu(getattr(metric, name)) for name in metric._defaults}
+    state["_update_count"] = metric._update_count
+    state["_forward_cache"] = _to_cpu(metric._forward_cache)
+    return state
+
+
+def _load_metric_state(metric: Metric, state: dict[str, Any]) -> None:
+    device = metric.device
+    for name, value in state.items():
+        if isinstance(value, Tensor):
+            value = value.to(device)
+        elif isinstance(value, list):
+            value = [v.to(device) if isinstance(v, Tensor) else v for v in value]
+        setattr(metric, name, value)
+    metric._computed = None

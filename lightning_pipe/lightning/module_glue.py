@@ -1,0 +1,212 @@
+"""What runs a user's LightningModule step as pipeline stages, and what gathers its results.
+
+* :class:`ModuleStages` builds the executor's chunk callables. The first virtual stage runs the
+  user's step until the trunk call (code before the trunk, e.g. an embedding, runs there) and ships
+  the trunk output of its layers; middle stages only run their layers; the last virtual stage runs
+  the user's step again with the trunk call answered by its layers applied to the received
+  activation, so the code after the trunk and the loss run there.
+* :func:`merge_outputs` combines what a step returned per micro-batch into what it would return
+  for the batch; :func:`stage_parameter_names` finds which stage uses each parameter outside the
+  trunk (one-device emulation).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torchmetrics import Metric
+
+from lightning_pipe.engine.outside import reject_shared
+from lightning_pipe.engine.stage import batch_size
+from lightning_pipe.errors import SharedParameterError
+from lightning_pipe.lightning.log_replay import LogCapture
+from lightning_pipe.partition.split import PartitionedTrunk, StageStop
+
+
+def step_loss(output: Any, hook: str) -> Tensor:
+    """The loss tensor of a training-step output (a tensor or a dict with ``"loss"``)."""
+    if isinstance(output, Tensor):
+        return output
+    if isinstance(output, dict) and isinstance(output.get("loss"), Tensor):
+        return output["loss"]
+    raise TypeError(
+        f"{hook} returned {type(output).__name__}; under a pipeline strategy it must return the loss tensor "
+        "(or a dict with a 'loss' tensor) for every batch."
+    )
+
+
+class ModuleStages:
+    """Builds the executor's chunk callables for one rank.
+
+    Args:
+        step: the user's step bound to its extra arguments, ``step(micro_batch) -> output``.
+        partition: this rank's trunk share.
+        virtual_stages: total virtual stages of the pipeline.
+        capture: records ``self.log`` calls of the step.
+        output_to_loss: extracts the loss from the step's output (``None`` for forward-only use).
+    """
+
+    def __init__(
+        self,
+        step: Callable[[Any], Any],
+        partition: PartitionedTrunk,
+        virtual_stages: int,
+        capture: LogCapture,
+        output_to_loss: Callable[[Any], Any],
+    ) -> None:
+        self.step = step
+        self.partition = partition
+        self.virtual_stages = virtual_stages
+        self.capture = capture
+        self.output_to_loss = output_to_loss
+
+    def chunk_callables(self) -> list[Callable[[Any, Any], Any]]:
+        return [self._callable(chunk, vs) for chunk, vs in enumerate(self.partition.local)]
+
+    def _callable(self, chunk: int, vs: int) -> Callable[[Any, Any], Any]:
+        first, last = vs == 0, vs == self.virtual_stages - 1
+        partition = self.partition
+
+        def whole(_: Any, micro_batch: Any) -> Any:
+            return self._run_step(micro_batch, lambda x: partition.run_chunk(chunk, x))
+
+        def head(_: Any, micro_batch: Any) -> Any:
+            def stop(x: Any) -> Any:
+                raise StageStop(partition.run_chunk(chunk, x))
+
+            try:
+                self._run_step(micro_batch, stop)
+            except StageStop as done:
+                return done.output
+            raise RuntimeError(
+                f"the step finished without calling {partition.name}; the first pipeline stage needs the step to "
+                f"call self.{partition.name}(...) exactly once."
+            )
+
+        def middle(inputs: Any, _: Any) -> Any:
+            return partition.run_chunk(chunk, inputs)
+
+        def tail(inputs: Any, micro_batch: Any) -> Any:
+            return self._run_step(micro_batch, lambda _ignored: partition.run_chunk(chunk, inputs))
+
+        if first and last:
+            return whole
+        return head if first else tail if last else middle
+
+    def _run_step(self, micro_batch: Any, behaviour: Callable[[Any], Any]) -> Any:
+        self.capture.batch_size = batch_size(micro_batch)
+        with self.partition.acting(behaviour):
+            return self.output_to_loss(self.step(micro_batch))
+
+
+def merge_outputs(outputs: Sequence[Any], sizes: Sequence[int]) -> Any:
+    """Concatenate batched tensors, average scalar tensors by micro-batch size, recurse into
+    dicts, lists and tuples; anything else comes back as the list of per-micro-batch values."""
+    if len(outputs) == 1:
+        return outputs[0]
+    first = outputs[0]
+    if first is None:
+        return None
+    if isinstance(first, Tensor):
+        if first.dim() == 0:
+            total = sum(sizes)
+            return sum(o.float() * (s / total) for o, s in zip(outputs, sizes)).to(first.dtype)
+        return torch.cat(list(outputs))
+    if isinstance(first, Mapping):
+        return type(first)({k: merge_outputs([o[k] for o in outputs], sizes) for k in first})
+    if isinstance(first, (list, tuple)) and not hasattr(first, "_fields"):
+        return type(first)(merge_outputs(parts, sizes) for parts in zip(*outputs))
+    return list(outputs)
+
+
+def detach_to_cpu(value: Any) -> Any:
+    """A copy of ``value`` safe to broadcast: tensors detached and on the CPU."""
+    if isinstance(value, Tensor):
+        return value.detach().cpu()
+    if isinstance(value, Mapping):
+        return type(value)({k: detach_to_cpu(v) for k, v in value.items()})
+    if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
+        return type(value)(detach_to_cpu(v) for v in value)
+    return value
+
+
+def _differentiable(value: Any) -> list[Tensor]:
+    tensors = value if isinstance(value, tuple) else (value,)
+    return [t for t in tensors if isinstance(t, Tensor) and t.requires_grad]
+
+
+def _detached(value: Any) -> Any:
+    if isinstance(value, tuple):
+        return tuple(_detached(t) for t in value)
+    if value.dtype.is_floating_point or value.dtype.is_complex:
+        return value.detach().requires_grad_(value.requires_grad)
+    return value.detach()
+
+
+def stage_parameter_names(
+    module: nn.Module, bounds: Sequence[tuple[int, int]], trunk: nn.Sequential,
+    chunks: Sequence[Callable[[Any, Any], Any]], micro_batch: Any,
+) -> list[set[str]]:
+    """The parameter names each stage owns.
+
+    Trunk layers belong to the stage holding them. A parameter outside the trunk belongs to the
+    stage whose part of the step gives it a gradient, found by running every stage once on
+    ``micro_batch`` (with the random number generators, the module's buffers and torchmetrics
+    states restored afterwards); unused ones go to stage 0, as in the distributed run's checkpoints.
+
+    Raises:
+        SharedParameterError: a parameter outside the trunk is used on several stages.
+    """
+    stage_of: dict[int, int] = {}
+    for vs, (start, end) in enumerate(bounds):
+        for index in range(start, end):
+            for p in trunk[index].parameters():
+                stage_of[id(p)] = vs
+    named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+    outside = [(n, p) for n, p in named if id(p) not in stage_of]
+    users: dict[str, list[int]] = {}
+    if outside:
+        buffers = {n: b.detach().clone() for n, b in module.named_buffers()}
+        metrics = _metric_states(module)
+        with torch.random.fork_rng(devices=[]), torch.enable_grad():
+            value: Any = None
+            for vs, chunk in enumerate(chunks):
+                value = chunk(None if vs == 0 else _detached(value), micro_batch)
+                outputs = _differentiable(value)
+                if not outputs:
+                    continue
+                grads = torch.autograd.grad(
+                    outputs, [p for _, p in outside], [torch.ones_like(t) for t in outputs], allow_unused=True
+                )
+                for (name, _), grad in zip(outside, grads):
+                    if grad is not None:
+                        users.setdefault(name, []).append(vs)
+        with torch.no_grad():
+            for name, b in module.named_buffers():
+                b.copy_(buffers[name])
+        _restore_metric_states(metrics)
+    reject_shared(users, "which step at different times under an asynchronous schedule", SharedParameterError)
+    names: list[set[str]] = [set() for _ in bounds]
+    for name, p in named:
+        names[stage_of.get(id(p), users.get(name, [0])[0])].add(name)
+    return names
+
+
+def _metric_states(module: nn.Module) -> list[tuple[Any, dict[str, Any]]]:
+    saved = []
+    for metric in module.modules():
+        if isinstance(metric, Metric):
+            state = {attr: copy.deepcopy(getattr(metric, attr)) for attr in metric._defaults}
+            state.update(_update_count=metric._update_count, _computed=metric._computed)
+            saved.append((metric, state))
+    return saved
+
+
+def _restore_metric_states(saved: list[tuple[Any, dict[str, Any]]]) -> None:
+    for metric, state in saved:
+        for attr, value in state.items():
+            setattr(metric, attr, value)

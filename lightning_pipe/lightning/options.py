@@ -1,0 +1,196 @@
+"""``PipeStrategy``'s options: grouped, checked, and the flat names of 0.1 mapped onto the groups.
+
+Every check here needs neither the Trainer nor the module, so it runs in ``PipeStrategy(...)``,
+before anything launches; :mod:`.checks` holds those that need them. Each failure is one
+:class:`~lightning_pipe.errors.PipeConfigError` sentence that says what to change.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any, Literal, TypeVar
+
+from lightning_pipe.engine.policies import AsyncOptions, AvgPipeOptions, PipeMareOptions, XPipeOptions
+from lightning_pipe.errors import PipeConfigError
+from lightning_pipe.planning.auto_balance import AutoBalanceOptions
+from lightning_pipe.registry import DEFAULT, SCHEDULES, ScheduleSpec, spec
+
+Group = TypeVar("Group", PipeMareOptions, XPipeOptions, AvgPipeOptions, AutoBalanceOptions)
+
+#: The flat option names of lightning_pipe 0.1: ``name -> (group, field)``. They still work in 0.2,
+#: with a FutureWarning that names the group to use; 0.3 removes them.
+DEPRECATED: dict[str, tuple[str, str]] = {
+    "pipemare_lr_reschedule": ("pipemare", "lr_reschedule"),
+    "pipemare_lr_warmup_steps": ("pipemare", "lr_warmup_steps"),
+    "pipemare_correction": ("pipemare", "correction"),
+    "pipemare_correction_decay": ("pipemare", "correction_decay"),
+    "xpipe_prediction": ("xpipe", "prediction"),
+    "parallel_pipelines": ("avgpipe", "parallel_pipelines"),
+    "avgpipe_alpha": ("avgpipe", "alpha"),
+    "avgpipe_period": ("avgpipe", "period"),
+    "avgpipe_averaging": ("avgpipe", "averaging"),
+    "advance_forward": ("avgpipe", "advance_forward"),
+    "avgpipe_trials": ("avgpipe", "trials"),
+    "auto_balance_memory": ("auto_balance", "memory_gib"),
+    "auto_balance_speeds": ("auto_balance", "speeds"),
+    "profile_cache": ("auto_balance", "profile_cache"),
+    "auto_balance_refine": ("auto_balance", "refine"),
+}
+_GROUPS = {"pipemare": PipeMareOptions, "xpipe": XPipeOptions, "avgpipe": AvgPipeOptions, "auto_balance": AutoBalanceOptions}
+_CLASS_NAMES = {group: cls.__name__ for group, cls in _GROUPS.items()}
+
+
+@dataclass(frozen=True)
+class PipeOptions:
+    """Everything ``PipeStrategy`` was given, checked (see its arguments for the meaning of each)."""
+
+    schedule: str = DEFAULT
+    micro_batches: int | Literal["auto"] = 4
+    stages: int | None = None
+    pipelines: int = 1
+    balance: str | list[int] = "uniform"
+    module: str | None = None
+    chunks_per_stage: int = 1
+    checkpoint_activations: bool = False
+    timeout: float = 1800.0
+    sync_warmup_epochs: int = 0
+    pipemare: PipeMareOptions = field(default_factory=PipeMareOptions)
+    xpipe: XPipeOptions = field(default_factory=XPipeOptions)
+    avgpipe: AvgPipeOptions = field(default_factory=AvgPipeOptions)
+    auto_balance: AutoBalanceOptions = field(default_factory=AutoBalanceOptions)
+    trace_dir: str | None = None
+    trace_steps: int = 3
+
+    @property
+    def spec(self) -> ScheduleSpec:
+        """The schedule's row of the registry."""
+        return spec(self.schedule)
+
+    @property
+    def asynchronous(self) -> AsyncOptions:
+        """What the asynchronous weight policies read."""
+        return AsyncOptions(self.pipemare, self.xpipe)
+
+    @property
+    def tuned(self) -> bool:
+        """Whether avgpipe's tuner chooses any value at fit start."""
+        return self.micro_batches == "auto" or (self.spec.family == "averaging" and self.avgpipe.tuned)
+
+
+def as_group(value: Group | Mapping[str, Any] | None, cls: type[Group], name: str) -> Group:
+    """``value`` as the option group ``cls`` (a dict of its fields is accepted; ``None``: the defaults)."""
+    if value is None:
+        return cls()
+    if isinstance(value, cls):
+        return value
+    if isinstance(value, Mapping):
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise PipeConfigError(f"{name}= has no option {', '.join(unknown)}; {cls.__name__} takes {', '.join(sorted(known))}.")
+        return cls(**value)
+    raise PipeConfigError(f"{name}= takes a {cls.__name__} or a dict of its fields, got {type(value).__name__}.")
+
+
+def apply_deprecated(groups: dict[str, Any], flat: Mapping[str, Any]) -> dict[str, Any]:
+    """Fold the 0.1 flat option names given (not ``None``) into their groups, with a FutureWarning each."""
+    for name, value in flat.items():
+        if value is None:
+            continue
+        group, field_name = DEPRECATED[name]
+        warnings.warn(
+            f"PipeStrategy({name}=...) is deprecated and will be removed in lightning_pipe 0.3; use "
+            f"{group}={_CLASS_NAMES[group]}({field_name}=...) (in YAML: `{group}: {{{field_name}: ...}}`).",
+            FutureWarning, stacklevel=4,
+        )
+        groups[group] = replace(groups[group], **{field_name: value})
+    return groups
+
+
+def resolve(
+    schedule: str, micro_batches: int | str, stages: int | None, pipelines: int, balance: str | list[int], module: str | None,
+    chunks_per_stage: int | None, checkpoint_activations: bool, timeout: float, sync_warmup_epochs: int,
+    groups: Mapping[str, Any], trace_dir: str | None, trace_steps: int, deprecated: Mapping[str, Any],
+) -> PipeOptions:
+    """Check the arguments of ``PipeStrategy`` and return them as :class:`PipeOptions`."""
+    row = spec(schedule)
+    resolved = {name: as_group(groups.get(name), cls, name) for name, cls in _GROUPS.items()}
+    resolved = apply_deprecated(resolved, deprecated)
+    if chunks_per_stage is None:
+        chunks_per_stage = row.default_chunks
+    options = PipeOptions(
+        schedule, micro_batches, stages, pipelines, list(balance) if not isinstance(balance, str) else balance, module,  # type: ignore[arg-type]
+        chunks_per_stage, checkpoint_activations, float(timeout), sync_warmup_epochs, resolved["pipemare"],
+        resolved["xpipe"], resolved["avgpipe"], resolved["auto_balance"], trace_dir, trace_steps,
+    )
+    check(options)
+    return options
+
+
+def check(options: PipeOptions) -> None:
+    """The checks that need neither the Trainer nor the module."""
+    o, row = options, options.spec
+    if o.micro_batches == "auto":
+        if row.family != "averaging":
+            raise PipeConfigError(f"micro_batches='auto' needs schedule='avgpipe' (its tuner); give a number for {o.schedule!r}.")
+    elif not isinstance(o.micro_batches, int) or o.micro_batches < 1:
+        raise PipeConfigError(f"micro_batches={o.micro_batches!r} must be at least 1.")
+    if o.stages is not None and o.stages < 1:
+        raise PipeConfigError(f"stages={o.stages} must be at least 1.")
+    if o.pipelines < 1:
+        raise PipeConfigError(f"pipelines={o.pipelines} must be at least 1.")
+    if o.chunks_per_stage < 1:
+        raise PipeConfigError(f"chunks_per_stage={o.chunks_per_stage} must be at least 1.")
+    if not row.chunked and o.chunks_per_stage != 1:
+        chunked = " or ".join(f"schedule={name!r}" for name, other in SCHEDULES.items() if other.chunked)
+        raise PipeConfigError(f"chunks_per_stage={o.chunks_per_stage} only applies to {chunked}; leave it at 1 for {o.schedule!r}.")
+    if o.timeout <= 0:
+        raise PipeConfigError(f"timeout={o.timeout} must be a positive number of seconds.")
+    if o.sync_warmup_epochs < 0:
+        raise PipeConfigError(f"sync_warmup_epochs={o.sync_warmup_epochs} must be at least 0.")
+    _check_avgpipe(o)
+    _check_trace(o.trace_dir, o.trace_steps)
+
+
+def _check_avgpipe(o: PipeOptions) -> None:
+    a = o.avgpipe
+    for name, value in (("parallel_pipelines", a.parallel_pipelines), ("advance_forward", a.advance_forward)):
+        if value == "auto" and o.spec.family != "averaging":
+            raise PipeConfigError(f"avgpipe {name}='auto' needs schedule='avgpipe' (its tuner); {o.schedule!r} does not use it.")
+    if a.parallel_pipelines != "auto" and a.parallel_pipelines < 1:
+        raise PipeConfigError(f"avgpipe parallel_pipelines={a.parallel_pipelines} must be at least 1 (or 'auto').")
+    if a.alpha is not None and not 0.0 <= a.alpha <= 1.0:
+        raise PipeConfigError(f"avgpipe alpha={a.alpha} must lie in [0, 1] (None picks 0.9 / parallel_pipelines).")
+    if a.period < 1:
+        raise PipeConfigError(f"avgpipe period={a.period} must be at least 1 (average every that many rounds).")
+    if a.averaging not in ("async", "sync"):
+        raise PipeConfigError(f"avgpipe averaging={a.averaging!r} must be 'async' or 'sync'.")
+    if a.advance_forward != "auto" and a.advance_forward < 0:
+        raise PipeConfigError(f"avgpipe advance_forward={a.advance_forward} must be at least 0 (or 'auto').")
+    if a.trials < 0:
+        raise PipeConfigError(f"avgpipe trials={a.trials} must be at least 0 (0 or 1: trust the tuner's prediction).")
+    if o.tuned and o.balance == "auto":
+        raise PipeConfigError("balance='auto' needs a fixed micro_batches; give layer counts or fix the avgpipe options.")
+
+
+def _check_trace(trace_dir: str | None, trace_steps: int) -> None:
+    """Fail at ``PipeStrategy(...)`` rather than at the end of a long fit."""
+    if trace_dir is None:
+        return
+    if trace_steps < 1:
+        raise PipeConfigError(f"trace_steps={trace_steps} must be at least 1 to record anything into trace_dir.")
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise ImportError("trace_dir draws a timeline with matplotlib; pip install matplotlib (or lightning-pipe[plot]).") from None
+
+
+def adopt_tuned(options: PipeOptions, values: Mapping[str, int]) -> PipeOptions:
+    """``options`` with avgpipe's tuned (or a checkpoint's) ``parallel_pipelines``, ``micro_batches`` and
+    ``advance_forward``."""
+    avgpipe = replace(options.avgpipe, parallel_pipelines=int(values["parallel_pipelines"]),
+                      advance_forward=int(values["advance_forward"]))
+    return replace(options, micro_batches=int(values["micro_batches"]), avgpipe=avgpipe)

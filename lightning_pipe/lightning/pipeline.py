@@ -1,0 +1,274 @@
+"""This rank's share of the pipeline inside Lightning: the cut module, its executor, one batch through them.
+
+:meth:`StagePipeline.cut` builds it once per process at the strategy's first setup. The runtimes
+(:mod:`.runtimes`) run training batches through :meth:`StagePipeline.run`; evaluation (validation,
+test, predict) is the same for every schedule and runs here (:meth:`StagePipeline.forward_step`).
+Every rank ends a step holding what the last stage logged and returned (:mod:`.log_replay`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch import LightningModule
+from torch import Tensor
+
+from lightning_pipe.engine import Executor, Topology, Transport, Watchdog, batch_size, split_micro_batches
+from lightning_pipe.engine.local import LocalPipeline
+from lightning_pipe.engine.outside import OutsideParameters
+from lightning_pipe.engine.recorder import ActionRecorder
+from lightning_pipe.errors import PipeConfigError
+from lightning_pipe.lightning.log_replay import LogCapture, combine, replay
+from lightning_pipe.lightning.module_glue import ModuleStages, detach_to_cpu, merge_outputs, step_loss
+from lightning_pipe.partition import find_trunk, stage_bounds
+from lightning_pipe.partition.split import PartitionedTrunk
+from lightning_pipe.planning.planner import Plan, format_bytes
+from lightning_pipe.registry import build_schedule
+
+if TYPE_CHECKING:
+    from lightning_pipe.lightning.strategy import PipeStrategy
+
+#: ``launch(micro_batches, stages)``: run the batch's micro-batches through the pipeline and return
+#: what the last virtual stage returned for each (empty elsewhere).
+Launch = Callable[[list[Any], ModuleStages], list[Any]]
+
+
+@dataclass
+class Ran:
+    """One batch after the pipeline ran it."""
+
+    outputs: list[Any]  #: the last stage's per-micro-batch results (losses when training); empty elsewhere
+    sizes: list[int]  #: samples per micro-batch
+    size: int  #: samples in the batch
+    capture: LogCapture  #: the ``self.log`` calls of the step
+
+
+@dataclass(frozen=True)
+class Layer:
+    """A trunk layer as the stage table shows it."""
+
+    kind: str
+    parameters: int
+
+
+class StagePipeline:
+    """This rank's stage(s) of the pipeline, ready to run batches.
+
+    Args:
+        strategy: the strategy (its module, precision plugin, device and options).
+        partition: this rank's share of the trunk.
+        outside: the parameters outside the trunk.
+        counts: trunk layers per virtual stage.
+        layers: every trunk layer, before the cut.
+        key_order: ``state_dict`` keys of the unpartitioned module.
+        param_order: parameter names of the unpartitioned module.
+    """
+
+    def __init__(
+        self, strategy: PipeStrategy, partition: PartitionedTrunk, outside: OutsideParameters, counts: list[int],
+        layers: list[Layer], key_order: list[str], param_order: list[str],
+    ) -> None:
+        self.strategy = strategy
+        self.partition = partition
+        self.outside = outside
+        self.counts = counts
+        self.layers = layers
+        self.key_order = key_order
+        self.param_order = param_order
+        self.executor: Executor | LocalPipeline | None = None
+        self.seen_batch = False  # a short batch is an error only before the first one
+
+    @classmethod
+    def cut(cls, strategy: PipeStrategy, module: LightningModule, counts: list[int]) -> StagePipeline:
+        """Keep this rank's trunk layers (every virtual stage when emulating) and stub out the rest."""
+        options, topology = strategy.options, strategy.topology
+        name, trunk = find_trunk(module, options.module)
+        local = [chunk * topology.stages + topology.stage for chunk in range(options.chunks_per_stage)]
+        if strategy.emulating:  # this process holds every virtual stage
+            local = list(range(strategy.num_stages * options.chunks_per_stage))
+        layers = [Layer(type(layer).__name__, sum(p.numel() for p in layer.parameters())) for layer in trunk]  # before the cut
+        key_order = list(module.state_dict().keys())
+        param_order = [n for n, _ in module.named_parameters()]
+        partition = PartitionedTrunk(trunk, name, stage_bounds(counts), local, options.checkpoint_activations)
+        return cls(strategy, partition, OutsideParameters(module, name, topology), list(counts), layers, key_order, param_order)
+
+    # ------------------------------------------------------------------ the executor
+    @property
+    def topology(self) -> Topology:
+        return self.strategy.topology
+
+    @property
+    def watchdog(self) -> Watchdog:
+        return self.strategy.watchdog
+
+    @property
+    def virtual_stages(self) -> int:
+        return self.strategy.num_stages * self.strategy.options.chunks_per_stage
+
+    def build_executor(self, recorder: ActionRecorder | None = None) -> Executor | LocalPipeline:
+        """A fresh executor for this setup (``recorder`` times a traced fit's actions)."""
+        names = [self.partition.describe_chunk(c) for c in range(len(self.partition.local))]
+        if self.strategy.emulating:
+            self.executor = LocalPipeline(self.strategy.num_stages, self.strategy.options.chunks_per_stage, self.watchdog, names)
+        else:
+            self.executor = Executor(
+                self.topology.stage, self.topology.pipeline_ranks, [], self.transport(), self.watchdog, names=names,
+                recorder=recorder,
+            )  # chunk callables are bound per step: they close over the step's arguments
+        return self.executor
+
+    def transport(self) -> Transport | None:
+        """This rank's point-to-point layer (``None`` for a one-process pipeline)."""
+        if self.topology.stages == 1:
+            return None
+        return Transport(self.strategy.root_device, tagged=self.strategy.tagged)
+
+    # ------------------------------------------------------------------ one batch
+    def micro_batch_count(self, n: int, training: bool) -> int:
+        """How many micro-batches a batch of ``n`` samples splits into."""
+        options = self.strategy.options
+        micro_batches = int(options.micro_batches)
+        if n >= micro_batches:
+            return micro_batches
+        if training and not self.seen_batch:
+            raise PipeConfigError(
+                f"micro_batches={micro_batches} is larger than the batch size {n}; use micro_batches <= {n} "
+                "or a larger batch size."
+            )
+        # a short last batch: fewer, smaller micro-batches (an interleaved step needs a multiple of stages)
+        if training and options.spec.chunked:
+            stages = self.strategy.num_stages
+            count = n - n % stages
+            if count == 0:
+                raise PipeConfigError(
+                    f"a batch of {n} samples cannot feed {stages} interleaved stages; set drop_last=True in the DataLoader."
+                )
+            return count
+        return n
+
+    def run(
+        self, hook: str, args: tuple, kwargs: dict, training: bool, split: Callable[[Any], list[Any]], launch: Launch,
+    ) -> Ran:
+        """Run the user's ``hook`` over the micro-batches ``split`` makes of the batch in ``args[0]``.
+
+        ``launch`` runs the micro-batches through the executor (a flushed step, an asynchronous
+        window, an avgpipe round); a failure is reported to every other rank before it propagates.
+        """
+        assert self.executor is not None
+        module = self.strategy.lightning_module
+        batch, rest = args[0], args[1:]
+        micro_batches = split(batch)
+        capture = LogCapture(module)
+        user_step = getattr(module, hook)
+        stages = ModuleStages(
+            lambda mb: user_step(mb, *rest, **kwargs), self.partition, self.virtual_stages, capture,
+            (lambda out: step_loss(out, hook)) if training else (lambda out: out),
+        )
+        self.executor.chunks = stages.chunk_callables()
+        try:
+            with capture:
+                outputs = launch(micro_batches, stages)
+        except BaseException as error:
+            self.watchdog.report(error)
+            raise
+        return Ran(outputs, [batch_size(mb) for mb in micro_batches], batch_size(batch), capture)
+
+    def flush(self, hook: str, args: tuple, kwargs: dict, training: bool, schedule: str) -> Ran:
+        """One flushed step of the synchronous ``schedule`` (forwards only when not ``training``)."""
+        strategy = self.strategy
+        scaler = getattr(strategy.precision_plugin, "scaler", None) if training else None
+        accumulate = strategy.lightning_module.trainer.accumulate_grad_batches if training else 1
+
+        def split(batch: Any) -> list[Any]:
+            return split_micro_batches(batch, self.micro_batch_count(batch_size(batch), training))
+
+        def launch(micro_batches: list[Any], _: ModuleStages) -> list[Any]:
+            n = sum(batch_size(mb) for mb in micro_batches)
+            weights = [batch_size(mb) / n / accumulate for mb in micro_batches] if training else None
+            plan = build_schedule(schedule, strategy.num_stages, len(micro_batches), strategy.options.chunks_per_stage,
+                                  not training)
+            return self.executor.run(plan, micro_batches, weights, scale_loss=scaler.scale if scaler else None)
+
+        return self.run(hook, args, kwargs, training, split, launch)
+
+    def forward_step(self, hook: str, args: tuple, kwargs: dict) -> Any:
+        """Validation, test or predict: a forward-only step; every rank returns the last stage's
+        merged output and logs what it logged."""
+        ran = self.flush(hook, args, kwargs, False, self.strategy.options.spec.flushed)
+        merged = detach_to_cpu(merge_outputs(ran.outputs, ran.sizes)) if ran.outputs else None
+        merged, records = self.from_last_stage((merged, combine(ran.capture.records, self.strategy.lightning_module)))
+        replay(self.strategy.lightning_module, records, owner=self.topology.is_last_stage)
+        return merged
+
+    def replayed_loss(self, ran: Ran) -> Tensor:
+        """The batch loss (micro-batch losses weighted by their sizes) on every rank of the pipeline,
+        after replaying the last stage's ``self.log`` calls on each of them."""
+        module = self.strategy.lightning_module
+        loss = sum(s / ran.size * float(l) for s, l in zip(ran.sizes, ran.outputs)) if ran.outputs else 0.0
+        loss, records = self.from_last_stage((loss, combine(ran.capture.records, module)))
+        replay(module, records, owner=self.topology.is_last_stage)
+        return torch.tensor(loss, device=self.strategy.root_device)
+
+    def from_last_stage(self, payload: Any) -> Any:
+        """Broadcast ``payload`` from the pipeline's last stage to all its stages."""
+        topology = self.topology
+        if topology.stages == 1:
+            return payload
+        box = [payload if topology.is_last_stage else None]
+        try:
+            dist.broadcast_object_list(box, src=topology.last_stage_rank, group=topology.pipeline_group)
+        except RuntimeError as error:
+            raise self.watchdog.explain(error, "the last stage's metrics") from error
+        return box[0]
+
+    def gather_in_first_pipeline(self, obj: Any) -> list[Any] | None:
+        """Every stage's ``obj`` on global rank 0 (``None`` elsewhere); only pipeline 0 takes part."""
+        topology = self.topology
+        if topology.stages == 1:
+            return [obj] if self.strategy.global_rank == 0 else None
+        if topology.pipeline != 0:
+            return None
+        parts = [None] * topology.stages if self.strategy.global_rank == 0 else None
+        dist.gather_object(obj, parts, dst=0, group=topology.pipeline_group)
+        return parts
+
+    # ------------------------------------------------------------------ the stage table
+    def describe(self, plan: Plan | None = None, measured: Sequence[float] | None = None) -> str:
+        """A table of the pipeline: schedule, stages, layers and parameters per stage (and, with
+        ``balance="auto"``, the predicted and measured times)."""
+        strategy, options = self.strategy, self.strategy.options
+        stages = strategy.num_stages
+        chunked = options.chunks_per_stage > 1
+        lines = [
+            f"lightning_pipe: {options.schedule}, {stages} stage(s) × {strategy.num_pipelines} pipeline(s), "
+            f"{options.micro_batches} micro-batches per batch"
+            + (f", {options.avgpipe.parallel_pipelines} parallel pipelines per device" if options.spec.family == "averaging" else "")
+            + (f", {options.chunks_per_stage} chunks per stage" if chunked else "")
+            + (", emulated in one process" if strategy.emulating else "")
+            + (", balance='auto'" if plan is not None else "")
+        ]
+        header = ["stage", "layers", "parameters"] + (["predicted time", "predicted peak memory"] if plan else [])
+        header += ["measured time"] if measured else []
+        rows = []
+        for vs, (start, end) in enumerate(stage_bounds(self.counts)):
+            device, chunk = vs % stages, vs // stages
+            where = f"{device}" + (f" chunk {chunk}" if chunked else "")
+            kinds = ", ".join(layer.kind for layer in self.layers[start:end])
+            row = [where, f"{self.partition.name}[{start}:{end}] {kinds}",
+                   f"{sum(layer.parameters for layer in self.layers[start:end]):,}"]
+            if plan is not None:
+                row += [f"{plan.stages[vs].time * 1e3:.2f} ms/micro-batch", format_bytes(plan.stages[vs].memory)]
+            if measured:
+                row += [f"{measured[vs] * 1e3:.2f} ms/micro-batch"]
+            rows.append(row)
+        widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+        for row in [header, *rows]:
+            lines.append("  " + "  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip())
+        if plan is not None:
+            lines.append(f"  predicted: {plan.step_time * 1e3:.1f} ms per batch of {plan.micro_batches} "
+                         f"micro-batches of {plan.micro_batch_size:g} samples")
+        return "\n".join(lines)

@@ -1,0 +1,505 @@
+"""``PipeStrategy``: Lightning's hooks, mapped onto the pipeline.
+
+Only glue lives here; each hook delegates:
+
+* ``PipeStrategy(...)`` and ``connect``: check the options (:mod:`.options`, :mod:`.checks`) before
+  any process starts;
+* ``setup_environment``: process groups per pipeline and per stage, the watchdog;
+* ``setup``: choose the split (:mod:`.auto` for ``balance="auto"`` and avgpipe's tuner), cut the trunk
+  and build the executor (:class:`~.pipeline.StagePipeline`), then the runtime of the schedule's
+  family (:mod:`.runtimes`);
+* ``training_step`` / ``backward`` / ``optimizer_step``: the runtime;
+* ``validation_step`` / ``test_step`` / ``predict_step``: a forward-only pipeline step;
+* checkpoints: every stage's piece gathered on rank 0 into one ordinary checkpoint (:mod:`.checkpointing`).
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any, Literal
+
+import torch
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.utilities.apply_func import apply_to_collection
+from lightning.fabric.utilities.distributed import _sync_ddp_if_available
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.accelerators import Accelerator
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from torch import Tensor
+from torch.distributed import ReduceOp
+from torchmetrics import Metric
+
+from lightning_pipe.engine import Topology, Transport, Watchdog
+from lightning_pipe.engine.policies import AvgPipeOptions, PipeMareOptions, XPipeOptions
+from lightning_pipe.engine.policies.options import Averaging, Prediction
+from lightning_pipe.errors import PipeConfigError
+from lightning_pipe.lightning import auto, checks
+from lightning_pipe.lightning import options as options_module
+from lightning_pipe.lightning.checkpointing import (
+    BALANCE_KEY,
+    atomic_save,
+    check_keys,
+    merge_optimizer_states,
+    merge_state_dicts,
+    slice_optimizer_state,
+)
+from lightning_pipe.lightning.model_summary import freeze_model_summaries
+from lightning_pipe.lightning.options import PipeOptions
+from lightning_pipe.lightning.pipeline import StagePipeline
+from lightning_pipe.lightning.runtimes import Runtime, make_runtime, unwrapped
+from lightning_pipe.planning.auto_balance import AutoBalanceOptions
+from lightning_pipe.planning.planner import Plan
+from lightning_pipe.planning.trials import device_clock
+from lightning_pipe.registry import DEFAULT, SCHEDULES, ScheduleName
+from lightning_pipe.sim.tracing import RunTracer
+
+
+def _cpu(value: Any) -> Any:
+    return apply_to_collection(value, Tensor, lambda t: t.detach().cpu())
+
+
+class PipeStrategy(DDPStrategy):
+    """Pipeline-parallel training of an ordinary LightningModule.
+
+    The module's trunk (one ``nn.Sequential`` attribute) is split into contiguous stages, one
+    process per stage; each batch is split into micro-batches that flow through the stages in the
+    order of the chosen schedule. Code in ``training_step`` before the trunk call runs on the first
+    stage, code after it (and the loss) on the last.
+
+    ``Trainer(devices=1, strategy=PipeStrategy(schedule="pipemare", stages=4))`` emulates a 4-stage
+    pipeline in the one process with the same engine code (docs/emulation.md).
+
+    Args:
+        schedule: pipeline schedule. ``"gpipe"``: all forwards then all backwards (activation memory
+            grows with ``micro_batches``); ``"1f1b"``: same result, at most ``stages`` micro-batches in
+            flight; ``"interleaved_1f1b"``: ``chunks_per_stage`` chunks per device, bubble shrinks by that
+            factor, needs ``micro_batches`` to be a multiple of ``stages``. All three equal one-device
+            training up to float rounding (micro-batch gradients are summed in schedule order; the
+            tests require 1e-5 relative). Asynchronous (``"pipedream"``, ``"pipedream_2bw"``,
+            ``"pipemare"``, ``"xpipe"``): see ``docs/async-semantics.md``. ``"avgpipe"``: parallel
+            replicas of the pipeline share the same devices, each trains on its own part of the batch
+            with its own weights and optimizer state, and every stage averages them elastically
+            against a center copy that evaluation and checkpoints use (``docs/avgpipe.md``).
+        micro_batches: micro-batches each batch is split into (at most the batch size). More
+            micro-batches shrink the pipeline bubble ``(P-1)/(M+P-1)``; about ``4 × stages`` is a good
+            start. ``"auto"`` (avgpipe only): chosen by its tuner at fit start.
+        stages: processes per pipeline; default ``world_size // pipelines``. With one process
+            (``devices=1``) and ``stages > 1`` the strategy *emulates* a ``stages``-stage pipeline in that
+            process: every stage runs the distributed run's code (its own weights policy, optimizer share
+            and STEPs, so an asynchronous schedule's delays, stashing and prediction are exact), which lets
+            you study a schedule's statistical efficiency without a cluster (docs/emulation.md).
+        pipelines: data-parallel pipeline replicas; each gets its own shard of the data and gradients
+            are averaged across them, so ``pipelines=N`` equals one device at ``N ×`` the batch size.
+            Synchronous schedules only.
+        balance: how many trunk layers each stage gets: a list of counts (one per stage, or per virtual
+            stage for interleaved), ``"uniform"`` (equal counts), ``"parameters"`` (balanced parameter
+            counts) or ``"auto"`` (rank 0 profiles every trunk layer on its device with the first batch
+            and picks the split that minimises the slowest stage's predicted time under the memory limits,
+            for the given schedule and ``micro_batches``; then every rank measures it for a few steps and
+            layers move off the measured bottleneck; see ``auto_balance`` and docs/planning.md).
+        module: attribute path of the trunk ``nn.Sequential``; default: the module's only
+            ``nn.Sequential`` attribute.
+        chunks_per_stage: chunks (virtual stages) per device for ``"interleaved_1f1b"`` (default 2);
+            must stay 1 for the other schedules.
+        checkpoint_activations: recompute each stage's activations during backward instead of keeping
+            them (less memory, one extra forward).
+        timeout: seconds any rank waits for a peer before failing with a clear error; a rank that
+            raises ends every other rank at once with its error message.
+        sync_warmup_epochs: asynchronous schedules only: train the first epochs with ``1f1b`` (PipeMare's
+            synchronous warm-up), then switch in the same run.
+        pipemare: PipeMare's learning-rate rescheduling and discrepancy correction
+            (:class:`~lightning_pipe.PipeMareOptions`; a dict of its fields works too).
+        xpipe: XPipe's weight prediction (:class:`~lightning_pipe.XPipeOptions`).
+        avgpipe: avgpipe's parallel pipelines, averaging and tuner (:class:`~lightning_pipe.AvgPipeOptions`).
+        auto_balance: ``balance="auto"``'s memory limits, device speeds, profile cache and refinement
+            (:class:`~lightning_pipe.AutoBalanceOptions`); avgpipe's tuner obeys its memory limits too.
+        trace_dir: record when every action of every rank starts and ends during a few training steps
+            and, at the end of ``fit``, write ``timeline.png`` and ``trace.json`` (Chrome trace) there,
+            plus each rank's ``events-rank{r}.json`` (docs/simulator.md). Needs matplotlib.
+        trace_steps: training steps recorded with ``trace_dir``: steps 2 to ``trace_steps + 1`` of the fit
+            (the first pays one-time costs; a one-step fit records that one).
+        pipemare_lr_reschedule: deprecated, use ``pipemare={"lr_reschedule": ...}``.
+        pipemare_lr_warmup_steps: deprecated, use ``pipemare={"lr_warmup_steps": ...}``.
+        pipemare_correction: deprecated, use ``pipemare={"correction": ...}``.
+        pipemare_correction_decay: deprecated, use ``pipemare={"correction_decay": ...}``.
+        xpipe_prediction: deprecated, use ``xpipe={"prediction": ...}``.
+        parallel_pipelines: deprecated, use ``avgpipe={"parallel_pipelines": ...}``.
+        avgpipe_alpha: deprecated, use ``avgpipe={"alpha": ...}``.
+        avgpipe_period: deprecated, use ``avgpipe={"period": ...}``.
+        avgpipe_averaging: deprecated, use ``avgpipe={"averaging": ...}``.
+        advance_forward: deprecated, use ``avgpipe={"advance_forward": ...}``.
+        avgpipe_trials: deprecated, use ``avgpipe={"trials": ...}``.
+        auto_balance_memory: deprecated, use ``auto_balance={"memory_gib": ...}``.
+        auto_balance_speeds: deprecated, use ``auto_balance={"speeds": ...}``.
+        profile_cache: deprecated, use ``auto_balance={"profile_cache": ...}``.
+        auto_balance_refine: deprecated, use ``auto_balance={"refine": ...}``.
+        accelerator: set by the Trainer.
+        parallel_devices: set by the Trainer.
+        cluster_environment: set by the Trainer.
+        checkpoint_io: checkpoint writer plugin.
+        precision_plugin: set by the Trainer from ``precision=``.
+        process_group_backend: ``"gloo"`` or ``"nccl"``; default by device (gloo on CPU, NCCL on CUDA).
+    """
+
+    strategy_name = "pipe"
+
+    def __init__(
+        self,
+        schedule: ScheduleName = DEFAULT,
+        micro_batches: int | Literal["auto"] = 4,
+        stages: int | None = None,
+        pipelines: int = 1,
+        balance: str | list[int] = "uniform",
+        module: str | None = None,
+        chunks_per_stage: int | None = None,
+        checkpoint_activations: bool = False,
+        timeout: float = 1800.0,
+        sync_warmup_epochs: int = 0,
+        pipemare: PipeMareOptions = PipeMareOptions(),
+        xpipe: XPipeOptions = XPipeOptions(),
+        avgpipe: AvgPipeOptions = AvgPipeOptions(),
+        auto_balance: AutoBalanceOptions = AutoBalanceOptions(),
+        trace_dir: str | None = None,
+        trace_steps: int = 3,
+        pipemare_lr_reschedule: bool | None = None,
+        pipemare_lr_warmup_steps: int | None = None,
+        pipemare_correction: bool | None = None,
+        pipemare_correction_decay: float | None = None,
+        xpipe_prediction: Prediction | None = None,
+        parallel_pipelines: int | Literal["auto"] | None = None,
+        avgpipe_alpha: float | None = None,
+        avgpipe_period: int | None = None,
+        avgpipe_averaging: Averaging | None = None,
+        advance_forward: int | Literal["auto"] | None = None,
+        avgpipe_trials: int | None = None,
+        auto_balance_memory: float | list[float] | None = None,
+        auto_balance_speeds: list[float] | None = None,
+        profile_cache: str | None = None,
+        auto_balance_refine: int | None = None,
+        accelerator: Accelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision_plugin: Precision | None = None,
+        process_group_backend: str | None = None,
+    ) -> None:
+        deprecated = {name: value for name, value in locals().items() if name in options_module.DEPRECATED}
+        self.options: PipeOptions = options_module.resolve(
+            schedule, micro_batches, stages, pipelines, balance, module, chunks_per_stage, checkpoint_activations, timeout,
+            sync_warmup_epochs, {"pipemare": pipemare, "xpipe": xpipe, "avgpipe": avgpipe, "auto_balance": auto_balance},
+            trace_dir, trace_steps, deprecated,
+        )
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+            process_group_backend=process_group_backend,
+            timeout=timedelta(seconds=self.options.timeout),
+        )
+        self._counts: list[int] | None = None  # layers per virtual stage, known once connected
+        self._plan: Plan | None = None  # balance="auto": the chosen split and its predictions
+        self._measured: list[float] | None = None  # balance="auto" refined: each stage's measured time
+        self._topology: Topology | None = None
+        self._watchdog: Watchdog | None = None
+        self._pipeline: StagePipeline | None = None
+        self._runtime: Runtime | None = None
+        self._tracer: RunTracer | None = None
+        self._generation = 0
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        """Register every schedule of :mod:`lightning_pipe.registry` as a strategy name."""
+        for name, row in SCHEDULES.items():
+            if name not in strategy_registry:
+                strategy_registry.register(name, cls, description=row.description, schedule=name)
+
+    # ------------------------------------------------------------------ where this process stands
+    @property
+    def schedule(self) -> str:
+        """The schedule's name."""
+        return self.options.schedule
+
+    @property
+    def micro_batches(self) -> int:
+        """Micro-batches per batch (per replica with avgpipe; after tuning when ``"auto"``)."""
+        return self.options.micro_batches  # type: ignore[return-value]
+
+    @property
+    def world_size(self) -> int:
+        return self.num_nodes * self.num_processes
+
+    @property
+    def num_stages(self) -> int:
+        return checks.resolve_stages(self.world_size, self.options.stages, self.options.pipelines)
+
+    @property
+    def num_pipelines(self) -> int:
+        return 1 if self.emulating else self.world_size // self.num_stages
+
+    @property
+    def emulating(self) -> bool:
+        """One process running every stage of a ``stages``-stage pipeline (docs/emulation.md)."""
+        return self.world_size == 1 and (self.options.stages or 1) > 1
+
+    @property
+    def topology(self) -> Topology:
+        assert self._topology is not None, "the process groups are created in setup_environment"
+        return self._topology
+
+    @property
+    def watchdog(self) -> Watchdog:
+        assert self._watchdog is not None, "the watchdog is created in setup_environment"
+        return self._watchdog
+
+    @property
+    def tagged(self) -> bool:
+        """Whether messages may carry tags (gloo), so avgpipe's replicas need not share one FIFO order
+        (NCCL); a one-stage pipeline sends none."""
+        return self._get_process_group_backend() == "gloo" or self.num_stages == 1
+
+    def transport(self) -> Transport | None:
+        """This rank's point-to-point layer (``None`` for a one-process pipeline)."""
+        if self.topology.stages == 1:
+            return None
+        return Transport(self.root_device, tagged=self.tagged)
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        return {"num_replicas": self.num_pipelines, "rank": self.global_rank // self.num_stages}
+
+    # ------------------------------------------------------------------ before any process starts
+    def _configure_launcher(self) -> None:
+        checks.resolve_stages(self.world_size, self.options.stages, self.options.pipelines)  # at Trainer(...)
+        super()._configure_launcher()
+
+    def connect(self, model: LightningModule) -> None:
+        super().connect(model)
+        options, stages = self.options, self.num_stages
+        if not options.spec.synchronous and self.num_pipelines > 1:
+            raise PipeConfigError(
+                f"schedule={options.schedule!r} steps each stage inside the pipeline, so data-parallel pipelines would "
+                f"diverge; use pipelines=1 (avgpipe's parallel pipelines share the devices instead) or a synchronous schedule."
+            )
+        self._counts = checks.check_module(  # balance="auto" is resolved in setup; check the layer count now
+            model, options.module, "uniform" if options.balance == "auto" else options.balance,
+            stages * options.chunks_per_stage, options.spec, stages,
+            options.micro_batches if options.micro_batches != "auto" else 1,
+        )
+
+    # ------------------------------------------------------------------ setup
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        # the processes' topology: an emulated pipeline is one process holding every stage
+        stages = 1 if self.emulating else self.num_stages
+        self._topology = Topology(stages, self.num_pipelines, self.global_rank)
+        self._topology.create_groups()
+        self._generation += 1
+        self._watchdog = Watchdog.from_process_group(self.options.timeout, self._generation)
+
+    def setup(self, trainer: Trainer) -> None:
+        assert self.accelerator is not None and self.model is not None
+        self.accelerator.setup(trainer)
+        module = self.lightning_module
+        self.precision_plugin.convert_module(module)
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        if self._pipeline is None:
+            self._choose_split(trainer, module)
+            if fitting and self.topology.stages > 1:
+                freeze_model_summaries(trainer, module, self.is_global_zero)  # while every layer is here
+            self._pipeline = StagePipeline.cut(self, module, self._counts)
+            rank_zero_info(self.describe())
+        self.model_to_device()
+        for metric in module.modules():
+            # every stage of a pipeline holds a replica of the last stage's metric state (see
+            # log_replay), so metrics must only sync across pipelines, never across stages
+            if isinstance(metric, Metric):
+                metric.process_group = self.topology.stage_group
+        self._tracer = self._new_tracer() if fitting else None
+        self._pipeline.build_executor(self._tracer.recorder if self._tracer is not None else None)
+        if fitting:
+            self.setup_optimizers(trainer)
+            checks.check_trainer(self.options.spec, trainer.accumulate_grad_batches, len(self.optimizers))
+            if self._runtime is None:
+                self._runtime = make_runtime(self, self._pipeline)
+            self._runtime.attach(self._pipeline)
+        self.setup_precision_plugin()
+        # Lightning clips with this rank's parameters only; the pipeline needs the global norm
+        self.precision_plugin.clip_grad_by_norm = lambda optimizer, clip_val: self._pipeline.outside.clip_by_global_norm(
+            optimizer, clip_val, self.root_device
+        )
+        if fitting:
+            _optimizers_to_device(self.optimizers, self.root_device)
+
+    def _choose_split(self, trainer: Trainer, module: LightningModule) -> None:
+        """``balance="auto"`` and avgpipe's ``"auto"`` options (a checkpoint's choice when resuming)."""
+        options = self.options
+        stored = (trainer._checkpoint_connector._loaded_checkpoint or {}).get(BALANCE_KEY)
+        if options.balance == "auto" and stored is not None and len(stored) == len(self._counts):
+            # the checkpoint's per-stage state (asynchronous policies, avgpipe replicas) fits only its split
+            rank_zero_info(f"lightning_pipe: balance='auto' adopts the checkpoint's split {stored}")
+            self._counts = list(stored)
+        elif options.balance == "auto":
+            self._plan, self._measured = auto.balance(self, trainer, module)
+            self._counts = self._plan.balance
+        if options.tuned:
+            values = auto.tune_avgpipe(self, trainer, module, list(self._counts))
+            self.options = options_module.adopt_tuned(options, values)
+
+    def _new_tracer(self) -> RunTracer | None:
+        """Every fit with ``trace_dir`` records its own steps."""
+        if self.options.trace_dir is None:
+            return None
+        if self.emulating:
+            raise PipeConfigError(
+                "trace_dir times a pipeline whose stages run at once in separate processes; an emulated one runs "
+                "them one after another in this process. Set devices to the number of stages, or trace_dir=None."
+            )
+        return RunTracer(self.options.trace_dir, self.options.trace_steps, self.global_rank, device_clock(self.root_device))
+
+    def describe(self) -> str:
+        """A table of the pipeline: schedule, stages, layers and parameters per stage."""
+        assert self._pipeline is not None
+        return self._pipeline.describe(self._plan, self._measured)
+
+    # ------------------------------------------------------------------ training
+    def training_step(self, *args: Any, **kwargs: Any) -> Tensor:
+        """Run the batch through the pipeline (forwards and backwards of every micro-batch); return
+        its loss on every rank. Flushing schedules run one whole step here; asynchronous ones one
+        window of the stream, with optimizer steps inside."""
+        assert self._runtime is not None
+        if self._tracer is not None:
+            self._tracer.start_step()
+        try:
+            return self._runtime.training_step(args, kwargs)
+        finally:
+            if self._tracer is not None:
+                self._tracer.end_step()
+
+    def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
+        """Restore the gradients the schedule computed (no autograd runs here)."""
+        module = self.lightning_module
+        closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
+        assert self._runtime is not None
+        self._runtime.backward()
+        return self.precision_plugin.post_backward(closure_loss, module)
+
+    def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
+        """Schedules that step inside the pipeline only run the closure (training_step and backward)."""
+        if self._runtime is not None and self._runtime.steps_inside:
+            return closure()
+        return super().optimizer_step(optimizer, closure, model, **kwargs)
+
+    def _drain(self) -> None:
+        if self._runtime is not None:
+            self._runtime.drain()
+
+    def on_validation_start(self) -> None:
+        self._drain()
+        super().on_validation_start()
+
+    def on_train_end(self) -> None:
+        self._drain()
+        if self._tracer is not None:
+            title = f"{self.schedule}: {self.num_stages} stages, M={self.micro_batches}, measured"
+            for path in self._tracer.write(self.global_rank, self.world_size, title):
+                rank_zero_info(f"lightning_pipe: wrote {path}")
+        super().on_train_end()
+
+    # ------------------------------------------------------------------ evaluation
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.val_step_context():
+            return self._forward_step("validation_step", args, kwargs)
+
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.test_step_context():
+            return self._forward_step("test_step", args, kwargs)
+
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.predict_step_context():
+            return self._forward_step("predict_step", args, kwargs)
+
+    def _forward_step(self, hook: str, args: tuple, kwargs: dict) -> Any:
+        assert self._pipeline is not None
+        return self._pipeline.forward_step(hook, args, kwargs)
+
+    # ------------------------------------------------------------------ checkpoints
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """The unpartitioned module's state_dict on rank 0 (``{}`` elsewhere)."""
+        if self._pipeline is None:
+            return super().lightning_module_state_dict()
+        self._drain()
+        parts = self._pipeline.gather_in_first_pipeline(_cpu(self.lightning_module.state_dict()))
+        return merge_state_dicts(parts, self._pipeline.key_order, self._pipeline.outside.owner()) if parts else {}
+
+    def _local_param_names(self, optimizer: torch.optim.Optimizer) -> list[list[str]]:
+        names = {id(p): n for n, p in self.lightning_module.named_parameters()}
+        if self._runtime is not None:
+            names.update(self._runtime.parameter_names())
+        return [[names[id(p)] for p in group["params"]] for group in optimizer.param_groups]
+
+    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        """One torch-format optimizer state for the whole module on rank 0 (``{}`` elsewhere)."""
+        optimizer = unwrapped(optimizer)
+        if self._pipeline is None:
+            return optimizer.state_dict()
+        self._drain()
+        own = self._runtime.optimizer_parts() if self._runtime is not None else None
+        if own is not None:  # an emulated pipeline holds every stage's optimizer share
+            return merge_optimizer_states(_cpu(own), self._pipeline.param_order, {})
+        parts = self._pipeline.gather_in_first_pipeline((_cpu(optimizer.state_dict()), self._local_param_names(optimizer)))
+        return merge_optimizer_states(parts, self._pipeline.param_order, self._pipeline.outside.owner()) if parts else {}
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        """Add the pipeline's own state, then write on rank 0 (atomically: see :func:`~.checkpointing.atomic_save`)."""
+        if self._runtime is not None:
+            checkpoint.update(self._runtime.checkpoint_state())
+        if self._counts is not None:  # what a resumed run with balance="auto" adopts instead of planning again
+            checkpoint[BALANCE_KEY] = list(self._counts)
+        if self.is_global_zero:
+            atomic_save(self.checkpoint_io, checkpoint, filepath, storage_options)
+
+    def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
+        module = self.lightning_module
+        state = checkpoint["state_dict"]
+        if self._pipeline is None:
+            check_keys(list(state), list(module.state_dict()), strict)
+            module.load_state_dict(state, strict=strict)
+            return
+        check_keys(list(state), self._pipeline.key_order, strict)
+        local = set(module.state_dict())
+        module.load_state_dict({k: v for k, v in state.items() if k in local}, strict=strict)
+
+    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
+        if self._runtime is not None:
+            self._runtime.restore(checkpoint)
+        assert self._pipeline is not None
+        for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
+            raw = unwrapped(optimizer)
+            raw.load_state_dict(slice_optimizer_state(state, self._local_param_names(raw), self._pipeline.param_order))
+        _optimizers_to_device(self.optimizers, self.root_device)
+
+    # ------------------------------------------------------------------ collectives
+    def reduce(self, tensor: Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean") -> Any:
+        """``group=None`` reduces over the data-parallel (stage) group: every stage of a pipeline
+        already holds the same replayed value, so reducing over the world would count it once per stage."""
+        if not isinstance(tensor, Tensor):
+            return tensor
+        if group is None and self._topology is not None:
+            group = self._topology.stage_group
+        return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+
+    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
+        value = torch.tensor(int(decision), device=self.root_device)
+        value = _sync_ddp_if_available(value, None, reduce_op=ReduceOp.SUM)
+        return bool(value == self.world_size) if all else bool(value)
+
+    def on_exception(self, exception: BaseException) -> None:
+        if self._watchdog is not None:
+            self._watchdog.report(exception)
+        super().on_exception(exception)
