@@ -15,11 +15,18 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+import torch
 from lightning.fabric.plugins import CheckpointIO
+from lightning.fabric.utilities.apply_func import apply_to_collection
+from torch import Tensor, nn
 
 from lightning_pipe.errors import CheckpointMismatchError
+
+if TYPE_CHECKING:
+    from lightning_pipe.lightning.pipeline import StagePipeline
+    from lightning_pipe.lightning.runtimes import Runtime
 
 NAMES_KEY = "pipe_param_names"
 BALANCE_KEY = "pipe_balance"  #: layer counts per (virtual) stage: a resumed balance="auto" run adopts them
@@ -141,3 +148,51 @@ def atomic_save(io: CheckpointIO, checkpoint: dict[str, Any], filepath: Any, sto
     finally:
         if os.path.exists(partial):
             os.remove(partial)
+
+
+# ------------------------------------------------------------------ the strategy's checkpoint hooks
+def _cpu(value: Any) -> Any:
+    return apply_to_collection(value, Tensor, lambda t: t.detach().cpu())
+
+
+def module_state(pipeline: StagePipeline) -> dict[str, Any]:
+    """The unpartitioned module's state_dict, gathered on rank 0 (``{}`` elsewhere; collective)."""
+    parts = pipeline.gather_in_first_pipeline(_cpu(pipeline.strategy.lightning_module.state_dict()))
+    return merge_state_dicts(parts, pipeline.key_order, pipeline.outside.owner()) if parts else {}
+
+
+def local_param_names(module: nn.Module, runtime: Runtime | None, optimizer: torch.optim.Optimizer) -> list[list[str]]:
+    """The parameter names of each of ``optimizer``'s param groups (master copies named like their parameter)."""
+    names = {id(p): n for n, p in module.named_parameters()}
+    if runtime is not None:
+        names.update(runtime.parameter_names())
+    return [[names[id(p)] for p in group["params"]] for group in optimizer.param_groups]
+
+
+def optimizer_state(pipeline: StagePipeline, runtime: Runtime | None, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """One torch-format optimizer state for the whole module, on rank 0 (``{}`` elsewhere; collective)."""
+    own = runtime.optimizer_parts() if runtime is not None else None
+    if own is not None:  # an emulated pipeline holds every stage's optimizer share
+        return merge_optimizer_states(_cpu(own), pipeline.param_order, {})
+    names = local_param_names(pipeline.strategy.lightning_module, runtime, optimizer)
+    parts = pipeline.gather_in_first_pipeline((_cpu(optimizer.state_dict()), names))
+    return merge_optimizer_states(parts, pipeline.param_order, pipeline.outside.owner()) if parts else {}
+
+
+def load_module_state(module: nn.Module, state: Mapping[str, Any], pipeline: StagePipeline | None, strict: bool) -> None:
+    """Load a whole-module state_dict: all of it before the cut, this rank's part after."""
+    if pipeline is None:
+        check_keys(list(state), list(module.state_dict()), strict)
+        module.load_state_dict(state, strict=strict)
+        return
+    check_keys(list(state), pipeline.key_order, strict)
+    local = set(module.state_dict())
+    module.load_state_dict({k: v for k, v in state.items() if k in local}, strict=strict)
+
+
+def load_optimizer_state(
+    pipeline: StagePipeline, runtime: Runtime | None, optimizer: torch.optim.Optimizer, state: Mapping[str, Any],
+) -> None:
+    """Load this rank's slice of a merged (or one-device) optimizer state into ``optimizer``."""
+    names = local_param_names(pipeline.strategy.lightning_module, runtime, optimizer)
+    optimizer.load_state_dict(slice_optimizer_state(state, names, pipeline.param_order))

@@ -20,7 +20,6 @@ from typing import Any, Literal
 
 import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
-from lightning.fabric.utilities.apply_func import apply_to_collection
 from lightning.fabric.utilities.distributed import _sync_ddp_if_available
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch import LightningModule, Trainer
@@ -37,16 +36,8 @@ from lightning_pipe.engine import Topology, Transport, Watchdog
 from lightning_pipe.engine.policies import AvgPipeOptions, PipeMareOptions, XPipeOptions
 from lightning_pipe.engine.policies.options import Averaging, Prediction
 from lightning_pipe.errors import PipeConfigError
-from lightning_pipe.lightning import auto, checks
+from lightning_pipe.lightning import auto, checkpointing, checks
 from lightning_pipe.lightning import options as options_module
-from lightning_pipe.lightning.checkpointing import (
-    BALANCE_KEY,
-    atomic_save,
-    check_keys,
-    merge_optimizer_states,
-    merge_state_dicts,
-    slice_optimizer_state,
-)
 from lightning_pipe.lightning.model_summary import freeze_model_summaries
 from lightning_pipe.lightning.options import PipeOptions
 from lightning_pipe.lightning.pipeline import StagePipeline
@@ -56,10 +47,6 @@ from lightning_pipe.planning.planner import Plan
 from lightning_pipe.planning.trials import device_clock
 from lightning_pipe.registry import DEFAULT, SCHEDULES, ScheduleName
 from lightning_pipe.sim.tracing import RunTracer
-
-
-def _cpu(value: Any) -> Any:
-    return apply_to_collection(value, Tensor, lambda t: t.detach().cpu())
 
 
 class PipeStrategy(DDPStrategy):
@@ -339,7 +326,7 @@ class PipeStrategy(DDPStrategy):
     def _choose_split(self, trainer: Trainer, module: LightningModule) -> None:
         """``balance="auto"`` and avgpipe's ``"auto"`` options (a checkpoint's choice when resuming)."""
         options = self.options
-        stored = (trainer._checkpoint_connector._loaded_checkpoint or {}).get(BALANCE_KEY)
+        stored = (trainer._checkpoint_connector._loaded_checkpoint or {}).get(checkpointing.BALANCE_KEY)
         if options.balance == "auto" and stored is not None and len(stored) == len(self._counts):
             # the checkpoint's per-stage state (asynchronous policies, avgpipe replicas) fits only its split
             rank_zero_info(f"lightning_pipe: balance='auto' adopts the checkpoint's split {stored}")
@@ -434,54 +421,33 @@ class PipeStrategy(DDPStrategy):
         if self._pipeline is None:
             return super().lightning_module_state_dict()
         self._drain()
-        parts = self._pipeline.gather_in_first_pipeline(_cpu(self.lightning_module.state_dict()))
-        return merge_state_dicts(parts, self._pipeline.key_order, self._pipeline.outside.owner()) if parts else {}
-
-    def _local_param_names(self, optimizer: torch.optim.Optimizer) -> list[list[str]]:
-        names = {id(p): n for n, p in self.lightning_module.named_parameters()}
-        if self._runtime is not None:
-            names.update(self._runtime.parameter_names())
-        return [[names[id(p)] for p in group["params"]] for group in optimizer.param_groups]
+        return checkpointing.module_state(self._pipeline)
 
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
         """One torch-format optimizer state for the whole module on rank 0 (``{}`` elsewhere)."""
-        optimizer = unwrapped(optimizer)
         if self._pipeline is None:
-            return optimizer.state_dict()
+            return unwrapped(optimizer).state_dict()
         self._drain()
-        own = self._runtime.optimizer_parts() if self._runtime is not None else None
-        if own is not None:  # an emulated pipeline holds every stage's optimizer share
-            return merge_optimizer_states(_cpu(own), self._pipeline.param_order, {})
-        parts = self._pipeline.gather_in_first_pipeline((_cpu(optimizer.state_dict()), self._local_param_names(optimizer)))
-        return merge_optimizer_states(parts, self._pipeline.param_order, self._pipeline.outside.owner()) if parts else {}
+        return checkpointing.optimizer_state(self._pipeline, self._runtime, unwrapped(optimizer))
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
         """Add the pipeline's own state, then write on rank 0 (atomically: see :func:`~.checkpointing.atomic_save`)."""
         if self._runtime is not None:
             checkpoint.update(self._runtime.checkpoint_state())
         if self._counts is not None:  # what a resumed run with balance="auto" adopts instead of planning again
-            checkpoint[BALANCE_KEY] = list(self._counts)
+            checkpoint[checkpointing.BALANCE_KEY] = list(self._counts)
         if self.is_global_zero:
-            atomic_save(self.checkpoint_io, checkpoint, filepath, storage_options)
+            checkpointing.atomic_save(self.checkpoint_io, checkpoint, filepath, storage_options)
 
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
-        module = self.lightning_module
-        state = checkpoint["state_dict"]
-        if self._pipeline is None:
-            check_keys(list(state), list(module.state_dict()), strict)
-            module.load_state_dict(state, strict=strict)
-            return
-        check_keys(list(state), self._pipeline.key_order, strict)
-        local = set(module.state_dict())
-        module.load_state_dict({k: v for k, v in state.items() if k in local}, strict=strict)
+        checkpointing.load_module_state(self.lightning_module, checkpoint["state_dict"], self._pipeline, strict)
 
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:
         if self._runtime is not None:
             self._runtime.restore(checkpoint)
         assert self._pipeline is not None
         for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
-            raw = unwrapped(optimizer)
-            raw.load_state_dict(slice_optimizer_state(state, self._local_param_names(raw), self._pipeline.param_order))
+            checkpointing.load_optimizer_state(self._pipeline, self._runtime, unwrapped(optimizer), state)
         _optimizers_to_device(self.optimizers, self.root_device)
 
     # ------------------------------------------------------------------ collectives

@@ -1,0 +1,78 @@
+"""How each family of schedules trains across Lightning steps, behind one small protocol.
+
+The strategy holds one :class:`Runtime` while fitting and forwards Lightning's hooks to it:
+
+* :class:`FlushRuntime` (synchronous schedules): one flushed step per batch; Lightning's own
+  optimizer step and gradient clipping run as on one device.
+* :class:`AsyncRuntime` (pipedream, pipedream_2bw, pipemare, xpipe): one window of the asynchronous
+  stream per batch, optimizer steps inside the pipeline, a drain before evaluation, checkpoints and
+  the end of an epoch; the first ``sync_warmup_epochs`` epochs run a :class:`FlushRuntime`.
+* :class:`AvgPipeRuntime`: one round of every parallel pipeline per batch, steps and elastic
+  averaging inside the pipeline.
+
+Lightning zeroes gradients between ``training_step`` and ``backward``, so a runtime that leaves
+gradients for Lightning's step keeps them aside in ``training_step`` and puts them back in ``backward``.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Protocol
+
+from torch import Tensor
+
+from lightning_pipe.lightning.runtimes.asynchronous import ASYNC_STATE_KEY, AsyncRuntime
+from lightning_pipe.lightning.runtimes.averaging import AVGPIPE_STATE_KEY, AvgPipeRuntime
+from lightning_pipe.lightning.runtimes.common import trainable, unwrapped
+from lightning_pipe.lightning.runtimes.flush import FlushRuntime
+
+if TYPE_CHECKING:
+    from lightning_pipe.lightning.pipeline import StagePipeline
+    from lightning_pipe.lightning.strategy import PipeStrategy
+
+
+class Runtime(Protocol):
+    """What the strategy asks of a family of schedules while fitting."""
+
+    @property
+    def steps_inside(self) -> bool:
+        """Whether this step's optimizer steps happen inside the pipeline (Lightning only runs the closure)."""
+
+    def attach(self, pipeline: StagePipeline) -> None:
+        """Use the pipeline's current executor (a new one is built at every setup)."""
+
+    def training_step(self, args: tuple, kwargs: dict) -> Tensor:
+        """Run one batch; return its loss on every rank, after replaying the last stage's logs."""
+
+    def backward(self) -> None:
+        """Put back what ``training_step`` kept aside from Lightning's ``zero_grad``."""
+
+    def drain(self) -> None:
+        """Finish every micro-batch in flight (before evaluation, checkpoints, the end of training)."""
+
+    def checkpoint_state(self) -> dict[str, Any]:
+        """Extra checkpoint entries (collective: every rank calls it)."""
+
+    def restore(self, checkpoint: dict[str, Any]) -> None:
+        """Resume from a checkpoint's extra entries."""
+
+    def optimizer_parts(self) -> list[tuple[dict[str, Any], list[list[str]]]] | None:
+        """Every stage's optimizer state and parameter names when this process holds them all (emulation)."""
+
+    def parameter_names(self) -> dict[int, str]:
+        """Names of tensors the optimizer steps that are not the module's own parameters (master copies)."""
+
+
+def make_runtime(strategy: PipeStrategy, pipeline: StagePipeline) -> Runtime:
+    """The runtime of the strategy's schedule family."""
+    family = strategy.options.spec.family
+    if family == "synchronous":
+        return FlushRuntime(strategy, pipeline, strategy.options.schedule)
+    if family == "asynchronous":
+        return AsyncRuntime(strategy, pipeline)
+    return AvgPipeRuntime(strategy, pipeline)
+
+
+__all__ = [
+    "ASYNC_STATE_KEY", "AVGPIPE_STATE_KEY", "AsyncRuntime", "AvgPipeRuntime", "FlushRuntime", "Runtime", "make_runtime",
+    "trainable", "unwrapped",
+]

@@ -1,0 +1,205 @@
+"""Asynchronous schedules (pipedream, pipedream_2bw, pipemare, xpipe; docs/async-semantics.md).
+
+Within an epoch the micro-batches form one stream: every batch runs one window of it, the weight
+policy steps the optimizer per mini-batch inside the pipeline, and a drain finishes what is in
+flight before evaluation, checkpoints and the epoch's end. The first ``sync_warmup_epochs`` epochs
+run the schedule's flushed counterpart instead.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch.distributed as dist
+from torch import Tensor
+
+from lightning_pipe.engine import AsyncSegments, batch_size, split_micro_batches
+from lightning_pipe.engine.emulated import EmulatedAsyncSegments
+from lightning_pipe.engine.outside import reject_shared
+from lightning_pipe.engine.policies import WeightPolicy, make_clip
+from lightning_pipe.errors import PipeConfigError, SharedParameterError
+from lightning_pipe.lightning.log_replay import LogCapture
+from lightning_pipe.lightning.module_glue import ModuleStages, stage_parameter_names
+from lightning_pipe.lightning.runtimes.common import BaseRuntime, unwrapped
+from lightning_pipe.lightning.runtimes.flush import FlushRuntime
+
+if TYPE_CHECKING:
+    from lightning_pipe.lightning.pipeline import StagePipeline
+    from lightning_pipe.lightning.strategy import PipeStrategy
+
+ASYNC_STATE_KEY = "pipe_async_state"  #: per stage: what resuming an asynchronous schedule exactly needs
+
+
+class AsyncRuntime(BaseRuntime):
+    """An asynchronous schedule (docs/async-semantics.md): windows of one stream per epoch.
+
+    The weight policy is created at the first asynchronous step, after any checkpoint was restored;
+    from then on the policy steps the optimizer (and a step-interval lr scheduler) per mini-batch.
+    """
+
+    def __init__(self, strategy: PipeStrategy, pipeline: StagePipeline) -> None:
+        super().__init__(strategy, pipeline)
+        options, row = strategy.options, strategy.options.spec
+        assert row.policy is not None
+        micro_batches = int(options.micro_batches)
+        if strategy.emulating:
+            self.segments: AsyncSegments = EmulatedAsyncSegments(
+                options.schedule, row.policy, pipeline.executor, strategy.num_stages, micro_batches)  # type: ignore[arg-type]
+        else:
+            topology = strategy.topology
+            self.segments = AsyncSegments(options.schedule, row.policy, pipeline.executor, topology.stage, topology.stages,
+                                          micro_batches)  # type: ignore[arg-type]
+        self.warmup = FlushRuntime(strategy, pipeline, row.flushed)
+
+    def attach(self, pipeline: StagePipeline) -> None:
+        super().attach(pipeline)
+        self.warmup.attach(pipeline)
+        self.segments.executor = pipeline.executor  # type: ignore[assignment]
+
+    @property
+    def active(self) -> bool:
+        """Whether this epoch runs the asynchronous schedule (after the synchronous warm-up)."""
+        return self.strategy.lightning_module.trainer.current_epoch >= self.strategy.options.sync_warmup_epochs
+
+    @property
+    def steps_inside(self) -> bool:
+        return self.active
+
+    def training_step(self, args: tuple, kwargs: dict) -> Tensor:
+        if not self.active:
+            return self.warmup.training_step(args, kwargs)
+
+        def split(batch: Any) -> list[Any]:
+            return split_micro_batches(batch, self.pipeline.micro_batch_count(batch_size(batch), True))
+
+        def launch(micro_batches: list[Any], stages: ModuleStages) -> list[Any]:
+            if self.segments.policy is None:
+                self._start(stages, micro_batches[0])
+            sizes = [batch_size(mb) for mb in micro_batches]
+            scaler = getattr(self.strategy.precision_plugin, "scaler", None)
+            return self.segments.run_window(micro_batches, [s / sum(sizes) for s in sizes], scaler.scale if scaler else None)
+
+        # an asynchronous window keeps accumulating into the gradients of unfinished mini-batches
+        with self.strategy.precision_plugin.train_step_context():
+            ran = self.pipeline.run("training_step", args, kwargs, True, split, launch)
+        self.pipeline.seen_batch = True
+        if self._ends_segment(args[1] if len(args) > 1 else kwargs.get("batch_idx", 0)):
+            self.drain()
+        self._keep_aside()
+        loss = self.pipeline.replayed_loss(ran)
+        self._log_diagnostics(ran.size)
+        return loss
+
+    def backward(self) -> None:
+        if not self.active:
+            self.warmup.backward()
+            return
+        self._put_back()
+
+    def _start(self, stages: ModuleStages, micro_batch: Any) -> None:
+        """Create the weight policy at the first asynchronous step; Lightning stops stepping.
+
+        An emulated pipeline first finds which stage uses each parameter outside the trunk, on
+        ``micro_batch``, and gives every stage its own optimizer share and scheduler copy."""
+        strategy = self.strategy
+        module, trainer = strategy.lightning_module, strategy.lightning_module.trainer
+        optimizer = unwrapped(strategy.optimizers[0])
+        step_schedulers = [c for c in trainer.lr_scheduler_configs if c.interval == "step"]
+        if len(step_schedulers) > 1:
+            raise PipeConfigError(f"schedule={strategy.options.schedule!r} supports one step-interval lr scheduler, "
+                                  f"got {len(step_schedulers)}.")
+        for config in step_schedulers:
+            config.interval = "pipeline stage step"  # hidden from Lightning: the policy steps it per STEP
+        scheduler = step_schedulers[0].scheduler if step_schedulers else None
+        clip = make_clip(trainer.gradient_clip_val, trainer.gradient_clip_algorithm)
+        options = strategy.options.asynchronous
+        if not isinstance(self.segments, EmulatedAsyncSegments):
+            self.segments.start(module, optimizer, options, scheduler, clip, trainer.global_step)
+            return
+        outside, partition = self.pipeline.outside, self.pipeline.partition
+        probe = ModuleStages(stages.step, stages.partition, stages.virtual_stages, LogCapture(module), stages.output_to_loss)
+        try:
+            with probe.capture:
+                names = stage_parameter_names(module, partition.bounds, partition.trunk, probe.chunk_callables(), micro_batch)
+        except SharedParameterError as error:
+            raise SharedParameterError(str(error).replace("an asynchronous schedule", f"schedule={strategy.options.schedule!r}")) from None
+        self.segments.start_stages(module, optimizer, options, scheduler, clip, trainer.global_step, names)
+        for config in trainer.lr_scheduler_configs:  # Lightning saves (and LearningRateMonitor reads) stage 0's
+            if config.scheduler is scheduler:
+                config.scheduler = self.segments.schedulers[0]
+        outside.users = {n: [s] for s, owned in enumerate(names) for n in owned if not outside.in_trunk(n)}
+
+    def _ends_segment(self, batch_idx: int) -> bool:
+        """Whether this batch is the last one before the epoch (or the run) ends."""
+        trainer = self.strategy.lightning_module.trainer
+        loop = trainer.fit_loop.epoch_loop
+        last_of_epoch = loop.batch_progress.is_last_batch or batch_idx + 1 >= trainer.num_training_batches
+        last_of_run = trainer.max_steps > 0 and trainer.global_step + 1 >= trainer.max_steps
+        return last_of_epoch or last_of_run
+
+    def drain(self) -> None:
+        if not self.segments.in_flight:
+            return
+        try:
+            self.segments.drain()
+        except BaseException as error:
+            self.pipeline.watchdog.report(error)
+            raise
+        outside = self.pipeline.outside
+        if not outside.known and not self.strategy.emulating:
+            outside.learn(self.segments.policy.used_names)
+            # every rank learned the same map, so every rank raises
+            reject_shared(outside.users, f"which step at different times under schedule={self.strategy.options.schedule!r}",
+                          SharedParameterError)
+
+    def _log_diagnostics(self, batch_size_: int) -> None:
+        """Per-stage staleness, weight copies and prediction/correction norm, logged on every rank."""
+        strategy = self.strategy
+        trainer = strategy.lightning_module.trainer
+        if not trainer._logger_connector.should_update_logs:
+            return
+        stages = [diagnostics(policy) for policy in self.segments.policies]
+        topology = strategy.topology
+        if topology.stages > 1:
+            mine = stages[0]
+            stages = [None] * topology.stages
+            dist.all_gather_object(stages, mine, group=topology.pipeline_group)
+        for stage, values in enumerate(stages):
+            for key, value in values.items():
+                strategy.lightning_module.log(f"pipe/stage{stage}/{key}", float(value), on_step=True, on_epoch=False,
+                                              batch_size=batch_size_)
+
+    def checkpoint_state(self) -> dict[str, Any]:
+        if self.segments.policy is None:
+            return {}
+        self.drain()
+        if self.strategy.emulating:
+            parts: list[Any] | None = [policy.state_dict() for policy in self.segments.policies]
+        else:
+            parts = self.pipeline.gather_in_first_pipeline(self.segments.policy.state_dict())
+        return {ASYNC_STATE_KEY: parts} if parts else {}
+
+    def restore(self, checkpoint: dict[str, Any]) -> None:
+        states = checkpoint.get(ASYNC_STATE_KEY)
+        if states is not None and len(states) == self.strategy.num_stages:
+            self.segments.restore(states if self.strategy.emulating else [states[self.strategy.topology.stage]])
+
+    def optimizer_parts(self) -> list[tuple[dict[str, Any], list[list[str]]]] | None:
+        if not isinstance(self.segments, EmulatedAsyncSegments) or not self.segments.policies:
+            return None
+        return [(o.state_dict(), self.segments.param_names(s)) for s, o in enumerate(self.segments.optimizers)]
+
+    def parameter_names(self) -> dict[int, str]:
+        names: dict[int, str] = {}
+        for policy in self.segments.policies:  # live policies step master copies
+            names.update({id(m): n for n, m in getattr(policy, "masters", {}).items()})
+        return names
+
+
+def diagnostics(policy: WeightPolicy) -> dict[str, float]:
+    """One stage's staleness, weight copies and prediction/correction norm."""
+    values = {"staleness": policy.staleness_sum / max(policy.backwards, 1), "weight_copies": float(policy.max_copies)}
+    norm = getattr(policy, "prediction_norm", getattr(policy, "correction_norm", None))
+    if norm is not None:
+        values["prediction_norm" if hasattr(policy, "prediction_norm") else "correction_norm"] = norm
+    return values

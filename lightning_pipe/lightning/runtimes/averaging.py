@@ -1,0 +1,100 @@
+"""avgpipe (docs/avgpipe.md): every batch is one round of every parallel pipeline on these devices,
+with the replicas' steps and their elastic averaging inside the pipeline."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from torch import Tensor
+
+from lightning_pipe.engine import AvgPipeRounds, batch_size
+from lightning_pipe.engine.outside import reject_shared
+from lightning_pipe.engine.policies import make_clip
+from lightning_pipe.errors import PipeConfigError, SharedParameterError
+from lightning_pipe.lightning.module_glue import ModuleStages
+from lightning_pipe.lightning.runtimes.common import BaseRuntime, unwrapped
+from lightning_pipe.planning.avgpipe_autotune import CHECKPOINT_KEY as AVGPIPE_CONFIG_KEY
+from lightning_pipe.planning.avgpipe_autotune import options_record
+
+if TYPE_CHECKING:
+    from lightning_pipe.lightning.pipeline import StagePipeline
+    from lightning_pipe.lightning.strategy import PipeStrategy
+
+AVGPIPE_STATE_KEY = "pipe_avgpipe_state"  #: per stage: replicas, their optimizer states, round count
+
+
+class AvgPipeRuntime(BaseRuntime):
+    """avgpipe (docs/avgpipe.md): every batch is one round of every parallel pipeline on these devices."""
+
+    steps_inside = True
+
+    def __init__(self, strategy: PipeStrategy, pipeline: StagePipeline) -> None:
+        super().__init__(strategy, pipeline)
+        if strategy.emulating:
+            raise PipeConfigError(
+                "schedule='avgpipe' runs one process per stage and cannot be emulated in one process; "
+                "set devices to the number of stages (or stages=None)."
+            )
+        topology = strategy.topology
+        self.rounds = AvgPipeRounds(pipeline.executor, topology.stage, topology.stages, strategy.options.avgpipe,  # type: ignore[arg-type]
+                                    strategy.tagged)
+
+    def attach(self, pipeline: StagePipeline) -> None:
+        super().attach(pipeline)
+        self.rounds.executor = pipeline.executor  # type: ignore[assignment]
+
+    def training_step(self, args: tuple, kwargs: dict) -> Tensor:
+        """One round: every replica's forwards, backwards, STEP and AVG; returns the mean loss."""
+        if self.rounds.policy is None:
+            self._start()
+
+        def split(batch: Any) -> list[Any]:
+            return self.rounds.split(batch, int(self.strategy.options.micro_batches), first=not self.pipeline.seen_batch)[0]
+
+        def launch(micro_batches: list[Any], _: ModuleStages) -> list[Any]:
+            count = len(micro_batches) // self.rounds.options.parallel_pipelines  # per replica
+            weights = self.rounds.loss_weights([batch_size(mb) for mb in micro_batches], count)
+            return self.rounds.run_round(micro_batches, weights, count)
+
+        with self.strategy.precision_plugin.train_step_context():
+            ran = self.pipeline.run("training_step", args, kwargs, True, split, launch)
+        self.pipeline.seen_batch = True
+        outside = self.pipeline.outside
+        if not outside.known:
+            outside.learn(self.rounds.policy.used_names)
+            # every rank learned the same map, so every rank raises
+            reject_shared(outside.users, "which avgpipe replicas step independently", SharedParameterError)
+        return self.pipeline.replayed_loss(ran)
+
+    def backward(self) -> None:
+        """Nothing to put back: every replica stepped inside the round."""
+
+    def _start(self) -> None:
+        """Create the replicas and the center at the first round (after any checkpoint was restored)."""
+        strategy = self.strategy
+        trainer = strategy.lightning_module.trainer
+        if getattr(strategy.precision_plugin, "scaler", None) is not None:
+            raise PipeConfigError("schedule='avgpipe' steps inside the pipeline without fp16 loss scaling; "
+                                  "use precision='bf16-mixed' or 32.")
+        data_parallel = strategy.num_pipelines > 1
+        self.rounds.start(
+            strategy.lightning_module, unwrapped(strategy.optimizers[0]), int(strategy.options.micro_batches),
+            make_clip(trainer.gradient_clip_val, trainer.gradient_clip_algorithm),
+            strategy.topology.stage_group if data_parallel else None, strategy.num_pipelines,
+        )
+
+    def checkpoint_state(self) -> dict[str, Any]:
+        o = self.strategy.options
+        state: dict[str, Any] = {  # what a resumed run with "auto" options adopts instead of tuning again
+            AVGPIPE_CONFIG_KEY: options_record(int(o.avgpipe.parallel_pipelines), int(o.micro_batches), int(o.avgpipe.advance_forward)),
+        }
+        if self.rounds.policy is not None:
+            parts = self.pipeline.gather_in_first_pipeline(self.rounds.policy.state_dict())
+            if parts:
+                state[AVGPIPE_STATE_KEY] = parts
+        return state
+
+    def restore(self, checkpoint: dict[str, Any]) -> None:
+        states = checkpoint.get(AVGPIPE_STATE_KEY)
+        if states is not None and len(states) == self.strategy.topology.stages:
+            self.rounds.restore(states[self.strategy.topology.stage])

@@ -1,0 +1,59 @@
+"""What every runtime shares: the protocol's defaults and keeping gradients out of Lightning's reach."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor
+
+if TYPE_CHECKING:
+    from lightning_pipe.lightning.pipeline import StagePipeline
+    from lightning_pipe.lightning.strategy import PipeStrategy
+
+
+def trainable(strategy: PipeStrategy) -> list[torch.nn.Parameter]:
+    return [p for p in strategy.lightning_module.parameters() if p.requires_grad]
+
+
+def unwrapped(optimizer: Any) -> torch.optim.Optimizer:
+    """The torch optimizer behind Lightning's ``LightningOptimizer`` wrapper (or ``optimizer`` itself)."""
+    return getattr(optimizer, "_optimizer", optimizer)
+
+
+class BaseRuntime:
+    """Defaults of the protocol: nothing in flight, nothing extra to save."""
+
+    def __init__(self, strategy: PipeStrategy, pipeline: StagePipeline) -> None:
+        self.strategy = strategy
+        self.pipeline = pipeline
+        self._kept: list[Tensor | None] = []
+
+    def attach(self, pipeline: StagePipeline) -> None:
+        self.pipeline = pipeline
+
+    def drain(self) -> None: ...
+
+    def checkpoint_state(self) -> dict[str, Any]:
+        return {}
+
+    def restore(self, checkpoint: dict[str, Any]) -> None: ...
+
+    def optimizer_parts(self) -> list[tuple[dict[str, Any], list[list[str]]]] | None:
+        return None
+
+    def parameter_names(self) -> dict[int, str]:
+        return {}
+
+    def _keep_aside(self) -> None:
+        """Take the gradients the step produced out of Lightning's reach (its ``zero_grad`` comes next)."""
+        params = trainable(self.strategy)
+        self._kept = [p.grad for p in params]
+        for p in params:
+            p.grad = None
+
+    def _put_back(self) -> None:
+        for p, grad in zip(trainable(self.strategy), self._kept):
+            if grad is not None:
+                p.grad = grad if p.grad is None else p.grad + grad
+        self._kept = []
