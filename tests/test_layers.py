@@ -8,6 +8,7 @@ import pathlib
 import re
 import subprocess
 import sys
+from importlib.util import find_spec
 
 import lightning_pipe
 from lightning_pipe import registry
@@ -70,3 +71,37 @@ def test_schedule_names_are_written_only_in_the_registry():
             if node.value in registry.NAMES:
                 offenders.append(f"{where}:{node.lineno}: {node.value!r}")
     assert offenders == [], "\n".join(offenders)
+
+
+def test_a_new_schedule_is_one_generator_and_one_row(monkeypatch):
+    """docs/architecture.md's example: a generator plus a registry row, and the validator, the
+    planner, the simulator and the strategy's option checks all take it."""
+    from lightning_pipe.planning.costs import Machine, in_flight
+    from lightning_pipe.planning.planner import explore
+    from lightning_pipe.planning.profile import LayerProfile, Profile
+    from lightning_pipe.schedules.ir import STEP, B, F
+    from lightning_pipe.sim import Costs, simulate
+
+    def eager_1f1b(stage, stages, micro_batches):
+        warmup = min(stages - stage, micro_batches)
+        yield from (F(j) for j in range(warmup))
+        for j in range(warmup, micro_batches):
+            yield F(j)
+            yield B(j - warmup)
+        yield from (B(j) for j in range(micro_batches - warmup, micro_batches))
+        yield STEP
+
+    row = registry.ScheduleSpec("eager_1f1b", "synchronous", "1F1B with one more forward in flight",
+                                generator=lambda d, p, m, v: eager_1f1b(d, p, m))
+    monkeypatch.setitem(registry.SCHEDULES, "eager_1f1b", row)
+    schedule = registry.build_schedule("eager_1f1b", 4, 8)
+    assert schedule.compute_actions(0)[:5] == [F(0), F(1), F(2), F(3), F(4)]
+    assert simulate(schedule, Costs.uniform(4, 1.0, 2.0)).step_time > 0
+    assert in_flight("eager_1f1b", 4, 8) == ((5,), (4,), (3,), (2,))
+    layers = [LayerProfile(f"l{i}", 1e-3, 2e-3, 100, 10, 10) for i in range(8)]
+    plans = explore([Profile(2, "cpu", tuple(layers), 10)], 16, 4, ["1f1b", "eager_1f1b"], [8], Machine())
+    assert plans["eager_1f1b"] is not None
+    if find_spec("lightning") is not None:
+        from lightning_pipe import PipeStrategy
+
+        assert PipeStrategy(schedule="eager_1f1b").options.spec is row

@@ -35,7 +35,6 @@ from lightning_pipe.planning.auto_balance import preserved_random_state
 from lightning_pipe.planning.avgpipe_autotune import ADVANCES, MAX_REPLICAS, optimizer_factory, optimizer_spec
 from lightning_pipe.planning.planner import (
     GIB,
-    PLANNED_SCHEDULES,
     Machine,
     Plan,
     StagePlan,
@@ -44,13 +43,11 @@ from lightning_pipe.planning.planner import (
     evaluate,
     explore,
     format_bytes,
+    planned_schedules,
 )
 from lightning_pipe.planning.profile import Profile, capture_trunk_input, interpolate, profile_trunk
 from lightning_pipe.registry import SCHEDULES, build_schedule
 from lightning_pipe.sim import Costs, simulate, simulate_async, timeline_png
-
-#: what ``--schedules`` may name: the planner's schedules and avgpipe (through its tuner)
-SCHEDULE_CHOICES = registry.names()
 
 
 def _averaging(schedule: str) -> bool:
@@ -216,10 +213,10 @@ def plan(
         recompute=checkpoint_activations,
     )
     chosen = list(schedules) if schedules else list(registry.names("synchronous"))
-    unknown = [s for s in chosen if s not in SCHEDULE_CHOICES]
+    unknown = [s for s in chosen if s not in registry.SCHEDULES]  # avgpipe goes through its tuner
     if unknown:
-        raise PlanError(f"schedule {unknown[0]!r} is not known; choose among {', '.join(SCHEDULE_CHOICES)}.")
-    plans = explore(profiles, total, stages, [s for s in chosen if s in PLANNED_SCHEDULES], candidates, machine, chunks)
+        raise PlanError(f"schedule {unknown[0]!r} is not known; choose among {', '.join(registry.SCHEDULES)}.")
+    plans = explore(profiles, total, stages, [s for s in chosen if s in planned_schedules()], candidates, machine, chunks)
     avgpipe = None
     if any(_averaging(s) for s in chosen):
         averaging = next(s for s in chosen if _averaging(s))
@@ -412,4 +409,4 @@ def write_timeline(best: Plan, profiles: Sequence[Profile], machine: Machine, st
     return simulation
 
 
-__all__ = ["SCHEDULE_CHOICES", "AvgPipePlan", "PlanReport", "plan", "plan_avgpipe", "render", "table"]
+__all__ = ["AvgPipePlan", "PlanReport", "plan", "plan_avgpipe", "render", "table"]

@@ -25,12 +25,15 @@ from itertools import accumulate
 
 from lightning_pipe.errors import PlanError
 from lightning_pipe.planning.profile import Profile
-from lightning_pipe.registry import SCHEDULES, build_schedule, names
+from lightning_pipe.registry import SCHEDULES, build_schedule
 from lightning_pipe.schedules.ir import Kind
 
 GIB = float(2**30)
-#: The schedules the planner compares (avgpipe is tuned apart: docs/algorithms.md §13).
-PLANNED_SCHEDULES = (*names("synchronous"), *names("asynchronous"))
+
+
+def planned_schedules() -> tuple[str, ...]:
+    """The schedules the split search compares (avgpipe is tuned apart: docs/algorithms.md §13)."""
+    return tuple(name for name, row in SCHEDULES.items() if row.family != "averaging")
 
 
 @dataclass(frozen=True)

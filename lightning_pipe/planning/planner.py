@@ -20,7 +20,6 @@ from lightning_pipe.errors import PlanError
 from lightning_pipe.partition.balance import min_max_split
 from lightning_pipe.planning.costs import (
     GIB,
-    PLANNED_SCHEDULES,
     Machine,
     Plan,
     StageCosts,
@@ -29,6 +28,7 @@ from lightning_pipe.planning.costs import (
     extra_weight_copies,
     format_bytes,
     in_flight,
+    planned_schedules,
     step_time,
 )
 from lightning_pipe.planning.profile import Profile, interpolate
@@ -203,8 +203,8 @@ def explore(
     scaled = {m: interpolate(profiles, batch / m) for m in candidates}
     result: dict[str, Plan | None] = {}
     for schedule in schedules:
-        if schedule not in PLANNED_SCHEDULES:
-            raise PlanError(f"schedule {schedule!r} is not known; choose among {', '.join(PLANNED_SCHEDULES)}.")
+        if schedule not in planned_schedules():
+            raise PlanError(f"schedule {schedule!r} is not known; choose among {', '.join(planned_schedules())}.")
         result[schedule] = best_of(
             split_for(scaled[m], schedule, stages, m, machine, chunks, batch)
             for m in candidates
@@ -284,7 +284,7 @@ def fixed_plan(
 
 
 __all__ = [
-    "GIB", "PLANNED_SCHEDULES", "Machine", "Plan", "PlanError", "StageCosts", "StagePlan", "allowed", "best_of",
+    "GIB", "Machine", "Plan", "PlanError", "StageCosts", "StagePlan", "allowed", "best_of",
     "candidate_micro_batches", "evaluate", "explore", "extra_weight_copies", "fixed_plan", "format_bytes", "in_flight",
-    "min_max_split", "plan", "refine_split", "refinement_move", "smallest_memory", "split_for", "step_time",
+    "min_max_split", "plan", "planned_schedules", "refine_split", "refinement_move", "smallest_memory", "split_for", "step_time",
 ]
