@@ -66,7 +66,8 @@ class ScheduleSpec:
         description: one line, shown by Lightning's strategy registry.
         generator: synchronous schedules: a device's compute actions for one flushed step.
         policy: asynchronous and averaging schedules: the weight policy.
-        weight_copies: weight-sized copies per device (docs/algorithms.md §11; docs/memory.md measures them).
+        weight_copies: weight-sized copies per device, at most (docs/algorithms.md §11; docs/memory.md
+            measures what the policies hold).
         requirement: a shape (stages, micro-batches) the schedule cannot run, in words that say what to change.
         default_chunks: chunks (virtual stages) per device when ``chunks_per_stage`` is not given; only a
             schedule with more than one may take ``chunks_per_stage > 1``.
@@ -148,7 +149,7 @@ SCHEDULES: dict[str, ScheduleSpec] = {spec.name: spec for spec in (
                  policy=StashPolicy, flush_with=DEFAULT, weight_copies=lambda s, p, m, n: _tau_bar(s, p, m) + 2),
     ScheduleSpec("pipedream_2bw", "asynchronous",
                  "asynchronous PipeDream-2BW pipeline: double-buffered 1-stale weights (no flush)",
-                 policy=DoubleBufferPolicy, flush_with=DEFAULT, weight_copies=lambda s, p, m, n: 1 + min(2, 1 + _tau_bar(s, p, m)),
+                 policy=DoubleBufferPolicy, flush_with=DEFAULT, weight_copies=lambda s, p, m, n: 3,
                  requirement=_double_buffer_requirement),
     ScheduleSpec("pipemare", "asynchronous",
                  "asynchronous PipeMare pipeline: lr rescheduling and discrepancy correction, no stash",

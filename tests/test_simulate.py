@@ -90,7 +90,7 @@ def test_async_uniform_is_bubble_free_and_counts_weight_copies() -> None:
     assert sim.bubble_fraction == pytest.approx(0.0, abs=1e-12)
     assert sim.weight_copies == [4, 3, 3, 2]  # tau_bar = ceil((P-1-s)/M) stashes + 1, plus the master
     # as held with the default options (docs/memory.md counts the same beyond the module's own weights)
-    assert weight_copies("pipedream_2bw", 4, 4) == [3, 3, 3, 2]  # + the master where a STEP splits F and B
+    assert weight_copies("pipedream_2bw", 4, 4) == [3, 3, 3, 3]  # two versions besides the stepped weights
     assert weight_copies("pipemare", 2, 4) == [3, 3] and weight_copies("xpipe", 2, 4) == [4, 4]
     assert weight_copies("gpipe", 2, 4) == [1, 1]
     assert weight_copies("avgpipe", 2, 4, replicas=3) == [4, 4]
@@ -196,3 +196,40 @@ def test_command_line_takes_the_costs_of_a_measured_run(tmp_path, capsys) -> Non
         main(schedule="1f1b", stages=3, costs_from=str(tmp_path))
     with pytest.raises(SystemExit, match="holds no events"):
         main(costs_from=str(tmp_path / "empty"))
+
+
+@pytest.mark.parametrize("name", ["pipedream", "pipedream_2bw", "pipemare", "xpipe"])
+@pytest.mark.parametrize("stages,micro_batches", [(2, 4), (4, 2), (4, 8)])
+def test_weight_copies_bound_what_the_policies_hold(name, stages, micro_batches):
+    """The registry's counts (the planner's memory model) are what the engine's policies hold at most;
+    exactly that for 2BW, pipemare and xpipe."""
+    import torch
+    from torch import nn
+
+    from lightning_pipe.engine import SequentialStage
+    from lightning_pipe.engine.emulated import EmulatedAsyncSegments
+    from lightning_pipe.engine.local import LocalPipeline
+    from lightning_pipe.engine.policies import AsyncOptions
+    from lightning_pipe.registry import SCHEDULES
+
+    if SCHEDULES[name].requirement(stages, micro_batches):
+        pytest.skip(SCHEDULES[name].requirement(stages, micro_batches))
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(4, 4), nn.Tanh()) for _ in range(stages)])
+    pipeline = LocalPipeline(stages)
+    pipeline.chunks = [
+        SequentialStage(model[s], input_fn=(lambda mb: mb[0]) if s == 0 else None,
+                        loss_fn=(lambda out, mb: nn.functional.mse_loss(out, mb[1])) if s == stages - 1 else None)
+        for s in range(stages)
+    ]
+    segments = EmulatedAsyncSegments(name, SCHEDULES[name].policy, pipeline, stages, micro_batches)
+    owned = [{n for n, _ in model.named_parameters() if n.startswith(f"{s}.")} for s in range(stages)]
+    segments.start_stages(model, torch.optim.Adam(model.parameters(), lr=1e-3), AsyncOptions(), None, None, 0, owned)
+    for _ in range(3 * stages):
+        segments.run_window([(torch.randn(2, 4), torch.randn(2, 4)) for _ in range(micro_batches)], [1 / micro_batches] * micro_batches)
+    segments.drain()
+    held = [policy.max_copies + 1 for policy in segments.policies]  # + the module's own weights
+    counted = weight_copies(name, stages, micro_batches)
+    assert all(h <= c for h, c in zip(held, counted)), (held, counted)
+    if name != "pipedream":
+        assert held == counted
