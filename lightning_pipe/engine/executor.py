@@ -20,8 +20,8 @@ Rules that keep it deadlock-free and overlapped:
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Sequence
-from contextlib import nullcontext
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -165,6 +165,17 @@ class Executor:
         except BaseException:
             self.abort()
             raise
+
+    @contextmanager
+    def current_weights(self) -> Iterator[None]:
+        """Within the block, compute runs on the module's own weights, bypassing any weight policy:
+        evaluation sees exactly what a checkpoint saved now holds, whatever version a training
+        forward of the policy would see (2BW's previous one, xpipe's prediction)."""
+        policy, self.policy = self.policy, None
+        try:
+            yield
+        finally:
+            self.policy = policy
 
     # ------------------------------------------------------------------ one action at a time
     # ``run`` is begin, execute every index, end. An in-process pipeline (engine/local.py) calls the

@@ -13,7 +13,8 @@ distributed run, computed by the very same executor code.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import ExitStack, contextmanager
 from typing import Any
 
 from torch import Tensor
@@ -129,6 +130,14 @@ class LocalPipeline:
     def chunks(self, callables: Sequence[Callable[[Any, Any], Any]]) -> None:
         for d, executor in enumerate(self.executors):
             executor.chunks = [callables[c * self.stages + d] for c in range(self.chunks_per_stage)]
+
+    @contextmanager
+    def current_weights(self) -> Iterator[None]:
+        """Every device computes on the module's own weights within the block (see :meth:`Executor.current_weights`)."""
+        with ExitStack() as stack:
+            for executor in self.executors:
+                stack.enter_context(executor.current_weights())
+            yield
 
     @property
     def policies(self) -> list[Any]:

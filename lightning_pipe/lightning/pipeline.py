@@ -198,7 +198,9 @@ class StagePipeline:
     def forward_step(self, hook: str, args: tuple, kwargs: dict) -> Any:
         """Validation, test or predict: a forward-only step; every rank returns the last stage's
         merged output and logs what it logged."""
-        ran = self.flush(hook, args, kwargs, False, self.strategy.options.spec.flushed)
+        assert self.executor is not None
+        with self.executor.current_weights():  # what a checkpoint saved now holds, under every schedule
+            ran = self.flush(hook, args, kwargs, False, self.strategy.options.spec.flushed)
         merged = detach_to_cpu(merge_outputs(ran.outputs, ran.sizes)) if ran.outputs else None
         merged, records = self.from_last_stage((merged, combine(ran.capture.records, self.strategy.lightning_module)))
         replay(self.strategy.lightning_module, records, owner=self.topology.is_last_stage)
