@@ -706,3 +706,18 @@ def test_forward_only_schedules_forward_everything_once(stages, micro_batches, c
     bad = replace(schedule, 0, list(schedule.actions[0]) + [STEP])
     with pytest.raises(ScheduleError, match="forward-only schedule must not STEP"):
         validate(bad)
+
+
+@FAST
+@given(st.integers(1, 8), st.integers(1, 8), st.integers(1, 3), st.data())
+def test_a_short_last_window_is_sound_and_steps_once_more(P, M, windows, data):
+    """A segment ending in a short window (a short last batch of m < M micro-batches) is valid: every
+    stage steps once per window, the short mini-batch after its own last backward, in the drain."""
+    from lightning_pipe.schedules import validate_async
+
+    m = data.draw(st.integers(1, M))
+    segment = validate_async("pipedream", P, M, windows, m)
+    for d in range(P):
+        actions = segment.compute_actions(d)
+        assert sum(a.kind is Kind.STEP for a in actions) == windows
+        assert actions[-1].kind is Kind.STEP and actions[-2] == B((windows - 1) * M + m - 1)

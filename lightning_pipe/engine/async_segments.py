@@ -37,6 +37,7 @@ class AsyncSegments:
         self.executor = executor
         self.stage, self.stages, self.micro_batches = stage, stages, micro_batches
         self.window = 0
+        self.short: int | None = None  # micro-batches of a short last window, which ends the segment
         self.policy: WeightPolicy | None = None
         self.policies: list[WeightPolicy] = []  # of every stage this process runs
         self._restore: list[dict[str, Any]] | None = None  # a checkpoint's policy states, loaded at start
@@ -68,12 +69,17 @@ class AsyncSegments:
             self._restore = None
 
     def run_window(self, micro_batches: Sequence[Any], weights: Sequence[float], scale_loss: Any = None) -> list[Any]:
-        if len(micro_batches) != self.micro_batches:
-            raise ValueError(
-                f"asynchronous schedules keep {self.micro_batches} micro-batches per batch within an epoch, got a batch "
-                f"of {len(micro_batches)} samples; set drop_last=True in the DataLoader."
-            )
-        schedule = async_schedule(self.name, self.stages, self.micro_batches, self.window)
+        """Feed one batch's micro-batches into the stream. Fewer than ``micro_batches`` (a short last
+        batch) make a short mini-batch that ends the segment: :meth:`drain` must come next."""
+        if self.short is not None:
+            raise RuntimeError("a short window ends its segment; drain() before the next window.")
+        size = len(micro_batches)
+        if not 0 < size <= self.micro_batches:
+            raise ValueError(f"a window takes 1 to {self.micro_batches} micro-batches, got {size}.")
+        if size < self.micro_batches:
+            validate_async(self.name, self.stages, self.micro_batches, self.window + 1, size)
+            self.short = size
+        schedule = async_schedule(self.name, self.stages, self.micro_batches, self.window, size=size)
         outputs = self.executor.run(
             schedule, micro_batches, weights, scale_loss=scale_loss,
             first_micro_batch=self.window * self.micro_batches, carry_over=True,
@@ -89,9 +95,10 @@ class AsyncSegments:
         """Run the outstanding backwards and STEPs; every stage ends with the same STEP count."""
         if not self.window:
             return
-        drain = async_schedule(self.name, self.stages, self.micro_batches, None, self.window)
+        drain = async_schedule(self.name, self.stages, self.micro_batches, None, self.window, size=self.short)
         self.executor.run(drain, [], carry_over=True)
         self.executor.finish()
         for policy in self.policies:
             policy.end_segment(self.window)
         self.window = 0
+        self.short = None

@@ -46,25 +46,31 @@ def flush_schedule(
     return schedule
 
 
-def async_schedule(name: str, stages: int, micro_batches: int, window: int | None, windows_before_drain: int = 0) -> Schedule:
+def async_schedule(
+    name: str, stages: int, micro_batches: int, window: int | None, windows_before_drain: int = 0, size: int | None = None,
+) -> Schedule:
     """The actions of one asynchronous window (``window=t``) or of the drain (``window=None``,
-    after ``windows_before_drain`` windows). Micro-batch indices are segment-global. Every
-    asynchronous schedule shares this order; ``name`` only labels the result."""
+    after ``windows_before_drain`` windows). Micro-batch indices are segment-global. ``size``: the
+    micro-batches of the window (of the segment's last window, for the drain) when fewer than
+    ``micro_batches`` (a short last batch). Every asynchronous schedule shares this order; ``name``
+    only labels the result."""
     if window is None:
-        compute = [list(async_drain(d, stages, micro_batches, windows_before_drain)) for d in range(stages)]
+        compute = [list(async_drain(d, stages, micro_batches, windows_before_drain, size)) for d in range(stages)]
     else:
-        compute = [list(async_window(d, stages, micro_batches, window)) for d in range(stages)]
+        compute = [list(async_window(d, stages, micro_batches, window, size)) for d in range(stages)]
     actions = tuple(with_communication(c, d, stages, 1) for d, c in enumerate(compute))
     return Schedule(name, stages, micro_batches, 1, actions, step_every=micro_batches)
 
 
 @lru_cache(maxsize=64)
-def validate_async(name: str, stages: int, micro_batches: int, windows: int = 3) -> Schedule:
-    """Validate a whole segment (``windows`` windows and the drain, concatenated) and return it."""
-    parts = [async_schedule(name, stages, micro_batches, t) for t in range(windows)]
-    parts.append(async_schedule(name, stages, micro_batches, None, windows))
+def validate_async(name: str, stages: int, micro_batches: int, windows: int = 3, last_size: int | None = None) -> Schedule:
+    """Validate a whole segment (``windows`` windows, the last one of ``last_size`` micro-batches, and
+    the drain, concatenated) and return it."""
+    sizes = [micro_batches] * (windows - 1) + [micro_batches if last_size is None else last_size]
+    parts = [async_schedule(name, stages, micro_batches, t, size=sizes[t]) for t in range(windows)]
+    parts.append(async_schedule(name, stages, micro_batches, None, windows, size=sizes[-1]))
     actions = tuple(tuple(a for part in parts for a in part.actions[d]) for d in range(stages))
-    segment = Schedule(name, stages, micro_batches * windows, 1, actions, step_every=micro_batches)
+    segment = Schedule(name, stages, sum(sizes), 1, actions, step_every=micro_batches)
     validate(segment)
     return segment
 

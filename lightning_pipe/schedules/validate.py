@@ -34,7 +34,7 @@ def _check_steps(schedule: Schedule) -> None:
 
 def _check_replica_steps(schedule: Schedule, where: str, actions: tuple[Action, ...], averaging: bool) -> None:
     every = schedule.step_every or schedule.micro_batches
-    expected = 0 if schedule.forward_only else schedule.micro_batches // every
+    expected = 0 if schedule.forward_only else -(-schedule.micro_batches // every)  # a short last mini-batch steps too
     steps = [i for i, action in enumerate(actions) if action.kind is Kind.STEP]
     if schedule.forward_only and steps:
         raise ScheduleError(f"{where}: a forward-only schedule must not STEP.")

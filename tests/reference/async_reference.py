@@ -139,35 +139,41 @@ class Action:
         return "STEP" if self.kind == "STEP" else f"{self.kind}({self.micro_batch})"
 
 
-def window_actions(stage: int, num_stages: int, micro_batches: int, t: int) -> list[Action]:
+def window_actions(stage: int, num_stages: int, micro_batches: int, t: int, size: int | None = None) -> list[Action]:
     """Actions of stage ``s`` in window ``t``.
 
-    For ``i = 0..M-1``: ``F(tM+i)``, then, if ``n = tM+i-w_s >= 0``, ``B(n)`` and ``STEP`` if ``n % M == M-1``.
+    For ``i = 0..size-1``: ``F(tM+i)``, then, if ``n = tM+i-w_s >= 0``, ``B(n)`` and ``STEP`` if ``n % M == M-1``.
+    A short window (``size < M``, only the last of a segment) is a mini-batch of ``size`` micro-batches:
+    ``STEP`` also after its last micro-batch ``tM+size-1``.
     """
     M, w = micro_batches, num_stages - 1 - stage
+    size = M if size is None else size
+    end = t * M + size - 1
     actions: list[Action] = []
-    for i in range(M):
+    for i in range(size):
         g = t * M + i
         actions.append(Action("F", g))
         n = g - w
         if n >= 0:
             actions.append(Action("B", n))
-            if n % M == M - 1:
+            if n % M == M - 1 or n == end:
                 actions.append(Action("STEP", n))
     return actions
 
 
-def drain_actions(stage: int, num_stages: int, micro_batches: int, windows: int) -> list[Action]:
-    """Actions of stage ``s`` when a segment of ``T = windows`` mini-batches ends.
+def drain_actions(stage: int, num_stages: int, micro_batches: int, windows: int, last_size: int | None = None) -> list[Action]:
+    """Actions of stage ``s`` when a segment of ``T = windows`` mini-batches ends (the last one of
+    ``last_size`` micro-batches, default ``M``).
 
-    ``B(n)`` (and ``STEP`` if ``n % M == M-1``) for ``n = TM-w_s .. TM-1`` (those ``>= 0``).
+    ``B(n)`` (and ``STEP`` if ``n % M == M-1`` or ``n`` is the segment's last micro-batch) for the
+    segment's last ``w_s`` micro-batches.
     """
     M, w = micro_batches, num_stages - 1 - stage
-    G = windows * M
+    G = (windows - 1) * M + (M if last_size is None else last_size) if windows else 0
     actions: list[Action] = []
     for n in range(max(0, G - w), G):
         actions.append(Action("B", n))
-        if n % M == M - 1:
+        if n % M == M - 1 or n == G - 1:
             actions.append(Action("STEP", n))
     return actions
 
@@ -384,6 +390,8 @@ class AsyncEmulator:
 
         self._windows_before_segment = 0  # mini-batches trained in earlier segments (global K offset)
         self._windows_in_segment = 0  # T so far in the current segment
+        self._short: int | None = None  # micro-batches of a short last window (it ends the segment)
+        self._short_end: int | None = None  # its last micro-batch
         # Mailboxes, keyed by (receiving stage, micro-batch).
         self._activations: dict[tuple[int, int], Tensor] = {}
         self._output_grads: dict[tuple[int, int], Tensor] = {}
@@ -403,21 +411,25 @@ class AsyncEmulator:
         last stage in this window. Each loss is multiplied by ``weights[i]`` (default ``1/M``) before
         its backward.
         """
-        M = self.micro_batches
-        if len(micro_batches) != M:
-            raise ValueError(f"train_window expects exactly M={M} micro-batches, got {len(micro_batches)}.")
-        weights = [1.0 / M] * M if weights is None else list(weights)
-        if len(weights) != M:
-            raise ValueError(f"train_window expects one weight per micro-batch ({M}), got {len(weights)}.")
+        M, size = self.micro_batches, len(micro_batches)
+        if self._short is not None:
+            raise ValueError("a short window ends its segment; call drain() first.")
+        if not 0 < size <= M:
+            raise ValueError(f"train_window expects 1 to M={M} micro-batches, got {size}.")
+        weights = [1.0 / size] * size if weights is None else list(weights)
+        if len(weights) != size:
+            raise ValueError(f"train_window expects one weight per micro-batch ({size}), got {len(weights)}.")
 
         t = self._windows_in_segment
-        for i in range(M):
+        for i in range(size):
             self._data[t * M + i] = micro_batches[i]
             self._loss_weights[t * M + i] = float(weights[i])
-        self._run([window_actions(s, self.num_stages, M, t) for s in range(self.num_stages)])
+        if size < M:
+            self._short, self._short_end = size, t * M + size - 1
+        self._run([window_actions(s, self.num_stages, M, t, size) for s in range(self.num_stages)])
         self._windows_in_segment += 1
 
-        losses = [self._losses.pop(t * M + i) for i in range(M)]
+        losses = [self._losses.pop(t * M + i) for i in range(size)]
         self._data.clear()  # every forward of window t has run
         self._loss_weights.clear()
         return losses
@@ -425,7 +437,8 @@ class AsyncEmulator:
     def drain(self) -> None:
         """End the segment: run every outstanding backward and STEP (all stages end with the same number of STEPs)."""
         T = self._windows_in_segment
-        self._run([drain_actions(s, self.num_stages, self.micro_batches, T) for s in range(self.num_stages)])
+        self._run([drain_actions(s, self.num_stages, self.micro_batches, T, self._short) for s in range(self.num_stages)])
+        self._short = self._short_end = None
         self._windows_before_segment += T
         self._windows_in_segment = 0
         for st in self._stages:
@@ -518,8 +531,12 @@ class AsyncEmulator:
             version=version,
         )
         st.forwards += 1
-        if self.schedule == "xpipe" and g % self.micro_batches == self.micro_batches - 1:
+        if self.schedule == "xpipe" and self._ends_minibatch(g):
             del st.forward_cache[g // self.micro_batches]  # last F of this mini-batch on this stage
+
+    def _ends_minibatch(self, g: int) -> bool:
+        """Whether micro-batch ``g`` is the last of its mini-batch (the ``M``-th, or a short one's last)."""
+        return g % self.micro_batches == self.micro_batches - 1 or g == self._short_end
 
     def _backward(self, st: _Stage, g: int) -> None:
         """B(g): backward through F(g)'s graph; parameter gradients go to the master's ``.grad``."""
@@ -553,7 +570,7 @@ class AsyncEmulator:
 
         if corrected:  # pipemare T2: put W_s back into the live storage
             _write_live(st.live, masters)
-        if self.schedule == "xpipe" and g % self.micro_batches == self.micro_batches - 1:
+        if self.schedule == "xpipe" and self._ends_minibatch(g):
             del st.backward_cache[g // self.micro_batches]  # last B of this mini-batch on this stage
         if f.version is not None:
             st.snapshot_users[f.version] -= 1

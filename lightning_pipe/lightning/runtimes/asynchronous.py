@@ -83,8 +83,8 @@ class AsyncRuntime(BaseRuntime):
         with self.strategy.precision_plugin.train_step_context():
             ran = self.pipeline.run("training_step", args, kwargs, True, split, launch)
         self.pipeline.seen_batch = True
-        if self._ends_segment(args[1] if len(args) > 1 else kwargs.get("batch_idx", 0)):
-            self.drain()
+        if self.segments.short is not None or self._ends_segment(args[1] if len(args) > 1 else kwargs.get("batch_idx", 0)):
+            self.drain()  # a short batch's mini-batch steps in the drain
         self._keep_aside()
         loss = self.pipeline.replayed_loss(ran)
         self._log_diagnostics(ran.size)
