@@ -83,6 +83,19 @@ def test_bad_options(options, match):
         PipeStrategy(**options)
 
 
+@pytest.mark.parametrize("schedule", ["pipemare", "1f1b"])
+def test_a_one_stage_pipeline_is_not_silent(schedule):
+    """Trainer(strategy=name) on CPU without devices runs one process: say so, and what to set."""
+    import warnings
+
+    with pytest.warns(UserWarning, match=r"one-stage pipeline .* Trainer\(devices=N\) .* PipeStrategy\(stages=N\)"):
+        connect(TrunkModel(), devices=1, schedule=schedule)
+    with warnings.catch_warnings():  # two processes, or an emulated pipeline: no warning
+        warnings.filterwarnings("error", message=".*one-stage pipeline.*")
+        connect(TrunkModel(), devices=2, schedule=schedule)
+        connect(TrunkModel(), devices=1, schedule=schedule, stages=2)
+
+
 def test_named_trunk_is_used():
     connect(TwoTrunks(), module="model")  # no error: the name resolves the ambiguity
 

@@ -27,7 +27,7 @@ from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor
 from torch.distributed import ReduceOp
 from torchmetrics import Metric
@@ -272,6 +272,12 @@ class PipeStrategy(DDPStrategy):
             raise PipeConfigError(
                 f"schedule={options.schedule!r} steps each stage inside the pipeline, so data-parallel pipelines would "
                 f"diverge; use pipelines=1 (avgpipe's parallel pipelines share the devices instead) or a synchronous schedule."
+            )
+        if stages == 1 and self.num_pipelines == 1:
+            rank_zero_warn(
+                f"lightning_pipe: schedule={options.schedule!r} runs as a one-stage pipeline in one process, so nothing is "
+                "pipelined; set Trainer(devices=N) to run N stages, or PipeStrategy(stages=N) to emulate N stages in this "
+                "process (under torchrun, pass devices=<processes per node>).", category=UserWarning,
             )
         self._counts = checks.check_module(  # balance="auto" is resolved in setup; check the layer count now
             model, options.module, "uniform" if options.balance == "auto" else options.balance,
