@@ -11,6 +11,8 @@ the peers can raise :class:`PeerFailure` with the original message instead of "c
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch.distributed as dist
@@ -83,6 +85,20 @@ class Watchdog:
             work.wait()
         except RuntimeError as error:
             raise self.explain(error, what) from error
+
+    @contextmanager
+    def guard(self, what: str) -> Iterator[None]:
+        """Within the block, a failed collective or transfer becomes :class:`PeerFailure` (a peer
+        reported its error) or :class:`PipelineTimeout` (it timed out), naming ``what`` was awaited."""
+        try:
+            yield
+        except RuntimeError as error:
+            if isinstance(error, (PeerFailure, PipelineTimeout)):
+                raise
+            explained = self.explain(error, what)
+            if explained is error:
+                raise
+            raise explained from error
 
     def explain(self, error: BaseException, what: str) -> BaseException:
         """The error to raise instead of a communication failure while waiting for ``what``."""

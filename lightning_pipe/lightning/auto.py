@@ -91,7 +91,8 @@ def balance(strategy: PipeStrategy, trainer: Trainer, module: LightningModule) -
                 trunk, sample, inputs, options.schedule, strategy.num_stages, int(options.micro_batches),
                 options.chunks_per_stage, options.auto_balance, strategy.root_device, options.checkpoint_activations, module)
 
-    auto = auto_balance.agreed(strategy.global_rank == 0, strategy.world_size, work)
+    with strategy.watchdog.guard("rank 0's balance='auto' plan"):
+        auto = auto_balance.agreed(strategy.global_rank == 0, strategy.world_size, work)
     if not options.auto_balance.refine or strategy.topology.stages == 1 or options.chunks_per_stage > 1:
         return auto.plan, None  # nothing to measure in one process; interleaved splits are searched locally already
     _, trunk = find_trunk(module, options.module)
@@ -160,7 +161,8 @@ def tune_avgpipe(strategy: PipeStrategy, trainer: Trainer, module: LightningModu
                                   "use gloo or parallel_pipelines=1.")
         return replace(prediction, ranked=fifo)
 
-    prediction = avgpipe_autotune.agreed(strategy.global_rank == 0, strategy.world_size, work)
+    with strategy.watchdog.guard("rank 0's avgpipe tuner prediction"):
+        prediction = avgpipe_autotune.agreed(strategy.global_rank == 0, strategy.world_size, work)
     with strategy.precision_plugin.train_step_context():
         choice = avgpipe_autotune.decide(
             prediction, options.avgpipe.trials, lambda p: trial_stage(strategy, module, counts, p), strategy.global_rank == 0,

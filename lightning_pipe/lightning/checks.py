@@ -1,17 +1,31 @@
-"""Checks of a ``PipeStrategy`` against the Trainer and the module, before any process group exists.
+"""Checks of a ``PipeStrategy`` against the Trainer, the module and its data, before any process starts.
 
-Each failure is one :class:`~lightning_pipe.errors.PipeConfigError` sentence that says what to change.
+Lightning's launcher starts the other ranks before it calls the strategy's ``connect``, so a bad
+configuration found there fails on every rank, after seconds of start-up, with a traceback each.
+:class:`CheckingLauncher` runs :func:`check_model` and :func:`check_loader` in the launching process
+first; ``connect`` runs :func:`check_model` again on every rank (the model may come from elsewhere,
+e.g. torchrun). Each failure is one :class:`~lightning_pipe.errors.PipeConfigError` sentence that
+says what to change.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 from lightning.pytorch import LightningModule
+from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from torch.utils.data import DataLoader
 
 from lightning_pipe.errors import PipeConfigError
 from lightning_pipe.partition import find_trunk, resolve_balance
 from lightning_pipe.registry import ScheduleSpec
+
+if TYPE_CHECKING:
+    from lightning_pipe.lightning.options import PipeOptions
+    from lightning_pipe.lightning.strategy import PipeStrategy
 
 
 def resolve_stages(world_size: int, stages: int | None, pipelines: int) -> int:
@@ -62,3 +76,65 @@ def check_trainer(schedule: ScheduleSpec, accumulate_grad_batches: int, optimize
         )
     if optimizers != 1:
         raise PipeConfigError(f"schedule={schedule.name!r} supports exactly one optimizer; configure_optimizers returned {optimizers}.")
+
+
+def check_model(options: PipeOptions, stages: int, pipelines: int, model: LightningModule) -> list[int]:
+    """Every check of the options against the module and the process count; returns the layer
+    count of every virtual stage (``balance="auto"`` is checked as ``"uniform"``, then chosen at setup)."""
+    if not options.spec.synchronous and pipelines > 1:
+        raise PipeConfigError(
+            f"schedule={options.schedule!r} steps each stage inside the pipeline, so data-parallel pipelines would "
+            "diverge; use pipelines=1 (avgpipe's parallel pipelines share the devices instead) or a synchronous schedule."
+        )
+    if stages == 1 and pipelines == 1:
+        rank_zero_warn(
+            f"lightning_pipe: schedule={options.schedule!r} runs as a one-stage pipeline in one process, so nothing is "
+            "pipelined; set Trainer(devices=N) to run N stages, or PipeStrategy(stages=N) to emulate N stages in this "
+            "process (under torchrun, pass devices=<processes per node>).", category=UserWarning,
+        )
+    return check_module(
+        model, options.module, "uniform" if options.balance == "auto" else options.balance,
+        stages * options.chunks_per_stage, options.spec, stages,
+        options.micro_batches if options.micro_batches != "auto" else 1,
+    )
+
+
+def check_loader(options: PipeOptions, pipelines: int, loader: Any) -> None:
+    """A training DataLoader whose first batch is smaller than one step's micro-batches (every
+    replica's, for avgpipe) cannot start; other loaders (iterables, datamodules) are checked on
+    their first batch instead."""
+    batch_size = getattr(loader, "batch_size", None)
+    if not isinstance(loader, DataLoader) or batch_size is None or options.micro_batches == "auto":
+        return
+    try:
+        first = min(batch_size, math.ceil(len(loader.dataset) / pipelines))  # type: ignore[arg-type]
+    except TypeError:  # a dataset without a length
+        first = batch_size
+    needed = int(options.micro_batches)
+    if options.spec.family == "averaging" and options.avgpipe.parallel_pipelines != "auto":
+        needed *= int(options.avgpipe.parallel_pipelines)
+    if first < needed:
+        raise PipeConfigError(
+            f"micro_batches={options.micro_batches} is larger than the batch size {first}; use micro_batches <= {first} "
+            "or a larger batch size." if needed == int(options.micro_batches) else
+            f"a batch of {first} samples cannot feed parallel_pipelines={options.avgpipe.parallel_pipelines} × "
+            f"micro_batches={options.micro_batches}; use a batch size of at least {needed} (the batch holds every "
+            "replica's mini-batch)."
+        )
+
+
+class CheckingLauncher(_SubprocessScriptLauncher):
+    """Lightning's script launcher, which first runs the strategy's checks on the model and the
+    training DataLoader in the launching process, so a bad configuration fails once, at once."""
+
+    def __init__(self, strategy: PipeStrategy) -> None:
+        super().__init__(strategy.cluster_environment, strategy.num_processes, strategy.num_nodes)
+        self.strategy = strategy
+
+    def launch(self, function: Any, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
+        if not self.cluster_environment.creates_processes_externally and args and isinstance(args[0], LightningModule):
+            strategy = self.strategy
+            strategy.checked = (args[0], check_model(strategy.options, strategy.num_stages, strategy.num_pipelines, args[0]))
+            if trainer is not None and trainer.state.fn == "fit" and len(args) > 1:
+                check_loader(strategy.options, strategy.num_pipelines, args[1])
+        return super().launch(function, *args, trainer=trainer, **kwargs)

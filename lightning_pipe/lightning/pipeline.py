@@ -221,10 +221,8 @@ class StagePipeline:
         if topology.stages == 1:
             return payload
         box = [payload if topology.is_last_stage else None]
-        try:
+        with self.watchdog.guard("the last stage's metrics"):
             dist.broadcast_object_list(box, src=topology.last_stage_rank, group=topology.pipeline_group)
-        except RuntimeError as error:
-            raise self.watchdog.explain(error, "the last stage's metrics") from error
         return box[0]
 
     def gather_in_first_pipeline(self, obj: Any) -> list[Any] | None:
@@ -235,7 +233,8 @@ class StagePipeline:
         if topology.pipeline != 0:
             return None
         parts = [None] * topology.stages if self.strategy.global_rank == 0 else None
-        dist.gather_object(obj, parts, dst=0, group=topology.pipeline_group)
+        with self.watchdog.guard("every stage's part of the checkpoint"):
+            dist.gather_object(obj, parts, dst=0, group=topology.pipeline_group)
         return parts
 
     # ------------------------------------------------------------------ the stage table

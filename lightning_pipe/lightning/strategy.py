@@ -15,8 +15,10 @@ Only glue lives here; each hook delegates:
 
 from __future__ import annotations
 
+import logging
+from contextlib import nullcontext
 from datetime import timedelta
-from typing import Any, Literal
+from typing import Any, ContextManager, Literal
 
 import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
@@ -26,8 +28,9 @@ from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor
 from torch.distributed import ReduceOp
 from torchmetrics import Metric
@@ -35,7 +38,7 @@ from torchmetrics import Metric
 from lightning_pipe.engine import Topology, Transport, Watchdog
 from lightning_pipe.engine.policies import AvgPipeOptions, PipeMareOptions, XPipeOptions
 from lightning_pipe.engine.policies.options import Averaging, Prediction
-from lightning_pipe.errors import PipeConfigError
+from lightning_pipe.errors import LightningPipeError, PipeConfigError
 from lightning_pipe.lightning import auto, checkpointing, checks
 from lightning_pipe.lightning import options as options_module
 from lightning_pipe.lightning.model_summary import freeze_model_summaries
@@ -47,6 +50,8 @@ from lightning_pipe.planning.planner import Plan
 from lightning_pipe.planning.trials import device_clock
 from lightning_pipe.registry import DEFAULT, SCHEDULES, ScheduleName
 from lightning_pipe.sim.tracing import RunTracer
+
+log = logging.getLogger(__name__)
 
 
 class PipeStrategy(DDPStrategy):
@@ -190,6 +195,8 @@ class PipeStrategy(DDPStrategy):
             timeout=timedelta(seconds=self.options.timeout),
         )
         self._counts: list[int] | None = None  # layers per virtual stage, known once connected
+        #: the model the launcher checked in this process and its layer counts (see checks.CheckingLauncher)
+        self.checked: tuple[LightningModule | None, list[int] | None] = (None, None)
         self._plan: Plan | None = None  # balance="auto": the chosen split and its predictions
         self._measured: list[float] | None = None  # balance="auto" refined: each stage's measured time
         self._topology: Topology | None = None
@@ -264,36 +271,26 @@ class PipeStrategy(DDPStrategy):
     def _configure_launcher(self) -> None:
         checks.resolve_stages(self.world_size, self.options.stages, self.options.pipelines)  # at Trainer(...)
         super()._configure_launcher()
+        if type(self._launcher) is _SubprocessScriptLauncher:  # check the model before the other ranks start
+            self._launcher = checks.CheckingLauncher(self)
 
     def connect(self, model: LightningModule) -> None:
         super().connect(model)
-        options, stages = self.options, self.num_stages
-        if not options.spec.synchronous and self.num_pipelines > 1:
-            raise PipeConfigError(
-                f"schedule={options.schedule!r} steps each stage inside the pipeline, so data-parallel pipelines would "
-                f"diverge; use pipelines=1 (avgpipe's parallel pipelines share the devices instead) or a synchronous schedule."
-            )
-        if stages == 1 and self.num_pipelines == 1:
-            rank_zero_warn(
-                f"lightning_pipe: schedule={options.schedule!r} runs as a one-stage pipeline in one process, so nothing is "
-                "pipelined; set Trainer(devices=N) to run N stages, or PipeStrategy(stages=N) to emulate N stages in this "
-                "process (under torchrun, pass devices=<processes per node>).", category=UserWarning,
-            )
-        self._counts = checks.check_module(  # balance="auto" is resolved in setup; check the layer count now
-            model, options.module, "uniform" if options.balance == "auto" else options.balance,
-            stages * options.chunks_per_stage, options.spec, stages,
-            options.micro_batches if options.micro_batches != "auto" else 1,
-        )
+        checked, counts = self.checked
+        if model is not checked:  # not checked by the launcher in this process (another rank, torchrun, one process)
+            counts = checks.check_model(self.options, self.num_stages, self.num_pipelines, model)
+        self._counts = counts
 
     # ------------------------------------------------------------------ setup
     def setup_environment(self) -> None:
         super().setup_environment()
+        self._generation += 1
+        self._watchdog = Watchdog.from_process_group(self.options.timeout, self._generation)
         # the processes' topology: an emulated pipeline is one process holding every stage
         stages = 1 if self.emulating else self.num_stages
         self._topology = Topology(stages, self.num_pipelines, self.global_rank)
-        self._topology.create_groups()
-        self._generation += 1
-        self._watchdog = Watchdog.from_process_group(self.options.timeout, self._generation)
+        with self._watchdog.guard("the other ranks to create the pipeline's process groups"):
+            self._topology.create_groups()
 
     def setup(self, trainer: Trainer) -> None:
         assert self.accelerator is not None and self.model is not None
@@ -464,14 +461,37 @@ class PipeStrategy(DDPStrategy):
             return tensor
         if group is None and self._topology is not None:
             group = self._topology.stage_group
-        return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+        with self._guard("every rank's value (a reduced metric)"):
+            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
 
     def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
         value = torch.tensor(int(decision), device=self.root_device)
-        value = _sync_ddp_if_available(value, None, reduce_op=ReduceOp.SUM)
+        with self._guard("every rank's decision (e.g. a callback's)"):
+            value = _sync_ddp_if_available(value, None, reduce_op=ReduceOp.SUM)
         return bool(value == self.world_size) if all else bool(value)
+
+    # Lightning's own collectives: a peer's failure reads as PeerFailure here too, not as gloo's words
+    def barrier(self, name: str | None = None) -> None:
+        with self._guard(f"the other ranks at a barrier{f' ({name})' if name else ''}"):
+            super().barrier(name)
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        with self._guard(f"rank {src}'s broadcast"):
+            return super().broadcast(obj, src)
+
+    def all_gather(self, tensor: Tensor, group: Any | None = None, sync_grads: bool = False) -> Tensor:
+        with self._guard("every rank's tensor (all_gather)"):
+            return super().all_gather(tensor, group, sync_grads)
+
+    def _guard(self, what: str) -> ContextManager[None]:
+        return self._watchdog.guard(what) if self._watchdog is not None else nullcontext()
 
     def on_exception(self, exception: BaseException) -> None:
         if self._watchdog is not None:
             self._watchdog.report(exception)
+            if not isinstance(exception, LightningPipeError):  # e.g. a raw collective error inside Lightning
+                report = self._watchdog.peer_error(wait=self._watchdog.grace)
+                if report is not None and not report.startswith(f"rank {self.global_rank} "):
+                    log.error(f"lightning_pipe: rank {self.global_rank} failed ({type(exception).__name__}: {exception}) "
+                              f"after {report}")
         super().on_exception(exception)

@@ -174,7 +174,8 @@ def refine(
                                  watchdog, schedule, plan.micro_batches, auto.inputs if topology.stage == 0 else None, device)
         everyone: list[Any] = [None] * topology.world_size
         if topology.world_size > 1:
-            dist.all_gather_object(everyone, (topology.stage, mine))
+            with watchdog.guard("every stage's measured time"):
+                dist.all_gather_object(everyone, (topology.stage, mine))
         else:
             everyone = [(topology.stage, mine)]
         return [max(t for s, t in everyone if s == stage) for stage in range(topology.stages)]

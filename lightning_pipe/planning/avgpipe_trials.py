@@ -116,12 +116,14 @@ def measure_candidates(
             for _ in range(warmup):
                 run()
             synchronize(trial.device)
-            barrier()
+            with trial.watchdog.guard("the other ranks' avgpipe trials"):
+                barrier()
             start = time.perf_counter()
             for _ in range(rounds):
                 run()
             synchronize(trial.device)
-            barrier()
+            with trial.watchdog.guard("the other ranks' avgpipe trials"):
+                barrier()
             times[i].append((time.perf_counter() - start) / rounds)
             del run
             if progress is not None:

@@ -147,7 +147,8 @@ class AsyncRuntime(BaseRuntime):
             raise
         outside = self.pipeline.outside
         if not outside.known and not self.strategy.emulating:
-            outside.learn(self.segments.policy.used_names)
+            with self.pipeline.watchdog.guard("which stages use the parameters outside the trunk"):
+                outside.learn(self.segments.policy.used_names)
             # every rank learned the same map, so every rank raises
             reject_shared(outside.users, f"which step at different times under schedule={self.strategy.options.schedule!r}",
                           SharedParameterError)
@@ -163,7 +164,8 @@ class AsyncRuntime(BaseRuntime):
         if topology.stages > 1:
             mine = stages[0]
             stages = [None] * topology.stages
-            dist.all_gather_object(stages, mine, group=topology.pipeline_group)
+            with self.pipeline.watchdog.guard("every stage's diagnostics"):
+                dist.all_gather_object(stages, mine, group=topology.pipeline_group)
         for stage, values in enumerate(stages):
             for key, value in values.items():
                 strategy.lightning_module.log(f"pipe/stage{stage}/{key}", float(value), on_step=True, on_epoch=False,

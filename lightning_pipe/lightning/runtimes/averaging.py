@@ -61,7 +61,8 @@ class AvgPipeRuntime(BaseRuntime):
         self.pipeline.seen_batch = True
         outside = self.pipeline.outside
         if not outside.known:
-            outside.learn(self.rounds.policy.used_names)
+            with self.pipeline.watchdog.guard("which stages use the parameters outside the trunk"):
+                outside.learn(self.rounds.policy.used_names)
             # every rank learned the same map, so every rank raises
             reject_shared(outside.users, "which avgpipe replicas step independently", SharedParameterError)
         return self.pipeline.replayed_loss(ran)

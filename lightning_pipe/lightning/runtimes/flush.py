@@ -38,7 +38,8 @@ class FlushRuntime(BaseRuntime):
             ran = self.pipeline.flush("training_step", args, kwargs, True, self.schedule)
         self.pipeline.seen_batch = True
         if not self.pipeline.outside.known:
-            self.pipeline.outside.learn()
+            with self.pipeline.watchdog.guard("which stages use the parameters outside the trunk"):
+                self.pipeline.outside.learn()
         self._keep_aside()
         for p, grad in zip(params, earlier):
             p.grad = grad
