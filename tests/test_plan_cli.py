@@ -24,7 +24,8 @@ def test_plan_cli_prints_schedules_and_the_chosen_partition(tmp_path, capsys):
           "--cache", str(cache), "--timeline", "null"])
     out = capsys.readouterr().out
     assert "TrunkModel: trunk model with 6 layers, batch 16, 2 stages, memory limit 1.0 GiB per device" in out
-    assert "profiled on cpu at micro-batch sizes 2 and 16" in out
+    assert re.search(r"profiled on cpu at micro-batch sizes 2 and 16: \d+ warm-up rounds until settled, timed rounds "
+                     r"within \d+% \(interquartile range / median\)", out)
     for schedule in ("gpipe", "1f1b", "interleaved_1f1b"):
         assert f"| {schedule} " in out
     # the stage column widens to "0 chunk 0" when interleaved_1f1b wins (a close call on a loaded machine)
@@ -43,6 +44,38 @@ def test_plan_writes_the_timeline_of_the_chosen_plan(tmp_path):
     # the closed form (M-1) t* + sum t_d bounds the simulated makespan from above; M t* from below
     assert 4 * report.best.bottleneck * (1 - 1e-9) <= simulated.step_time <= report.best.step_time * (1 + 1e-9)
     assert f"timeline of the chosen plan: {path}" in report.text
+
+
+def test_plan_never_overwrites_a_file_unless_told(tmp_path):
+    path = tmp_path / "plan.png"
+    path.write_bytes(b"someone's picture")
+    with pytest.raises(ValueError, match=r"plan.png exists; pass --overwrite true to replace it"):
+        plan(TrunkModel(depth=3), stages=2, batch_shape=[16, 8], schedules=["1f1b"], micro_batches=[4], timeline=str(path))
+    assert path.read_bytes() == b"someone's picture"
+    plan(TrunkModel(depth=3), stages=2, batch_shape=[16, 8], schedules=["1f1b"], micro_batches=[4], timeline=str(path),
+         overwrite=True, repeats=1)
+    assert path.read_bytes()[:4] == b"\x89PNG"
+
+
+class ClearSplit(L.LightningModule):
+    """A layer five times as costly as each of the five after it: the best 2-stage split, [1, 5], is 20%
+    ahead of the next ([2, 4])."""
+
+    def __init__(self):
+        super().__init__()
+        import torch.nn as nn
+
+        self.model = nn.Sequential(nn.Sequential(*[nn.Linear(256, 256) for _ in range(5)]), *[nn.Linear(256, 256) for _ in range(5)])
+
+    def forward(self, x):
+        return self.model(x)
+
+
+def test_the_plan_of_a_clear_split_is_the_same_every_run():
+    """Profiles warm up until their timings settle, so a cold first profile does not pick another split."""
+    splits = [tuple(plan(ClearSplit(), stages=2, batch_shape=[256, 256], schedules=["1f1b"], micro_batches=[4],
+                         timeline=None).best.balance) for _ in range(5)]
+    assert splits == [(1, 5)] * 5
 
 
 def test_plan_reports_the_best_plan_and_errors_without_a_batch():

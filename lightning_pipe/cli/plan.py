@@ -17,6 +17,7 @@ resolve from the current directory.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -139,7 +140,8 @@ def plan(
     device: str = "cpu",
     cache: str | None = None,
     timeline: str | None = "plan.png",
-    repeats: int = 5,
+    overwrite: bool = False,
+    repeats: int = 9,
     threads: int | None = None,
     max_parallel_pipelines: int = MAX_REPLICAS,
     advance_forward: list[int] | None = None,
@@ -172,12 +174,15 @@ def plan(
         device: where to profile (``cpu``, ``cuda:0``...).
         cache: JSON file caching the profiles.
         timeline: PNG path for the chosen plan's simulated timeline; ``None`` to skip.
-        repeats: timed runs per layer (median kept).
+        overwrite: replace an existing ``timeline`` file (otherwise an existing file is an error).
+        repeats: timed runs per layer (median kept), after a warm-up that lasts until the timings settle.
         threads: torch CPU threads while profiling; match what each stage process will get (Lightning's
             launcher gives each of ``n`` processes ``cores / n`` threads); default: torch's default.
         max_parallel_pipelines: largest number ``N`` of parallel pipelines avgpipe is tried with.
         advance_forward: advance-forward values avgpipe is tried with (default ``[0, 1, 2]``).
     """
+    if timeline and os.path.exists(timeline) and not overwrite:
+        raise PlanError(f"{timeline} exists; pass --overwrite true to replace it, another --timeline, or --timeline null.")
     if threads is not None:
         torch.set_num_threads(threads)
     name, trunk = find_trunk(model, module)
@@ -252,7 +257,9 @@ def render(report: PlanReport, model_name: str, trunk_name: str, total: int, sta
     sizes = " and ".join(str(p.micro_batch) for p in report.profiles)
     lines = [
         f"{model_name}: trunk {trunk_name} with {layers} layers, batch {total}, {stages} stages, {limit}",
-        f"profiled on {report.profiles[0].device} at micro-batch sizes {sizes}",
+        f"profiled on {report.profiles[0].device} at micro-batch sizes {sizes}: "
+        + "; ".join(f"{p.warmup_rounds} warm-up rounds until settled, timed rounds within {p.spread:.0%} (interquartile "
+                    "range / median)" if p.warmup_rounds else "from the cache" for p in report.profiles),
         "",
     ]
     rows = []

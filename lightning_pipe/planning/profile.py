@@ -4,7 +4,8 @@ The profiler walks the trunk layer by layer from a sample trunk input: each laye
 next layer's input, exactly as the pipeline runs it. Per layer it measures, at one micro-batch size
 on one device:
 
-* forward and backward time: the median of ``repeats`` runs after ``warmup`` runs; backward is
+* forward and backward time: the median of ``repeats`` runs after a warm-up that lasts until the
+  timings settle (see :func:`profile_trunk`); backward is
   ``torch.autograd.grad`` of the output with respect to the input and the layer's trainable
   parameters (what a pipeline stage computes), so no ``.grad`` of the model is touched;
 * parameter bytes;
@@ -73,6 +74,9 @@ class Profile:
         layers: one entry per trunk layer, in order.
         input_bytes: bytes of the trunk input (what the first stage boundary may carry).
         key: the cache key it was stored under.
+        spread: how much the timed rounds disagreed: the interquartile range of the per-round time of
+            the whole trunk (forward and backward of every layer), relative to its median.
+        warmup_rounds: untimed rounds run before the timings settled.
     """
 
     micro_batch: int
@@ -80,6 +84,8 @@ class Profile:
     layers: tuple[LayerProfile, ...]
     input_bytes: int = 0
     key: str = field(default="", compare=False)
+    spread: float = field(default=0.0, compare=False)
+    warmup_rounds: int = field(default=0, compare=False)
 
     def to_json(self) -> dict[str, Any]:
         data = asdict(self)
@@ -89,7 +95,8 @@ class Profile:
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Profile:
         layers = tuple(LayerProfile(**layer) for layer in data["layers"])
-        return cls(data["micro_batch"], data["device"], layers, data.get("input_bytes", 0), data.get("key", ""))
+        return cls(data["micro_batch"], data["device"], layers, data.get("input_bytes", 0), data.get("key", ""),
+                   data.get("spread", 0.0), data.get("warmup_rounds", 0))
 
 
 def interpolate(profiles: Sequence[Profile], micro_batch: float) -> Profile:
@@ -187,17 +194,23 @@ def profile_trunk(
     trunk: nn.Sequential,
     sample: Any,
     device: torch.device | str = "cpu",
-    repeats: int = 5,
-    warmup: int = 2,
+    repeats: int = 9,
+    warmup: int = 3,
     cache: str | os.PathLike | None = None,
     module: nn.Module | None = None,
+    settle: float = 0.05,
+    max_warmup: int = 60,
 ) -> Profile:
     """Measure every layer of ``trunk`` on ``device``, starting from the trunk input ``sample``.
 
-    When every layer already lives on ``device`` the timed runs go round-robin over the layers
-    (``repeats`` rounds of one run per layer), so a slow phase of a shared machine hits all layers
-    alike instead of inflating one; otherwise each layer is copied to ``device`` in turn and timed
-    there before the next (only one layer's copy exists at a time).
+    Warm-up runs until the timings settle: at least ``warmup`` rounds, then until the last three
+    rounds' times agree within ``settle`` (relative to their median), at most ``max_warmup`` rounds.
+    The first runs of a process pay one-time costs (kernel selection, allocator growth, thread pools)
+    that can make a cold profile 100× slower than the run it predicts. When every layer already lives
+    on ``device`` a round runs every layer once, and the timed rounds go round-robin the same way, so
+    a slow phase of a shared machine hits all layers alike instead of inflating one; otherwise each
+    layer is copied to ``device`` in turn and warmed and timed there before the next (only one
+    layer's copy exists at a time). The result's ``spread`` says how much the timed rounds disagreed.
 
     Args:
         trunk: the ``nn.Sequential`` to profile (unchanged: layers that are not already on
@@ -205,10 +218,13 @@ def profile_trunk(
         sample: a trunk input for one micro-batch (its dim 0 is the micro-batch size).
         device: where to measure (the device the stage will run on).
         repeats: timed runs per layer; the median is kept.
-        warmup: untimed runs per layer first.
+        warmup: untimed rounds at least.
         cache: JSON file of profiles; a profile with the same key is returned without measuring,
             a new one is added.
         module: the owning module (its class goes into the cache key).
+        settle: relative agreement of the last three warm-up rounds that ends the warm-up.
+        max_warmup: most warm-up rounds (a machine that never settles is measured anyway; ``spread``
+            then shows it).
     """
     device = torch.device(device)
     key = profile_key(module if module is not None else trunk, trunk, sample, device)
@@ -220,29 +236,50 @@ def profile_trunk(
     micro_batch = next((t.shape[0] for t in leaves if isinstance(t, Tensor) and t.dim()), 1)
     input_bytes = _bytes(value)
     round_robin = all(_on(layer, device) for layer in trunk)
-    runners, timings, static = [], [], []
+    runners, timings, static, warmups = [], [], [], []
     for layer in trunk:
         runner = _LayerRunner(layer if _on(layer, device) else copy.deepcopy(layer).to(device), value, device)
-        for _ in range(warmup):
-            runner.run()
         _, _, saved, output = runner.run(measure_saved=True)
         static.append((type(layer).__name__, sum(p.numel() * p.element_size() for p in layer.parameters()), saved, _bytes(output)))
         value = tree_map(lambda t: t.detach() if isinstance(t, Tensor) else t, output)
         if round_robin:
             runners.append(runner)
-        else:
+        else:  # warm and time this copy before the next layer's copy exists
+            warmups.append(_settle(lambda: sum(runner.run()[:2]), warmup, settle, max_warmup))
             timings.append([runner.run()[:2] for _ in range(max(1, repeats))])
             del runner
     if round_robin:
+        warmups.append(_settle(lambda: sum(sum(r.run()[:2]) for r in runners), warmup, settle, max_warmup))
         rounds = [[runner.run()[:2] for runner in runners] for _ in range(max(1, repeats))]
         timings = [list(per_layer) for per_layer in zip(*rounds)]
     layers = tuple(
         LayerProfile(name, statistics.median(f for f, _ in runs), statistics.median(b for _, b in runs), params, saved, out)
         for (name, params, saved, out), runs in zip(static, timings)
     )
-    profile = Profile(micro_batch, device.type, layers, input_bytes, key)
+    totals = [sum(f + b for f, b in (runs[i] for runs in timings)) for i in range(len(timings[0]))] if timings else [0.0]
+    profile = Profile(micro_batch, device.type, layers, input_bytes, key, _relative_spread(totals), max(warmups, default=0))
     store_cached(cache, profile)
     return profile
+
+
+def _settle(one_round: Callable[[], float], at_least: int, tolerance: float, at_most: int) -> int:
+    """Run ``one_round`` until its last three times agree within ``tolerance`` of their median (at
+    least ``at_least``, at most ``at_most`` rounds); return how many ran."""
+    times: list[float] = []
+    while len(times) < max(at_least, 3) or (
+        len(times) < at_most and max(times[-3:]) - min(times[-3:]) > tolerance * statistics.median(times[-3:])
+    ):
+        times.append(one_round())
+    return len(times)
+
+
+def _relative_spread(values: Sequence[float]) -> float:
+    """Interquartile range over median (0 for fewer than two values)."""
+    if len(values) < 2:
+        return 0.0
+    q1, _, q3 = statistics.quantiles(values, n=4)
+    middle = statistics.median(values)
+    return (q3 - q1) / middle if middle > 0 else 0.0
 
 
 def _on(layer: nn.Module, device: torch.device) -> bool:
