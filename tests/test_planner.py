@@ -37,16 +37,19 @@ def test_profile_fields_are_positive_and_the_cache_skips_measuring(tmp_path):
     cache = tmp_path / "profiles.json"
     Counting.calls = 0
     first = profile_trunk(trunk, sample, repeats=3, warmup=1, cache=cache)
-    assert Counting.calls == 2 * (1 + 3 + 1)  # warm-up, timed runs, the saved-bytes run; two layers
+    assert 3 <= first.warmup_rounds <= 60 and first.spread >= 0  # at least 3 rounds, then until settled
+    assert Counting.calls == 2 * (first.warmup_rounds + 3 + 1)  # warm-up, timed runs, the saved-bytes run; two layers
     assert first.micro_batch == 4 and len(first.layers) == 3 and first.input_bytes == 4 * 8 * 4
     for layer in first.layers:
         assert layer.forward > 0 and layer.backward > 0 and layer.params > 0 and layer.saved > 0 and layer.output > 0
     assert first.layers[1].params == (8 * 32 + 32) * 4 and first.layers[1].output == 4 * 32 * 4
     assert first.layers[1].saved == 4 * 8 * 4  # Linear keeps its input, not its weight
+    calls = Counting.calls
     again = profile_trunk(trunk, sample, cache=cache)
-    assert Counting.calls == 10 and again == first  # a cache hit runs nothing
-    profile_trunk(trunk, torch.randn(6, 8), repeats=1, warmup=0, cache=cache)
-    assert Counting.calls == 14  # another input shape is another key
+    assert Counting.calls == calls and again == first  # a cache hit runs nothing
+    assert (again.warmup_rounds, again.spread) == (first.warmup_rounds, first.spread)  # kept in the cache
+    other = profile_trunk(trunk, torch.randn(6, 8), repeats=1, warmup=0, cache=cache)
+    assert Counting.calls == calls + 2 * (other.warmup_rounds + 1 + 1)  # another input shape is another key
 
 
 def test_layers_off_the_device_are_profiled_as_copies_one_at_a_time(monkeypatch):
