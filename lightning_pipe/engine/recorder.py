@@ -12,8 +12,12 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
-from lightning_pipe.schedules.ir import Action, TimedAction
+import torch
+
+from lightning_pipe.schedules.ir import Action, Kind, TimedAction
 
 
 class ActionRecorder:
@@ -43,3 +47,79 @@ class ActionRecorder:
              "chunk": e.action.chunk, "replica": e.action.replica, "start": e.start, "end": e.end}
             for e, step in zip(self.events, self.steps)
         ]
+
+
+class StepTimer:
+    """Totals of the actions one training step recorded on this rank, for per-stage metrics.
+
+    Used like :class:`ActionRecorder` by the executor (``enabled``, ``clock``, ``record``) but keeps
+    only what :meth:`totals` needs. On CUDA ``clock`` records a CUDA event on the current stream
+    instead of reading the host clock, so nothing waits for the device until :meth:`totals`, once per
+    measured step.
+
+    Args:
+        device: where the stage computes; CUDA devices are timed with events.
+    """
+
+    def __init__(self, device: torch.device | None = None) -> None:
+        self.device = device
+        self.events = device is not None and device.type == "cuda"
+        self.enabled = False
+        self.step = 0
+        self._spans: list[tuple[Kind, Any, Any]] = []
+
+    def clock(self) -> Any:
+        if not self.events:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def record(self, action: Action, start: Any, end: Any) -> None:
+        self._spans.append((action.kind, start, end))
+
+    def reset(self) -> None:
+        self._spans = []
+
+    def totals(self) -> StepTimes:
+        """Seconds computing (forward, backward, STEP, AVG), waiting for peers' messages, and from the
+        first recorded action's start to the last one's end."""
+        if not self._spans:
+            return StepTimes(0.0, 0.0, 0.0)
+        if self.events:
+            torch.cuda.synchronize(self.device)
+
+        def seconds(start: Any, end: Any) -> float:  # CUDA events, or host seconds (a trace's clock shared)
+            return start.elapsed_time(end) / 1e3 if isinstance(start, torch.cuda.Event) else end - start
+        compute = sum(seconds(s, e) for kind, s, e in self._spans if kind.is_compute or kind in (Kind.STEP, Kind.AVG))
+        wait = sum(seconds(s, e) for kind, s, e in self._spans if kind.is_recv)
+        span = seconds(self._spans[0][1], self._spans[-1][2])
+        return StepTimes(compute, wait, max(span, compute + wait))
+
+
+@dataclass(frozen=True)
+class StepTimes:
+    """What :meth:`StepTimer.totals` measured, in seconds."""
+
+    compute: float
+    wait: float
+    span: float
+
+
+class Fanout:
+    """Several recorders fed by one executor (e.g. a trace and the per-stage metrics), on the first one's clock."""
+
+    def __init__(self, *recorders: Any) -> None:
+        self.recorders = recorders
+
+    @property
+    def enabled(self) -> bool:
+        return any(r.enabled for r in self.recorders)
+
+    def clock(self) -> Any:
+        return self.recorders[0].clock()
+
+    def record(self, action: Action, start: Any, end: Any) -> None:
+        for recorder in self.recorders:
+            if recorder.enabled:
+                recorder.record(action, start, end)

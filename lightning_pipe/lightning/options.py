@@ -63,6 +63,7 @@ class PipeOptions:
     auto_balance: AutoBalanceOptions = field(default_factory=AutoBalanceOptions)
     trace_dir: str | None = None
     trace_steps: int = 3
+    stage_metrics: bool = True
 
     @property
     def spec(self) -> ScheduleSpec:
@@ -114,6 +115,7 @@ def resolve(
     schedule: str, micro_batches: int | str, stages: int | None, pipelines: int, balance: str | list[int], module: str | None,
     chunks_per_stage: int | None, checkpoint_activations: bool, timeout: float, sync_warmup_epochs: int,
     groups: Mapping[str, Any], trace_dir: str | None, trace_steps: int, deprecated: Mapping[str, Any],
+    stage_metrics: bool = True,
 ) -> PipeOptions:
     """Check the arguments of ``PipeStrategy`` and return them as :class:`PipeOptions`."""
     row = spec(schedule)
@@ -124,7 +126,7 @@ def resolve(
     options = PipeOptions(
         schedule, micro_batches, stages, pipelines, list(balance) if not isinstance(balance, str) else balance, module,  # type: ignore[arg-type]
         chunks_per_stage, checkpoint_activations, float(timeout), sync_warmup_epochs, resolved["pipemare"],
-        resolved["xpipe"], resolved["avgpipe"], resolved["auto_balance"], trace_dir, trace_steps,
+        resolved["xpipe"], resolved["avgpipe"], resolved["auto_balance"], trace_dir, trace_steps, stage_metrics,
     )
     check(options)
     return options

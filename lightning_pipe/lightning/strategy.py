@@ -35,7 +35,7 @@ from torch import Tensor
 from torch.distributed import ReduceOp
 from torchmetrics import Metric
 
-from lightning_pipe.engine import Topology, Transport, Watchdog
+from lightning_pipe.engine import Topology, Transport, Watchdog, batch_size
 from lightning_pipe.engine.policies import AvgPipeOptions, PipeMareOptions, XPipeOptions
 from lightning_pipe.engine.policies.options import Averaging, Prediction
 from lightning_pipe.errors import LightningPipeError, PipeConfigError
@@ -45,6 +45,7 @@ from lightning_pipe.lightning.model_summary import freeze_model_summaries
 from lightning_pipe.lightning.options import PipeOptions
 from lightning_pipe.lightning.pipeline import StagePipeline
 from lightning_pipe.lightning.runtimes import Runtime, make_runtime, unwrapped
+from lightning_pipe.lightning.stage_metrics import StageMetrics
 from lightning_pipe.planning.auto_balance import AutoBalanceOptions
 from lightning_pipe.planning.planner import Plan
 from lightning_pipe.planning.trials import device_clock
@@ -114,6 +115,10 @@ class PipeStrategy(DDPStrategy):
             plus each rank's ``events-rank{r}.json`` (docs/simulator.md). Needs matplotlib.
         trace_steps: training steps recorded with ``trace_dir``: steps 2 to ``trace_steps + 1`` of the fit
             (the first pays one-time costs; a one-step fit records that one).
+        stage_metrics: on the steps Lightning logs (``Trainer(log_every_n_steps=...)``), log every stage's
+            compute and wait time, idle share (bubble) and peak memory as ``pipe/stage{s}/...``, plus the
+            asynchronous schedules' staleness and correction or prediction size; other steps pay
+            nothing (docs/metrics.md).
         pipemare_lr_reschedule: deprecated, use ``pipemare={"lr_reschedule": ...}``.
         pipemare_lr_warmup_steps: deprecated, use ``pipemare={"lr_warmup_steps": ...}``.
         pipemare_correction: deprecated, use ``pipemare={"correction": ...}``.
@@ -157,6 +162,7 @@ class PipeStrategy(DDPStrategy):
         auto_balance: AutoBalanceOptions = AutoBalanceOptions(),
         trace_dir: str | None = None,
         trace_steps: int = 3,
+        stage_metrics: bool = True,
         pipemare_lr_reschedule: bool | None = None,
         pipemare_lr_warmup_steps: int | None = None,
         pipemare_correction: bool | None = None,
@@ -183,7 +189,7 @@ class PipeStrategy(DDPStrategy):
         self.options: PipeOptions = options_module.resolve(
             schedule, micro_batches, stages, pipelines, balance, module, chunks_per_stage, checkpoint_activations, timeout,
             sync_warmup_epochs, {"pipemare": pipemare, "xpipe": xpipe, "avgpipe": avgpipe, "auto_balance": auto_balance},
-            trace_dir, trace_steps, deprecated,
+            trace_dir, trace_steps, deprecated, stage_metrics,
         )
         super().__init__(
             accelerator=accelerator,
@@ -204,6 +210,7 @@ class PipeStrategy(DDPStrategy):
         self._pipeline: StagePipeline | None = None
         self._runtime: Runtime | None = None
         self._tracer: RunTracer | None = None
+        self._metrics: StageMetrics | None = None
         self._generation = 0
 
     @classmethod
@@ -311,7 +318,8 @@ class PipeStrategy(DDPStrategy):
             if isinstance(metric, Metric):
                 metric.process_group = self.topology.stage_group
         self._tracer = self._new_tracer() if fitting else None
-        self._pipeline.build_executor(self._tracer.recorder if self._tracer is not None else None)
+        self._metrics = StageMetrics(self, self.options.stage_metrics)
+        self._pipeline.build_executor(self._metrics.recorder(self._tracer.recorder if self._tracer is not None else None))
         if fitting:
             self.setup_optimizers(trainer)
             checks.check_trainer(self.options.spec, trainer.accumulate_grad_batches, len(self.optimizers))
@@ -362,14 +370,17 @@ class PipeStrategy(DDPStrategy):
         """Run the batch through the pipeline (forwards and backwards of every micro-batch); return
         its loss on every rank. Flushing schedules run one whole step here; asynchronous ones one
         window of the stream, with optimizer steps inside."""
-        assert self._runtime is not None
+        assert self._runtime is not None and self._metrics is not None
         if self._tracer is not None:
             self._tracer.start_step()
+        self._metrics.begin()
         try:
-            return self._runtime.training_step(args, kwargs)
+            loss = self._runtime.training_step(args, kwargs)
         finally:
             if self._tracer is not None:
                 self._tracer.end_step()
+        self._metrics.end(self._runtime.stage_diagnostics(), batch_size(args[0]))
+        return loss
 
     def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
         """Restore the gradients the schedule computed (no autograd runs here)."""

@@ -61,6 +61,9 @@ class Runtime(Protocol):
     def parameter_names(self) -> dict[int, str]:
         """Names of tensors the optimizer steps that are not the module's own parameters (master copies)."""
 
+    def stage_diagnostics(self) -> list[dict[str, float]]:
+        """The weight policies' values (staleness, ...) of every stage this process runs, for the per-stage metrics."""
+
 
 def make_runtime(strategy: PipeStrategy, pipeline: StagePipeline) -> Runtime:
     """The runtime of the strategy's schedule family."""

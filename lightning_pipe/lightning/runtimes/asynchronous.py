@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-import torch.distributed as dist
 from torch import Tensor
 
 from lightning_pipe.engine import AsyncSegments, batch_size, split_micro_batches
@@ -86,9 +85,7 @@ class AsyncRuntime(BaseRuntime):
         if self.segments.short is not None or self._ends_segment(args[1] if len(args) > 1 else kwargs.get("batch_idx", 0)):
             self.drain()  # a short batch's mini-batch steps in the drain
         self._keep_aside()
-        loss = self.pipeline.replayed_loss(ran)
-        self._log_diagnostics(ran.size)
-        return loss
+        return self.pipeline.replayed_loss(ran)
 
     def backward(self) -> None:
         if not self.active:
@@ -153,23 +150,11 @@ class AsyncRuntime(BaseRuntime):
             reject_shared(outside.users, f"which step at different times under schedule={self.strategy.options.schedule!r}",
                           SharedParameterError)
 
-    def _log_diagnostics(self, batch_size_: int) -> None:
-        """Per-stage staleness, weight copies and prediction/correction norm, logged on every rank."""
-        strategy = self.strategy
-        trainer = strategy.lightning_module.trainer
-        if not trainer._logger_connector.should_update_logs:
-            return
-        stages = [diagnostics(policy) for policy in self.segments.policies]
-        topology = strategy.topology
-        if topology.stages > 1:
-            mine = stages[0]
-            stages = [None] * topology.stages
-            with self.pipeline.watchdog.guard("every stage's diagnostics"):
-                dist.all_gather_object(stages, mine, group=topology.pipeline_group)
-        for stage, values in enumerate(stages):
-            for key, value in values.items():
-                strategy.lightning_module.log(f"pipe/stage{stage}/{key}", float(value), on_step=True, on_epoch=False,
-                                              batch_size=batch_size_)
+    def stage_diagnostics(self) -> list[dict[str, float]]:
+        """Staleness, weight copies and correction or prediction size of every stage this process runs."""
+        if not self.active or not self.segments.policies:
+            return [{}]
+        return [diagnostics(policy) for policy in self.segments.policies]
 
     def checkpoint_state(self) -> dict[str, Any]:
         if self.segments.policy is None:

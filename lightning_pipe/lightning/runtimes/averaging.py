@@ -70,6 +70,11 @@ class AvgPipeRuntime(BaseRuntime):
     def backward(self) -> None:
         """Nothing to put back: every replica stepped inside the round."""
 
+    def stage_diagnostics(self) -> list[dict[str, float]]:
+        """How far the replicas drifted from the center (root mean square over replicas of ``||W^(n) - C||``)."""
+        policy = self.rounds.policy
+        return [{"replica_distance": policy.distance()}] if policy is not None else [{}]
+
     def _start(self) -> None:
         """Create the replicas and the center at the first round (after any checkpoint was restored)."""
         strategy = self.strategy

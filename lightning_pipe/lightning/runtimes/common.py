@@ -45,6 +45,9 @@ class BaseRuntime:
     def parameter_names(self) -> dict[int, str]:
         return {}
 
+    def stage_diagnostics(self) -> list[dict[str, float]]:
+        return [{}]
+
     def _keep_aside(self) -> None:
         """Take the gradients the step produced out of Lightning's reach (its ``zero_grad`` comes next)."""
         params = trainable(self.strategy)

@@ -1,0 +1,102 @@
+"""Per-stage metrics of every schedule, logged on the training steps Lightning logs anyway.
+
+On a step that Lightning will log (every ``Trainer(log_every_n_steps=...)`` steps), each rank times
+the actions its executor runs (:class:`~lightning_pipe.engine.recorder.StepTimer`: the host clock on
+CPU, CUDA events on CUDA, read once after the step) and reads its peak memory; the values of every
+stage, and the diagnostics of an asynchronous schedule's weight policies, are gathered in the
+pipeline once and every rank logs them, so ``callback_metrics`` and the loggers hold, per stage ``s``:
+
+* ``pipe/stage{s}/compute_ms``: forwards, backwards and optimizer steps of the step;
+* ``pipe/stage{s}/wait_ms``: time waiting for a neighbour's activation or gradient;
+* ``pipe/stage{s}/bubble``: the share of the step's span this stage did not compute (idle);
+* ``pipe/stage{s}/peak_memory_mib``: peak memory allocated on the device during the step (CUDA), or
+  the process's peak resident memory so far (CPU);
+* asynchronous schedules also: ``staleness``, ``weight_copies``, and ``correction_norm`` (pipemare)
+  or ``prediction_norm`` (xpipe) (docs/async-semantics.md).
+
+Steps Lightning does not log cost nothing: no timing, no synchronisation, no collective. An emulated
+pipeline runs its stages one after another in one process, so it logs only the policies' diagnostics.
+"""
+
+from __future__ import annotations
+
+import resource
+import sys
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from lightning_pipe.engine.recorder import Fanout, StepTimer
+
+if TYPE_CHECKING:
+    from lightning_pipe.lightning.strategy import PipeStrategy
+
+
+def peak_memory_mib(device: torch.device) -> float:
+    """Peak memory of this step on a CUDA device, or the process's peak resident size so far on the CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
+    return peak / 2**20 if sys.platform == "darwin" else peak / 2**10
+
+
+class StageMetrics:
+    """Measures and logs the per-stage metrics of the module docstring for one strategy.
+
+    Args:
+        strategy: the strategy whose pipeline is measured.
+        enabled: ``PipeStrategy(stage_metrics=...)``; ``False`` logs nothing.
+    """
+
+    def __init__(self, strategy: PipeStrategy, enabled: bool = True) -> None:
+        self.strategy = strategy
+        self.enabled = enabled
+        self.timer = StepTimer(strategy.root_device)
+        self.measuring = False
+
+    def recorder(self, trace: Any | None) -> Any:
+        """What the executor records into: this timer, and a trace's recorder when ``trace_dir`` is set."""
+        return self.timer if trace is None else Fanout(trace, self.timer)
+
+    def begin(self) -> None:
+        """Before a training step: measure it if Lightning will log it."""
+        trainer = self.strategy.lightning_module.trainer
+        self.measuring = self.enabled and trainer._logger_connector.should_update_logs
+        if not self.measuring:
+            return
+        self.timer.reset()
+        self.timer.enabled = not self.strategy.emulating
+        if self.strategy.root_device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.strategy.root_device)
+
+    def end(self, diagnostics: list[dict[str, float]], batch_size: int) -> None:
+        """After the step: gather every stage's values in the pipeline and log them on every rank.
+
+        Args:
+            diagnostics: the weight policies' values of every stage this process runs (one dict per
+                stage; empty dicts for schedules without a policy).
+            batch_size: the batch's size, for ``self.log``.
+        """
+        self.timer.enabled = False
+        if not self.measuring:
+            return
+        strategy = self.strategy
+        stages = [dict(values) for values in diagnostics] or [{}]
+        if not strategy.emulating:
+            times = self.timer.totals()
+            stages[0].update(
+                compute_ms=times.compute * 1e3, wait_ms=times.wait * 1e3,
+                bubble=1.0 - times.compute / times.span if times.span > 0 else 0.0,
+                peak_memory_mib=peak_memory_mib(strategy.root_device),
+            )
+        topology = strategy.topology
+        if topology.stages > 1:
+            gathered: list[Any] = [None] * topology.stages
+            with strategy.watchdog.guard("every stage's metrics"):
+                dist.all_gather_object(gathered, stages[0], group=topology.pipeline_group)
+            stages = gathered
+        module = strategy.lightning_module
+        for stage, values in enumerate(stages):
+            for key, value in values.items():
+                module.log(f"pipe/stage{stage}/{key}", float(value), on_step=True, on_epoch=False, batch_size=batch_size)
