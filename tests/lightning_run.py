@@ -29,7 +29,7 @@ class TrunkModel(L.LightningModule):
     """Layers before the trunk (first stage), an nn.Sequential trunk, a head after it (last stage)."""
 
     def __init__(self, width: int = 16, depth: int = 6, classes: int = 4, optimizer: str = "sgd", fail_at: int = -1,
-                 fail_rank: int = -1, tie: bool = False, scheduler: bool | str = False):
+                 fail_rank: int = -1, tie: bool = False, scheduler: bool | str = False, fail_hook: str | None = None):
         super().__init__()
         self.save_hyperparameters()
         self.tie, self.scheduler = tie, scheduler
@@ -38,7 +38,7 @@ class TrunkModel(L.LightningModule):
         self.model = nn.Sequential(*[m for _ in range(depth) for m in (nn.Linear(width, width), nn.Tanh())])
         self.head = nn.Linear(width, classes)
         self.optimizer = optimizer
-        self.fail_at, self.fail_rank = fail_at, fail_rank
+        self.fail_at, self.fail_rank, self.fail_hook = fail_at, fail_rank, fail_hook
         self.val_acc = torchmetrics.classification.MulticlassAccuracy(num_classes=classes, average="micro")
         self.val_mae = torchmetrics.MeanAbsoluteError()
 
@@ -48,6 +48,10 @@ class TrunkModel(L.LightningModule):
     def output(self, h):
         # tie=True reuses the input layer's weight after the trunk (like a tied embedding / LM head)
         return F.linear(h, self.pre.weight.t()) if self.tie else self.head(h)
+
+    def on_train_start(self):
+        if self.fail_hook == "on_train_start" and self.global_rank == self.fail_rank:
+            raise ZeroDivisionError("deliberate failure in on_train_start")
 
     def validation_step(self, batch, batch_idx):
         x, y = batch

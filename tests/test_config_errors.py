@@ -101,10 +101,31 @@ def test_named_trunk_is_used():
 
 
 @pytest.mark.multiprocess
-def test_micro_batches_larger_than_batch_fails_on_every_rank():
+def test_micro_batches_larger_than_batch_fails_before_launching():
     code, output, _ = launch({"devices": 2, "max_steps": 2, "batch_size": 4, "strategy": {"micro_batches": 8}})
     assert code != 0
     assert "micro_batches=8 is larger than the batch size 4; use micro_batches <= 4" in output
+    assert "Initializing distributed" not in output and output.count("Traceback") == 1
+
+
+@pytest.mark.multiprocess
+def test_a_model_error_fails_before_any_other_rank_starts():
+    """A trunk that is not an nn.Sequential: one error from the launching process, no rank started."""
+    code, output, _ = launch({"devices": 2, "max_steps": 2, "strategy": {"module": "head"}})
+    assert code != 0 and "head is a Linear, not an nn.Sequential" in output
+    assert "Initializing distributed" not in output and output.count("Traceback") == 1
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("fail_rank", [0, 1])
+def test_a_rank_failing_in_a_hook_ends_every_rank_with_peer_failure(fail_rank):
+    """A user hook (on_train_start) raising on one rank: the other ends with PeerFailure naming it."""
+    code, output, _ = launch({"devices": 2, "max_steps": 4, "strategy": {"schedule": "1f1b", "timeout": 60},
+                              "model": {"fail_hook": "on_train_start", "fail_rank": fail_rank}})
+    assert code != 0
+    assert "ZeroDivisionError: deliberate failure in on_train_start" in output
+    assert f"PeerFailure: " in output and f"rank {fail_rank} raised ZeroDivisionError" in output
+    assert "Connection closed by peer" not in output.split("PeerFailure")[0][-2000:]
 
 
 @pytest.mark.multiprocess

@@ -258,10 +258,12 @@ class Executor:
             key = (action.replica, action.chunk, action.micro_batch)
             # a forward-only schedule has no backward to keep the activation for
             flight = self._in_flight.pop(key) if self._schedule.forward_only else self._in_flight[key]
-            self._sends += self.transport.send_activation(flight.output, self._peer_rank(action), action.replica)
+            with self.watchdog.guard(f"rank {self._peer_rank(action)} to take {action}"):  # gloo may fail at the post
+                self._sends += self.transport.send_activation(flight.output, self._peer_rank(action), action.replica)
         elif kind is Kind.SEND_GRADIENT:
             flight = self._in_flight.pop((action.replica, action.chunk, action.micro_batch))
-            self._sends += self.transport.send_gradients(flight.input_grads, self._peer_rank(action), action.replica)
+            with self.watchdog.guard(f"rank {self._peer_rank(action)} to take {action}"):
+                self._sends += self.transport.send_gradients(flight.input_grads, self._peer_rank(action), action.replica)
         elif kind.is_recv:
             pass  # consumed by the compute action that needs it (see _take)
         elif kind is Kind.STEP:
@@ -359,21 +361,24 @@ class Executor:
         src = self._peer_rank(action)
         pending = _PendingReceive(action.kind, src, action.replica)
         if action.kind is Kind.RECV_ACTIVATION:
-            pending.header = self.transport.post_header(src, action.replica)
+            with self.watchdog.guard(f"{action} from rank {src}"):
+                pending.header = self.transport.post_header(src, action.replica)
         else:
             flight = self._in_flight.get((action.replica, action.chunk, action.micro_batch))
             if flight is None:
                 return False
             metas = [m for m in flight.output_metas if is_differentiable(m)]
-            pending.payload = self.transport.post_payload(metas, src, replica_tag(GRADIENT_TAG, action.replica))
+            with self.watchdog.guard(f"{action} from rank {src}"):
+                pending.payload = self.transport.post_payload(metas, src, replica_tag(GRADIENT_TAG, action.replica))
         self._received[key] = pending
         return True
 
     def _post_payload(self, pending: _PendingReceive) -> None:
         pending.decoded = Header.decode(pending.header[1])
-        pending.payload = self.transport.post_payload(
-            pending.decoded.metas, pending.src, replica_tag(ACTIVATION_TAG, pending.replica)
-        )
+        with self.watchdog.guard(f"an activation from rank {pending.src}"):
+            pending.payload = self.transport.post_payload(
+                pending.decoded.metas, pending.src, replica_tag(ACTIVATION_TAG, pending.replica)
+            )
 
     def _take(self, action: Action) -> _PendingReceive:
         key = (action.kind, action.replica, action.chunk, action.micro_batch)
