@@ -67,3 +67,16 @@ def test_an_emulated_pipeline_logs_its_policies_not_its_timing():
     assert {"pipe/stage0/staleness", "pipe/stage1/correction_norm"} <= set(last)
     assert not any(key.endswith(TIMING) for key in last)
     assert PipeStrategy(stage_metrics=False).options.stage_metrics is False
+
+
+def test_one_pipeline_does_not_advise_sync_dist():
+    """Lightning advises sync_dist=True for epoch-level values in distributed runs; with one pipeline
+    every rank holds the replayed value already, so the advice would only mislead (docs/faq.md)."""
+    from lightning.pytorch.trainer.connectors.logger_connector import result
+
+    result.warning_cache.clear()  # Lightning warns once per process
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        train({"devices": 1, "max_steps": 2, "batch_size": 16, "evaluate": True,
+               "strategy": {"schedule": "1f1b", "stages": 2}})
+    assert not [w for w in caught if "sync_dist=True" in str(w.message)]

@@ -11,6 +11,7 @@ real ``LightningModule.log``.
 from __future__ import annotations
 
 import inspect
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -160,3 +161,13 @@ def _load_metric_state(metric: Metric, state: dict[str, Any]) -> None:
             value = [v.to(device) if isinstance(v, Tensor) else v for v in value]
         setattr(metric, name, value)
     metric._computed = None
+
+
+def ignore_sync_dist_advice() -> None:
+    """Silence Lightning's advice to log epoch-level values with ``sync_dist=True``: with one pipeline
+    every rank already holds the same replayed value, so there is nothing to accumulate across devices
+    (with several pipelines the advice stands: it averages across the data-parallel pipelines)."""
+    from lightning.fabric.utilities.warnings import PossibleUserWarning
+
+    warnings.filterwarnings("ignore", message=r"It is recommended to use `self\.log\(.*sync_dist=True\)`",
+                            category=PossibleUserWarning)

@@ -41,6 +41,7 @@ from lightning_pipe.engine.policies.options import Averaging, Prediction
 from lightning_pipe.errors import LightningPipeError, PipeConfigError
 from lightning_pipe.lightning import auto, checkpointing, checks
 from lightning_pipe.lightning import options as options_module
+from lightning_pipe.lightning.log_replay import ignore_sync_dist_advice
 from lightning_pipe.lightning.model_summary import freeze_model_summaries
 from lightning_pipe.lightning.options import PipeOptions
 from lightning_pipe.lightning.pipeline import StagePipeline
@@ -312,6 +313,8 @@ class PipeStrategy(DDPStrategy):
             self._pipeline = StagePipeline.cut(self, module, self._counts)
             rank_zero_info(self.describe())
         self.model_to_device()
+        if self.num_pipelines == 1:
+            ignore_sync_dist_advice()
         for metric in module.modules():
             # every stage of a pipeline holds a replica of the last stage's metric state (see
             # log_replay), so metrics must only sync across pipelines, never across stages
