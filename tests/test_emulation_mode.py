@@ -185,7 +185,9 @@ def test_resume_continues_like_an_uninterrupted_run(schedule, tmp_path):
         torch.testing.assert_close(resumed["state"][key], value, rtol=1e-6, atol=1e-7, msg=key)
     assert [m["train_loss"] for m in resumed["metrics"]] == pytest.approx([m["train_loss"] for m in whole["metrics"]][6:], rel=1e-6)
     saved = torch.load(ckpt, weights_only=False)
-    assert len(saved["pipe_async_state"]) == 2
+    state = saved["pipe_async_state"]  # every stage's state in one, keyed by parameter name
+    per_parameter = state["previous" if schedule == "pipedream_2bw" else "delta"]
+    assert set(per_parameter) == {n for n, _ in TrunkModel().named_parameters()} and state["steps"] == 6
     fresh = TrunkModel()  # the file is an ordinary one-device checkpoint
     fresh.load_state_dict(saved["state_dict"])
     plain = torch.optim.SGD(fresh.parameters(), lr=0.1, momentum=0.9)
@@ -195,3 +197,46 @@ def test_resume_continues_like_an_uninterrupted_run(schedule, tmp_path):
 def test_emulation_rejects_parameters_shared_across_stages():
     with pytest.raises(Exception, match="parameters pre.weight are used on several stages"):
         emulated("pipedream", 2, 2, model={"tie": True})
+
+
+def _reference_from_checkpoint(schedule: str, stages: int, ckpt: str) -> tuple[AsyncEmulator, TrunkModel]:
+    """The literal reference of a ``stages``-stage pipeline that starts where the checkpoint ends: its
+    weights, optimizer state (by parameter name), step counts and policy state (pipemare's velocity).
+    Its stages are the returned model's own layers, so the model holds the reference's weights."""
+    saved = torch.load(ckpt, weights_only=False)
+    model = TrunkModel()
+    model.load_state_dict(saved["state_dict"])
+    modules = reference_stages(model, stages)
+    full_name = {id(p): n for n, p in model.named_parameters()}
+    optimizer_state = saved["optimizer_states"][0]
+    index_of = {n: i for i, n in enumerate(optimizer_state["pipe_param_names"])}
+    optimizers = []
+    for module in modules:
+        optimizer = torch.optim.SGD(module.parameters(), lr=0.1, momentum=0.9)
+        for p in module.parameters():
+            optimizer.state[p] = {k: v.clone() for k, v in optimizer_state["state"][index_of[full_name[id(p)]]].items()}
+        optimizers.append(optimizer)
+    emulator, _ = emulator_for(model, schedule, stages, 2, None, None, optimizers=optimizers)
+    state = saved["pipe_async_state"]
+    emulator._windows_before_segment = state["batches_before_segment"]
+    for st in emulator._stages:
+        st.steps = state["steps"]
+        if st.delta is not None:
+            st.delta = {name: state["delta"][full_name[id(p)]].clone() for name, p in st.module.named_parameters()}
+    return emulator, model
+
+
+@pytest.mark.parametrize("schedule", ["pipemare", "xpipe"])
+def test_a_checkpoint_resumes_under_another_split(schedule, tmp_path):
+    """The policy state is keyed by parameter name: a 2-stage checkpoint resumes as 4 stages and
+    continues exactly as the reference started from the checkpoint says; another balance resumes too."""
+    ckpt = str(tmp_path / "two-stages.ckpt")
+    emulated(schedule, 2, 2, epochs=1, ckpt_out=ckpt)
+    resumed = emulated(schedule, 4, 2, ckpt_path=ckpt)
+    reference, model = _reference_from_checkpoint(schedule, 4, ckpt)
+    losses = run_epochs(reference, [], None, 2, 1)
+    assert [m["train_loss"] for m in resumed["metrics"]] == pytest.approx(losses, rel=1e-5)
+    for key, value in model.state_dict().items():
+        torch.testing.assert_close(resumed["state"][key], value, rtol=1e-5, atol=1e-6, msg=key)
+    other = emulated(schedule, 2, 2, ckpt_path=ckpt, strategy={"balance": [3, 9]})
+    assert other["global_step"] == 12

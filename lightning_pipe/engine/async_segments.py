@@ -14,6 +14,7 @@ from torch import nn
 
 from lightning_pipe.engine.executor import Executor
 from lightning_pipe.engine.policies import AsyncOptions, Clip, WeightPolicy
+from lightning_pipe.engine.policies.base import merge_states
 from lightning_pipe.schedules import async_schedule, validate_async
 
 
@@ -40,7 +41,7 @@ class AsyncSegments:
         self.short: int | None = None  # micro-batches of a short last window, which ends the segment
         self.policy: WeightPolicy | None = None
         self.policies: list[WeightPolicy] = []  # of every stage this process runs
-        self._restore: list[dict[str, Any]] | None = None  # a checkpoint's policy states, loaded at start
+        self._restore: dict[str, Any] | None = None  # a checkpoint's (merged) policy state, loaded at start
 
     def start(
         self, root: nn.Module, optimizer: torch.optim.Optimizer, options: AsyncOptions, scheduler: Any | None,
@@ -54,19 +55,24 @@ class AsyncSegments:
         self.load_restored()
         return policy
 
-    def restore(self, states: Sequence[dict[str, Any]]) -> None:
-        """Resume from a checkpoint's policy states, one per stage this process runs: now if the
-        policies exist, else when they are created (at the first asynchronous step)."""
-        self._restore = list(states)
+    def restore(self, state: dict[str, Any]) -> None:
+        """Resume from a checkpoint's policy state (every stage's, merged by parameter name): now if
+        the policies exist, else when they are created (at the first asynchronous step). Each policy
+        takes its own parameters' entries, so any split of the same model resumes."""
+        self._restore = state
         if self.policies:
             self.load_restored()
 
     def load_restored(self) -> None:
         """Load what :meth:`restore` was given into the policies just created."""
         if self._restore is not None:
-            for policy, state in zip(self.policies, self._restore):
-                policy.load_state_dict(state)
+            for policy in self.policies:
+                policy.load_state_dict(self._restore)
             self._restore = None
+
+    def state_dict(self) -> dict[str, Any] | None:
+        """The policies of this process, merged (``None`` before the first asynchronous step)."""
+        return merge_states(policy.state_dict() for policy in self.policies)
 
     def run_window(self, micro_batches: Sequence[Any], weights: Sequence[float], scale_loss: Any = None) -> list[Any]:
         """Feed one batch's micro-batches into the stream. Fewer than ``micro_batches`` (a short last

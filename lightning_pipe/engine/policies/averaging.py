@@ -158,9 +158,11 @@ class ElasticAveraging(WeightPolicy):
         return (total / self.replicas) ** 0.5
 
     def state_dict(self) -> dict[str, Any]:
-        """Everything an exact resume needs beyond the center (which is the model's state)."""
+        """Everything an exact resume needs beyond the center (which is the model's state); keyed by
+        parameter name, so stages' states merge (:func:`~.base.merge_states`) and any split resumes."""
         cpu = lambda t: t.detach().cpu() if isinstance(t, Tensor) else t  # noqa: E731
         return {
+            "policy": type(self).__name__,
             "rounds": self.rounds,
             "steps": self.steps,
             "center": {n: cpu(c) for n, c in self.center.items()},
@@ -175,15 +177,17 @@ class ElasticAveraging(WeightPolicy):
                 "resume with the same number of parallel pipelines."
             )
         self.rounds, self.steps = state["rounds"], state["steps"]
+        center = self._own(state["center"], "avgpipe center")
         with torch.no_grad():
             for name, c in self.center.items():
-                c.copy_(state["center"][name])
+                if name in center:
+                    c.copy_(center[name])
             for ws, saved in zip(self.weights, state["weights"]):
-                for name, w in ws.items():
-                    w.copy_(saved[name])
+                for name, w in ws.items():  # a replica without saved weights starts from the center
+                    w.copy_(saved[name] if name in saved else self.center[name])
         self.states = [
             {n: {k: v.to(self.params[n].device) if isinstance(v, Tensor) and v.dim() else v for k, v in s.items()}
-             for n, s in states.items()}
+             for n, s in states.items() if n in self.params}
             for states in state["states"]
         ]
         self._show_center()

@@ -10,6 +10,7 @@ by other tensors (:class:`Binding`), whose graph the backward then reuses; *live
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager, nullcontext
 from typing import Any, ContextManager
@@ -109,15 +110,42 @@ class WeightPolicy:
         self._steps_at_forward.clear()
 
     def state_dict(self) -> dict[str, Any]:
-        """What a resumed run needs beyond weights and optimizer state (saved at drain points)."""
-        return {"steps": self.steps, "batches_before_segment": self.batches_before_segment}
+        """What a resumed run needs beyond weights and optimizer state (saved at drain points).
+
+        Per-parameter values are keyed by parameter name, so the states of every stage merge into one
+        (:func:`merge_states`) and any split, stage count or emulation of the same model resumes from it."""
+        return {"policy": type(self).__name__, "steps": self.steps, "batches_before_segment": self.batches_before_segment}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume from a (merged) state: this stage takes its own parameters' values from it."""
+        if not self.applies(state):
+            return
         self.steps = state["steps"]
         self.batches_before_segment = state["batches_before_segment"]
+        self._load(state)
 
-    def _to_device(self, tensors: dict[str, Tensor]) -> dict[str, Tensor]:
-        return {n: t.to(self.params[n].device) for n, t in tensors.items()}
+    def _load(self, state: dict[str, Any]) -> None:
+        """What a subclass restores beyond the step counts (called when the state applies)."""
+
+    def applies(self, state: dict[str, Any]) -> bool:
+        """Whether ``state`` was saved by this kind of policy (say so once when it was not: then this
+        policy keeps its fresh state; a checkpoint of another schedule resumes its weights only)."""
+        saved = state.get("policy", type(self).__name__)
+        if saved != type(self).__name__:
+            warnings.warn(f"lightning_pipe: stage {self.stage}: the checkpoint holds {saved}'s state, which "
+                          f"{type(self).__name__} cannot use; it starts its own fresh.", UserWarning, stacklevel=3)
+            return False
+        return True
+
+    def _own(self, tensors: dict[str, Tensor], what: str) -> dict[str, Tensor]:
+        """This stage's entries of a name-keyed map of a merged state, on their parameters' devices;
+        one warning if some of its parameters have none (they start fresh)."""
+        missing = [n for n in self.params if n not in tensors]
+        if missing:
+            warnings.warn(f"lightning_pipe: stage {self.stage}: the checkpoint's {what} has no entry for "
+                          f"{len(missing)} of {len(self.params)} parameters (e.g. {missing[0]}); those start fresh.",
+                          UserWarning, stacklevel=3)
+        return {n: tensors[n].to(p.device) for n, p in self.params.items() if n in tensors}
 
     # -- what subclasses change ------------------------------------------------------------------
     def _stepped_tensors(self) -> list[Tensor]:
@@ -192,3 +220,21 @@ class Binding:
 def detached_copy(tensor: Tensor) -> nn.Parameter:
     """A new leaf parameter holding a copy of ``tensor``'s values (what :class:`Binding` binds)."""
     return nn.Parameter(tensor.detach().clone())
+
+
+def merge_states(states: Iterable[Any]) -> Any:
+    """One policy state out of several stages' (``None`` for none): name-keyed maps are united (every
+    stage holds other parameters), lists are merged element-wise (avgpipe's replicas), and any other
+    value is taken from the first state (step counts agree after a drain)."""
+    merged: Any = None
+    for state in states:
+        merged = state if merged is None else _merge(merged, state)
+    return merged
+
+
+def _merge(a: Any, b: Any) -> Any:
+    if isinstance(a, dict) and isinstance(b, dict):
+        return {**b, **{k: _merge(v, b[k]) if k in b else v for k, v in a.items()}}
+    if isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
+        return [_merge(x, y) for x, y in zip(a, b)]
+    return a if a is not None else b

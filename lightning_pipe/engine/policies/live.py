@@ -162,10 +162,12 @@ class PipeMarePolicy(_LivePolicy):
         delta = None if self.delta is None else {n: d.cpu() for n, d in self.delta.items()}
         return {**super().state_dict(), "delta": delta}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        super().load_state_dict(state)
+    def _load(self, state: dict[str, Any]) -> None:
         if self.delta is not None and state.get("delta") is not None:
-            self.delta = self._to_device(state["delta"])
+            saved = self._own(state["delta"], "correction velocity")
+            for name, d in self.delta.items():  # a parameter without a saved velocity keeps zeros
+                if name in saved:
+                    d.copy_(saved[name])
 
 
 def round_half_up(x: float) -> int:
@@ -285,6 +287,6 @@ class XPipePolicy(_LivePolicy):
     def state_dict(self) -> dict[str, Any]:
         return {**super().state_dict(), "last_grad": {n: g.cpu() for n, g in self._last_grad.items()}}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        super().load_state_dict(state)
-        self._last_grad = self._to_device(state.get("last_grad", {}))
+    def _load(self, state: dict[str, Any]) -> None:
+        if self.rule == "sgd":  # only the plain-SGD prediction reads the last gradient
+            self._last_grad = self._own(state.get("last_grad", {}), "last gradient")

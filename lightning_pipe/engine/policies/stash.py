@@ -123,7 +123,10 @@ class DoubleBufferPolicy(_SnapshotPolicy):
         previous = self.snapshots.get(self.steps - 1)  # the next mini-batch's forwards need it
         return {**super().state_dict(), "previous": None if previous is None else {n: t.detach().cpu() for n, t in previous.items()}}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        super().load_state_dict(state)
-        if state.get("previous") is not None:
-            self.snapshots[self.steps - 1] = {n: nn.Parameter(t) for n, t in self._to_device(state["previous"]).items()}
+    def _load(self, state: dict[str, Any]) -> None:
+        if state.get("previous") is None or self.steps == 0:
+            return
+        previous = self._own(state["previous"], "previous weight version")
+        # a parameter without a saved previous version takes its current one (as at the first STEP)
+        self.snapshots[self.steps - 1] = {n: nn.Parameter(previous[n]) if n in previous else detached_copy(p)
+                                          for n, p in self.params.items()}

@@ -15,7 +15,7 @@ from torch import Tensor
 from lightning_pipe.engine import AsyncSegments, batch_size, split_micro_batches
 from lightning_pipe.engine.emulated import EmulatedAsyncSegments
 from lightning_pipe.engine.outside import reject_shared
-from lightning_pipe.engine.policies import WeightPolicy, make_clip
+from lightning_pipe.engine.policies import WeightPolicy, make_clip, merge_states
 from lightning_pipe.errors import PipeConfigError, SharedParameterError
 from lightning_pipe.lightning.log_replay import LogCapture
 from lightning_pipe.lightning.module_glue import ModuleStages, stage_parameter_names
@@ -160,16 +160,15 @@ class AsyncRuntime(BaseRuntime):
         if self.segments.policy is None:
             return {}
         self.drain()
-        if self.strategy.emulating:
-            parts: list[Any] | None = [policy.state_dict() for policy in self.segments.policies]
-        else:
-            parts = self.pipeline.gather_in_first_pipeline(self.segments.policy.state_dict())
-        return {ASYNC_STATE_KEY: parts} if parts else {}
+        parts = self.pipeline.gather_in_first_pipeline(self.segments.state_dict())
+        return {ASYNC_STATE_KEY: merge_states(parts)} if parts else {}
 
     def restore(self, checkpoint: dict[str, Any]) -> None:
-        states = checkpoint.get(ASYNC_STATE_KEY)
-        if states is not None and len(states) == self.strategy.num_stages:
-            self.segments.restore(states if self.strategy.emulating else [states[self.strategy.topology.stage]])
+        state = checkpoint.get(ASYNC_STATE_KEY)
+        if isinstance(state, list):  # lightning_pipe 0.1 saved one entry per stage, each keyed by name too
+            state = merge_states(state)
+        if state is not None:
+            self.segments.restore(state)
 
     def optimizer_parts(self) -> list[tuple[dict[str, Any], list[list[str]]]] | None:
         if not isinstance(self.segments, EmulatedAsyncSegments) or not self.segments.policies:

@@ -9,7 +9,7 @@ from torch import Tensor
 
 from lightning_pipe.engine import AvgPipeRounds, batch_size
 from lightning_pipe.engine.outside import reject_shared
-from lightning_pipe.engine.policies import make_clip
+from lightning_pipe.engine.policies import make_clip, merge_states
 from lightning_pipe.errors import PipeConfigError, SharedParameterError
 from lightning_pipe.lightning.module_glue import ModuleStages
 from lightning_pipe.lightning.runtimes.common import BaseRuntime, unwrapped
@@ -97,10 +97,12 @@ class AvgPipeRuntime(BaseRuntime):
         if self.rounds.policy is not None:
             parts = self.pipeline.gather_in_first_pipeline(self.rounds.policy.state_dict())
             if parts:
-                state[AVGPIPE_STATE_KEY] = parts
+                state[AVGPIPE_STATE_KEY] = merge_states(parts)
         return state
 
     def restore(self, checkpoint: dict[str, Any]) -> None:
-        states = checkpoint.get(AVGPIPE_STATE_KEY)
-        if states is not None and len(states) == self.strategy.topology.stages:
-            self.rounds.restore(states[self.strategy.topology.stage])
+        state = checkpoint.get(AVGPIPE_STATE_KEY)
+        if isinstance(state, list):  # lightning_pipe 0.1 saved one entry per stage, each keyed by name too
+            state = merge_states(state)
+        if state is not None:
+            self.rounds.restore(state)
