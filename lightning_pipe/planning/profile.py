@@ -4,8 +4,8 @@ The profiler walks the trunk layer by layer from a sample trunk input: each laye
 next layer's input, exactly as the pipeline runs it. Per layer it measures, at one micro-batch size
 on one device:
 
-* forward and backward time: the median of ``repeats`` runs after a warm-up that lasts until the
-  timings settle (see :func:`profile_trunk`); backward is
+* forward and backward time: the fastest of ``repeats`` runs (a busy machine only adds time) after
+  a warm-up that lasts until the timings settle (see :func:`profile_trunk`); backward is
   ``torch.autograd.grad`` of the output with respect to the input and the layer's trainable
   parameters (what a pipeline stage computes), so no ``.grad`` of the model is touched;
 * parameter bytes;
@@ -217,7 +217,7 @@ def profile_trunk(
             ``device`` are profiled as copies moved there one at a time).
         sample: a trunk input for one micro-batch (its dim 0 is the micro-batch size).
         device: where to measure (the device the stage will run on).
-        repeats: timed runs per layer; the median is kept.
+        repeats: timed runs per layer; the fastest is kept.
         warmup: untimed rounds at least.
         cache: JSON file of profiles; a profile with the same key is returned without measuring,
             a new one is added.
@@ -252,8 +252,10 @@ def profile_trunk(
         warmups.append(_settle(lambda: sum(sum(r.run()[:2]) for r in runners), warmup, settle, max_warmup))
         rounds = [[runner.run()[:2] for runner in runners] for _ in range(max(1, repeats))]
         timings = [list(per_layer) for per_layer in zip(*rounds)]
+    # the fastest of the timed runs: interference from a busy machine only ever adds time, so the
+    # minimum is what the layer costs and is far more repeatable than a median under load
     layers = tuple(
-        LayerProfile(name, statistics.median(f for f, _ in runs), statistics.median(b for _, b in runs), params, saved, out)
+        LayerProfile(name, min(f for f, _ in runs), min(b for _, b in runs), params, saved, out)
         for (name, params, saved, out), runs in zip(static, timings)
     )
     totals = [sum(f + b for f, b in (runs[i] for runs in timings)) for i in range(len(timings[0]))] if timings else [0.0]
