@@ -14,6 +14,7 @@ import sys
 from typing import Any
 
 import lightning as L
+from lightning.fabric.plugins import TorchCheckpointIO
 import torch
 import torch.nn.functional as F
 import torchmetrics
@@ -29,7 +30,8 @@ class TrunkModel(L.LightningModule):
     """Layers before the trunk (first stage), an nn.Sequential trunk, a head after it (last stage)."""
 
     def __init__(self, width: int = 16, depth: int = 6, classes: int = 4, optimizer: str = "sgd", fail_at: int = -1,
-                 fail_rank: int = -1, tie: bool = False, scheduler: bool | str = False, fail_hook: str | None = None):
+                 fail_rank: int = -1, tie: bool = False, scheduler: bool | str = False, fail_hook: str | None = None,
+                 fault: dict | None = None):
         super().__init__()
         self.save_hyperparameters()
         self.tie, self.scheduler = tie, scheduler
@@ -39,6 +41,7 @@ class TrunkModel(L.LightningModule):
         self.head = nn.Linear(width, classes)
         self.optimizer = optimizer
         self.fail_at, self.fail_rank, self.fail_hook = fail_at, fail_rank, fail_hook
+        self.fault = fault  # {"kind": "stop" | "kill" | "sleep", "rank": r, "step": s}: see inject()
         self.val_acc = torchmetrics.classification.MulticlassAccuracy(num_classes=classes, average="micro")
         self.val_mae = torchmetrics.MeanAbsoluteError()
 
@@ -69,7 +72,25 @@ class TrunkModel(L.LightningModule):
     def predict_step(self, batch, batch_idx):
         return self(batch[0]).softmax(1)
 
+    def inject(self, batch_idx):
+        """The fault of ``self.fault`` on its rank at its step: SIGSTOP (a hung process), SIGKILL, or a
+        sleep inside the step (a hung Python)."""
+        fault = self.fault
+        if fault is None or batch_idx != fault["step"] or self.global_rank != fault["rank"]:
+            return
+        import signal
+        import time
+
+        print(f"injecting {fault['kind']} on rank {self.global_rank} at step {batch_idx}", flush=True)
+        if fault["kind"] == "stop":
+            os.kill(os.getpid(), signal.SIGSTOP)
+        elif fault["kind"] == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        elif fault["kind"] == "sleep":
+            time.sleep(3600)
+
     def training_step(self, batch, batch_idx):
+        self.inject(batch_idx)
         if batch_idx == self.fail_at and self.global_rank == self.fail_rank:
             raise ZeroDivisionError(f"deliberate failure at batch {batch_idx}")
         x, y = batch
@@ -113,6 +134,20 @@ class Recorder(L.Callback):
         self.returned.append(float(outputs["loss"]))
 
 
+class SlowCheckpointIO(TorchCheckpointIO):
+    """A filesystem that takes ``seconds`` to write a checkpoint."""
+
+    def __init__(self, seconds: float):
+        super().__init__()
+        self.seconds = seconds
+
+    def save_checkpoint(self, checkpoint, path, storage_options=None):
+        import time
+
+        time.sleep(self.seconds)
+        super().save_checkpoint(checkpoint, path, storage_options)
+
+
 def make_data(n: int = 96, seed: int = 0) -> TensorDataset:
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(n, 8, generator=g)
@@ -126,7 +161,8 @@ def train(config: dict[str, Any]) -> dict[str, Any]:
     model = TrunkModel(**config.get("model", {}))
     strategy = config.get("strategy")
     if isinstance(strategy, dict):
-        strategy = lightning_pipe.PipeStrategy(**strategy)
+        io = SlowCheckpointIO(config["slow_save"]) if config.get("slow_save") else None
+        strategy = lightning_pipe.PipeStrategy(**strategy, checkpoint_io=io)
     recorder = Recorder()
     callbacks, logger = [recorder], False
     if config.get("full_callbacks"):  # a directory: the usual Lightning callbacks and a CSV logger

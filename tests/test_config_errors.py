@@ -147,4 +147,12 @@ def test_a_failing_stage_ends_every_rank_with_its_error(fail_rank):
     assert records == []
     assert "ZeroDivisionError: deliberate failure at batch 2" in output
     if fail_rank == 1:  # rank 0 (the launcher) learns the peer's error instead of 'connection closed'
-        assert "PeerFailure: stopped waiting for" in output and "rank 1 raised ZeroDivisionError" in output
+        assert "PeerFailure: rank 0 stopped waiting for" in output and "rank 1 raised ZeroDivisionError" in output
+
+
+@pytest.mark.parametrize("schedule", ["pipedream", "pipedream_2bw", "pipemare", "xpipe"])
+def test_asynchronous_schedules_refuse_data_parallel_pipelines(schedule):
+    """Each pipeline's stages would step on their own gradients, so the replicas would diverge."""
+    with pytest.raises(PipeConfigError, match=rf"schedule='{schedule}' steps each stage inside the pipeline"):
+        connect(TrunkModel(), devices=4, schedule=schedule, stages=2, pipelines=2)
+    connect(TrunkModel(), devices=4, schedule="avgpipe", stages=2, pipelines=2)  # its replicas average gradients

@@ -67,7 +67,7 @@ class PlanReport:
     layer_names: list[str]
     text: str
     timeline: str | None = None
-    simulated: Any = None  # lightning_pipe.simulate.Simulation of the chosen plan
+    simulated: Any = None  # lightning_pipe.sim.simulate.Simulation of the chosen plan
     avgpipe: AvgPipePlan | None = None  # when avgpipe was explored
 
 

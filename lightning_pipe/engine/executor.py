@@ -258,11 +258,13 @@ class Executor:
             key = (action.replica, action.chunk, action.micro_batch)
             # a forward-only schedule has no backward to keep the activation for
             flight = self._in_flight.pop(key) if self._schedule.forward_only else self._in_flight[key]
-            with self.watchdog.guard(f"rank {self._peer_rank(action)} to take {action}"):  # gloo may fail at the post
+            peer = self._peer_rank(action)
+            with self.watchdog.guard(f"rank {peer} to take {action}", peer):  # gloo may fail at the post itself
                 self._sends += self.transport.send_activation(flight.output, self._peer_rank(action), action.replica)
         elif kind is Kind.SEND_GRADIENT:
             flight = self._in_flight.pop((action.replica, action.chunk, action.micro_batch))
-            with self.watchdog.guard(f"rank {self._peer_rank(action)} to take {action}"):
+            peer = self._peer_rank(action)
+            with self.watchdog.guard(f"rank {peer} to take {action}", peer):
                 self._sends += self.transport.send_gradients(flight.input_grads, self._peer_rank(action), action.replica)
         elif kind.is_recv:
             pass  # consumed by the compute action that needs it (see _take)
@@ -361,21 +363,21 @@ class Executor:
         src = self._peer_rank(action)
         pending = _PendingReceive(action.kind, src, action.replica)
         if action.kind is Kind.RECV_ACTIVATION:
-            with self.watchdog.guard(f"{action} from rank {src}"):
+            with self.watchdog.guard(f"{action} from rank {src}", src):
                 pending.header = self.transport.post_header(src, action.replica)
         else:
             flight = self._in_flight.get((action.replica, action.chunk, action.micro_batch))
             if flight is None:
                 return False
             metas = [m for m in flight.output_metas if is_differentiable(m)]
-            with self.watchdog.guard(f"{action} from rank {src}"):
+            with self.watchdog.guard(f"{action} from rank {src}", src):
                 pending.payload = self.transport.post_payload(metas, src, replica_tag(GRADIENT_TAG, action.replica))
         self._received[key] = pending
         return True
 
     def _post_payload(self, pending: _PendingReceive) -> None:
         pending.decoded = Header.decode(pending.header[1])
-        with self.watchdog.guard(f"an activation from rank {pending.src}"):
+        with self.watchdog.guard(f"an activation from rank {pending.src}", pending.src):
             pending.payload = self.transport.post_payload(
                 pending.decoded.metas, pending.src, replica_tag(ACTIVATION_TAG, pending.replica)
             )
@@ -389,10 +391,10 @@ class Executor:
         what = f"{action} from rank {pending.src}"
         start = self._recording.clock() if self._recording is not None else 0.0
         if pending.payload is None:
-            self.watchdog.wait(pending.header[0], f"the header of {what}")
+            self.watchdog.wait(pending.header[0], f"the header of {what}", pending.src)
             self._post_payload(pending)
         for work, _ in pending.payload:
-            self.watchdog.wait(work, what)
+            self.watchdog.wait(work, what, pending.src)
         if self._recording is not None:  # the wait, then the compute that needed it
             self._started = self._recording.clock()
             self._recording.record(action, start, self._started)

@@ -31,7 +31,7 @@ Channel = tuple[int, int, str]  # (source device, destination device, "activatio
 class _Done:
     """A completed request: local messages are delivered when sent."""
 
-    def wait(self) -> None:
+    def wait(self, timeout: object = None) -> None:
         return None
 
 

@@ -1,46 +1,82 @@
-"""Turning a failed or hung peer into a clear error on every rank.
+"""Turning a failed, hung or killed peer into a clear error on every rank, and ending stragglers.
 
 gloo receives block until the peer sends, and ``Work.is_completed()`` stays ``False`` until
-``wait()`` is called, so the engine waits with plain blocking ``wait()`` (no polling overhead) and
-relies on two facts: a process that dies closes its connections, which fails its peers' pending
-waits at once, and every wait is bounded by the process group timeout, which the strategy sets to
-its ``timeout`` option. Before a rank dies it writes its error into the job's key-value store, so
-the peers can raise :class:`PeerFailure` with the original message instead of "connection closed".
+``wait()`` is called, so the engine waits with blocking ``wait(timeout)`` (no polling overhead) and
+relies on three facts (docs/failures.md):
+
+* a process that dies closes its connections, which fails its peers' pending waits at once;
+* every wait for a peer is bounded by ``timeout`` (a hung peer becomes :class:`PipelineTimeout`);
+* before a rank dies it writes its error into the job's key-value store, so its peers raise
+  :class:`PeerFailure` with the original message instead of "connection closed".
+
+The store lives in global rank 0's process. Every access to it is bounded (a daemon thread with a
+deadline), so a rank 0 that hangs cannot hang the ranks that check for its report. A rank that
+gives up ends the peers on its host that are still alive after a grace period (:meth:`end_stragglers`):
+a hung rank does not outlive the job.
 """
 
 from __future__ import annotations
 
+import os
+import socket
+import subprocess
+import sys
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from datetime import timedelta
+from typing import Any, TypeVar
 
 import torch.distributed as dist
 
 from lightning_pipe.errors import PeerFailure, PipelineTimeout
 
 _ERROR_KEY = "lightning_pipe/error"
+#: Seconds a failing job gives its ranks to end on their own before the survivors are ended.
+FAILURE_GRACE = 5.0
+T = TypeVar("T")
+
+
+def _bounded(fn: Callable[[], T], seconds: float) -> tuple[bool, T | None]:
+    """``(True, fn())`` if ``fn`` returns within ``seconds``, else ``(False, None)`` (it may still be
+    running, in a daemon thread that does not keep the process alive)."""
+    box: list[Any] = []
+
+    def run() -> None:
+        try:
+            box.append(fn())
+        except Exception:  # a store that is gone counts as no answer
+            box.append(None)
+
+    thread = threading.Thread(target=run, daemon=True, name="lightning-pipe-store")
+    thread.start()
+    thread.join(seconds)
+    return (True, box[0]) if box else (False, None)
 
 
 class Watchdog:
     """Waits on requests and explains their failures.
 
     Args:
-        timeout: seconds a single wait may take (the process group's timeout must match).
+        timeout: seconds a single wait for a peer may take.
         store: the job's key-value store (``None``: no cross-rank error reports).
         rank: this process's global rank (used in reports).
         generation: separates the reports of consecutive runs that share one store.
-        grace: seconds to wait for a failed peer's report after a connection error.
+        grace: seconds to wait for a failed peer's report after a connection error, and for a peer to
+            exit on its own before :meth:`end_stragglers` ends it.
+        peers: ``(hostname, pid)`` of every global rank (:meth:`learn_peers`), for ending stragglers.
     """
 
     def __init__(
-        self, timeout: float, store: Any | None = None, rank: int = 0, generation: int = 0, grace: float = 3.0
+        self, timeout: float, store: Any | None = None, rank: int = 0, generation: int = 0, grace: float = 3.0,
     ) -> None:
         self.timeout = timeout
         self.store = store
         self.rank = rank
         self.key = f"{_ERROR_KEY}/{generation}"
         self.grace = grace
+        self.peers: list[tuple[str, int]] = []
 
     @classmethod
     def from_process_group(cls, timeout: float, generation: int = 0) -> Watchdog:
@@ -49,65 +85,128 @@ class Watchdog:
             return cls(timeout)
         return cls(timeout, dist.distributed_c10d._get_default_store(), dist.get_rank(), generation)
 
+    def learn_peers(self) -> None:
+        """Collective: learn every rank's host and process id (while every rank is healthy)."""
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            peers: list[Any] = [None] * dist.get_world_size()
+            dist.all_gather_object(peers, (socket.gethostname(), os.getpid()))
+            self.peers = peers
+
+    # ------------------------------------------------------------------ the store, bounded
     def report(self, error: BaseException) -> None:
-        """Tell every other rank that this one failed (best effort, never raises)."""
+        """Tell every other rank that this one failed (best effort, never raises, never hangs)."""
         if self.store is None or isinstance(error, PeerFailure):
             return
-        try:
-            if not self.store.check([self.key]):
-                self.store.set(self.key, f"rank {self.rank} raised {type(error).__name__}: {error}")
-        except Exception:  # the store may already be gone while shutting down
-            pass
+        message = f"rank {self.rank} raised {type(error).__name__}: {error}"
+        _bounded(lambda: None if self.store.check([self.key]) else self.store.set(self.key, message), self.grace)
 
     def peer_error(self, wait: float = 0.0) -> str | None:
-        """The first reported error message, waiting up to ``wait`` seconds for one to appear."""
+        """The first reported error message, waiting up to ``wait`` seconds for one to appear; when
+        the store's host (rank 0) does not answer, a sentence that says so."""
         if self.store is None:
             return None
-        deadline = time.monotonic() + wait
-        while True:
-            try:
+
+        def look() -> str | None:
+            deadline = time.monotonic() + wait
+            while True:
                 if self.store.check([self.key]):
                     return self.store.get(self.key).decode()
-            except Exception:
-                return None
-            if time.monotonic() >= deadline:
-                return None
-            time.sleep(0.05)
+                if time.monotonic() >= deadline:
+                    return None
+                time.sleep(0.05)
 
-    def wait(self, work: Any, what: str) -> None:
-        """Wait for ``work``; a failure becomes :class:`PeerFailure` or :class:`PipelineTimeout`.
+        answered, message = _bounded(look, wait + self.grace)
+        if not answered and self.rank != 0:
+            return "rank 0, which holds the job's key-value store, does not answer (hung, stopped or overloaded)"
+        return message
+
+    # ------------------------------------------------------------------ waiting
+    def wait(self, work: Any, what: str, peer: int | None = None) -> None:
+        """Wait for ``work`` at most ``timeout`` seconds; a failure becomes :class:`PeerFailure` or
+        :class:`PipelineTimeout`.
 
         Args:
             work: a ``torch.distributed`` request.
             what: words for error messages, e.g. ``"RECV_ACT3 from rank 1"``.
+            peer: the global rank the request waits for, if one.
         """
         try:
-            work.wait()
+            work.wait(timedelta(seconds=self.timeout))
         except RuntimeError as error:
-            raise self.explain(error, what) from error
+            raise self.explain(error, what, peer) from error
 
     @contextmanager
-    def guard(self, what: str) -> Iterator[None]:
+    def guard(self, what: str, peer: int | None = None) -> Iterator[None]:
         """Within the block, a failed collective or transfer becomes :class:`PeerFailure` (a peer
-        reported its error) or :class:`PipelineTimeout` (it timed out), naming ``what`` was awaited."""
+        reported its error, or is gone) or :class:`PipelineTimeout` (it timed out), naming ``what``
+        was awaited."""
         try:
             yield
         except RuntimeError as error:
             if isinstance(error, (PeerFailure, PipelineTimeout)):
                 raise
-            explained = self.explain(error, what)
+            explained = self.explain(error, what, peer)
             if explained is error:
                 raise
             raise explained from error
 
-    def explain(self, error: BaseException, what: str) -> BaseException:
+    def explain(self, error: BaseException, what: str, peer: int | None = None) -> BaseException:
         """The error to raise instead of a communication failure while waiting for ``what``."""
+        text = str(error).lower()
         message = self.peer_error(wait=self.grace)
         if message is not None:
-            return PeerFailure(f"stopped waiting for {what}: {message}")
-        if "timed out" in str(error).lower() or "timeout" in str(error).lower():
+            return PeerFailure(f"rank {self.rank} stopped waiting for {what}: {message}")
+        if "timed out" in text or "timeout" in text:
+            who = f"rank {peer}" if peer is not None else "a peer"
             return PipelineTimeout(
-                f"waited {self.timeout:.0f} s for {what}; a peer is hung or much slower. "
+                f"rank {self.rank} waited {self.timeout:.0f} s for {what}; {who} is hung or much slower. "
                 "Raise PipeStrategy(timeout=...) if that is expected."
             )
+        if "closed" in text or "reset" in text or "broken pipe" in text or "connection" in text:
+            who = f"rank {peer}" if peer is not None else "a peer"
+            return PeerFailure(f"rank {self.rank} stopped waiting for {what}: {who} closed its connection without "
+                               "reporting an error (it was killed, or crashed outside Python).")
         return error
+
+    # ------------------------------------------------------------------ no orphans
+    def end_stragglers(self, grace: float) -> None:
+        """After this rank gave up: a detached reaper process ends (SIGKILL: a process hung in gloo
+        ignores SIGTERM) every other rank of the job on this host that is still alive ``grace``
+        seconds later. This rank exits meanwhile, which closes its connections so healthy peers fail
+        at once with this rank's report; only a hung peer outlives the grace. Ranks on other hosts
+        are ended by their own watchdogs (a timeout, then their reapers)."""
+        here = socket.gethostname()
+        pids = [pid for r, (host, pid) in enumerate(self.peers) if r != self.rank and host == here]
+        if not pids:
+            return
+        subprocess.Popen(  # noqa: S603 - our own interpreter and code
+            [sys.executable, "-c", _REAPER, str(grace), *map(str, pids)], start_new_session=True,
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, close_fds=True,
+        )
+
+
+#: The reaper: wait up to ``grace`` seconds for the given processes to exit, then SIGKILL the survivors.
+_REAPER = """
+import os, signal, sys, time
+grace, pids = float(sys.argv[1]), [int(p) for p in sys.argv[2:]]
+def alive(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        try:
+            os.kill(pid, 0)
+            return True
+        except OSError:
+            return False
+deadline = time.monotonic() + grace
+while pids and time.monotonic() < deadline:
+    pids = [p for p in pids if alive(p)]
+    time.sleep(0.2)
+for pid in pids:
+    try:
+        if alive(pid):
+            os.kill(pid, signal.SIGKILL)
+    except OSError:
+        pass
+"""

@@ -2,10 +2,10 @@
 
 Lightning's launcher starts the other ranks before it calls the strategy's ``connect``, so a bad
 configuration found there fails on every rank, after seconds of start-up, with a traceback each.
-:class:`CheckingLauncher` runs :func:`check_model` and :func:`check_loader` in the launching process
-first; ``connect`` runs :func:`check_model` again on every rank (the model may come from elsewhere,
-e.g. torchrun). Each failure is one :class:`~lightning_pipe.errors.PipeConfigError` sentence that
-says what to change.
+:class:`~lightning_pipe.lightning.launcher.PipeLauncher` runs :func:`check_model` and
+:func:`check_loader` in the launching process first; ``connect`` runs :func:`check_model` again on
+every rank (the model may come from elsewhere, e.g. torchrun). Each failure is one
+:class:`~lightning_pipe.errors.PipeConfigError` sentence that says what to change.
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from lightning.pytorch import LightningModule
-from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.utils.data import DataLoader
 
@@ -25,7 +24,6 @@ from lightning_pipe.registry import ScheduleSpec
 
 if TYPE_CHECKING:
     from lightning_pipe.lightning.options import PipeOptions
-    from lightning_pipe.lightning.strategy import PipeStrategy
 
 
 def resolve_stages(world_size: int, stages: int | None, pipelines: int) -> int:
@@ -81,7 +79,7 @@ def check_trainer(schedule: ScheduleSpec, accumulate_grad_batches: int, optimize
 def check_model(options: PipeOptions, stages: int, pipelines: int, model: LightningModule) -> list[int]:
     """Every check of the options against the module and the process count; returns the layer
     count of every virtual stage (``balance="auto"`` is checked as ``"uniform"``, then chosen at setup)."""
-    if not options.spec.synchronous and pipelines > 1:
+    if options.spec.family == "asynchronous" and pipelines > 1:
         raise PipeConfigError(
             f"schedule={options.schedule!r} steps each stage inside the pipeline, so data-parallel pipelines would "
             "diverge; use pipelines=1 (avgpipe's parallel pipelines share the devices instead) or a synchronous schedule."
@@ -121,20 +119,3 @@ def check_loader(options: PipeOptions, pipelines: int, loader: Any) -> None:
             f"micro_batches={options.micro_batches}; use a batch size of at least {needed} (the batch holds every "
             "replica's mini-batch)."
         )
-
-
-class CheckingLauncher(_SubprocessScriptLauncher):
-    """Lightning's script launcher, which first runs the strategy's checks on the model and the
-    training DataLoader in the launching process, so a bad configuration fails once, at once."""
-
-    def __init__(self, strategy: PipeStrategy) -> None:
-        super().__init__(strategy.cluster_environment, strategy.num_processes, strategy.num_nodes)
-        self.strategy = strategy
-
-    def launch(self, function: Any, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
-        if not self.cluster_environment.creates_processes_externally and args and isinstance(args[0], LightningModule):
-            strategy = self.strategy
-            strategy.checked = (args[0], check_model(strategy.options, strategy.num_stages, strategy.num_pipelines, args[0]))
-            if trainer is not None and trainer.state.fn == "fit" and len(args) > 1:
-                check_loader(strategy.options, strategy.num_pipelines, args[1])
-        return super().launch(function, *args, trainer=trainer, **kwargs)

@@ -56,6 +56,8 @@ class PipeOptions:
     chunks_per_stage: int = 1
     checkpoint_activations: bool = False
     timeout: float = 1800.0
+    startup_timeout: float = 1800.0
+    checkpoint_timeout: float = 3600.0
     sync_warmup_epochs: int = 0
     pipemare: PipeMareOptions = field(default_factory=PipeMareOptions)
     xpipe: XPipeOptions = field(default_factory=XPipeOptions)
@@ -69,6 +71,12 @@ class PipeOptions:
     def spec(self) -> ScheduleSpec:
         """The schedule's row of the registry."""
         return spec(self.schedule)
+
+    @property
+    def process_group_timeout(self) -> float:
+        """The process group's timeout: long enough for start-up and checkpoint I/O (the pipeline's own
+        waits are bounded by ``timeout`` apart)."""
+        return max(self.timeout, self.startup_timeout, self.checkpoint_timeout)
 
     @property
     def asynchronous(self) -> AsyncOptions:
@@ -113,7 +121,7 @@ def apply_deprecated(groups: dict[str, Any], flat: Mapping[str, Any]) -> dict[st
 
 def resolve(
     schedule: str, micro_batches: int | str, stages: int | None, pipelines: int, balance: str | list[int], module: str | None,
-    chunks_per_stage: int | None, checkpoint_activations: bool, timeout: float, sync_warmup_epochs: int,
+    chunks_per_stage: int | None, checkpoint_activations: bool, timeouts: tuple[float, float, float], sync_warmup_epochs: int,
     groups: Mapping[str, Any], trace_dir: str | None, trace_steps: int, deprecated: Mapping[str, Any],
     stage_metrics: bool = True,
 ) -> PipeOptions:
@@ -125,7 +133,7 @@ def resolve(
         chunks_per_stage = row.default_chunks
     options = PipeOptions(
         schedule, micro_batches, stages, pipelines, list(balance) if not isinstance(balance, str) else balance, module,  # type: ignore[arg-type]
-        chunks_per_stage, checkpoint_activations, float(timeout), sync_warmup_epochs, resolved["pipemare"],
+        chunks_per_stage, checkpoint_activations, *map(float, timeouts), sync_warmup_epochs, resolved["pipemare"],
         resolved["xpipe"], resolved["avgpipe"], resolved["auto_balance"], trace_dir, trace_steps, stage_metrics,
     )
     check(options)
@@ -149,8 +157,9 @@ def check(options: PipeOptions) -> None:
     if not row.chunked and o.chunks_per_stage != 1:
         chunked = " or ".join(f"schedule={name!r}" for name, other in SCHEDULES.items() if other.chunked)
         raise PipeConfigError(f"chunks_per_stage={o.chunks_per_stage} only applies to {chunked}; leave it at 1 for {o.schedule!r}.")
-    if o.timeout <= 0:
-        raise PipeConfigError(f"timeout={o.timeout} must be a positive number of seconds.")
+    for name in ("timeout", "startup_timeout", "checkpoint_timeout"):
+        if not getattr(o, name) > 0:
+            raise PipeConfigError(f"{name}={getattr(o, name)} must be a positive number of seconds.")
     if o.sync_warmup_epochs < 0:
         raise PipeConfigError(f"sync_warmup_epochs={o.sync_warmup_epochs} must be at least 0.")
     _check_avgpipe(o)

@@ -38,9 +38,11 @@ from torchmetrics import Metric
 from lightning_pipe.engine import Topology, Transport, Watchdog, batch_size
 from lightning_pipe.engine.policies import AvgPipeOptions, PipeMareOptions, XPipeOptions
 from lightning_pipe.engine.policies.options import Averaging, Prediction
+from lightning_pipe.engine.watchdog import FAILURE_GRACE
 from lightning_pipe.errors import LightningPipeError, PipeConfigError
 from lightning_pipe.lightning import auto, checkpointing, checks
 from lightning_pipe.lightning import options as options_module
+from lightning_pipe.lightning.launcher import PipeLauncher
 from lightning_pipe.lightning.log_replay import ignore_sync_dist_advice
 from lightning_pipe.lightning.model_summary import freeze_model_summaries
 from lightning_pipe.lightning.options import PipeOptions
@@ -101,8 +103,14 @@ class PipeStrategy(DDPStrategy):
             must stay 1 for the other schedules.
         checkpoint_activations: recompute each stage's activations during backward instead of keeping
             them (less memory, one extra forward).
-        timeout: seconds any rank waits for a peer before failing with a clear error; a rank that
-            raises ends every other rank at once with its error message.
+        timeout: seconds a rank waits for a peer's activation or gradient before failing with
+            :class:`~lightning_pipe.PipelineTimeout` naming it; a rank that raises ends every other rank
+            at once with its error message, and a hung rank is ended a few seconds after the others
+            gave up (docs/failures.md).
+        startup_timeout: seconds the ranks wait for each other while starting (rendezvous, process
+            groups, ``balance="auto"`` and the avgpipe tuner at setup).
+        checkpoint_timeout: seconds the ranks wait for each other around a checkpoint (rank 0 writes
+            the file while the others wait; a slow filesystem must not lose it).
         sync_warmup_epochs: asynchronous schedules only: train the first epochs with ``1f1b`` (PipeMare's
             synchronous warm-up), then switch in the same run.
         pipemare: PipeMare's learning-rate rescheduling and discrepancy correction
@@ -156,6 +164,8 @@ class PipeStrategy(DDPStrategy):
         chunks_per_stage: int | None = None,
         checkpoint_activations: bool = False,
         timeout: float = 1800.0,
+        startup_timeout: float = 1800.0,
+        checkpoint_timeout: float = 3600.0,
         sync_warmup_epochs: int = 0,
         pipemare: PipeMareOptions = PipeMareOptions(),
         xpipe: XPipeOptions = XPipeOptions(),
@@ -188,8 +198,9 @@ class PipeStrategy(DDPStrategy):
     ) -> None:
         deprecated = {name: value for name, value in locals().items() if name in options_module.DEPRECATED}
         self.options: PipeOptions = options_module.resolve(
-            schedule, micro_batches, stages, pipelines, balance, module, chunks_per_stage, checkpoint_activations, timeout,
-            sync_warmup_epochs, {"pipemare": pipemare, "xpipe": xpipe, "avgpipe": avgpipe, "auto_balance": auto_balance},
+            schedule, micro_batches, stages, pipelines, balance, module, chunks_per_stage, checkpoint_activations,
+            (timeout, startup_timeout, checkpoint_timeout), sync_warmup_epochs,
+            {"pipemare": pipemare, "xpipe": xpipe, "avgpipe": avgpipe, "auto_balance": auto_balance},
             trace_dir, trace_steps, deprecated, stage_metrics,
         )
         super().__init__(
@@ -199,7 +210,7 @@ class PipeStrategy(DDPStrategy):
             checkpoint_io=checkpoint_io,
             precision_plugin=precision_plugin,
             process_group_backend=process_group_backend,
-            timeout=timedelta(seconds=self.options.timeout),
+            timeout=timedelta(seconds=self.options.process_group_timeout),
         )
         self._counts: list[int] | None = None  # layers per virtual stage, known once connected
         #: the model the launcher checked in this process and its layer counts (see checks.CheckingLauncher)
@@ -280,7 +291,7 @@ class PipeStrategy(DDPStrategy):
         checks.resolve_stages(self.world_size, self.options.stages, self.options.pipelines)  # at Trainer(...)
         super()._configure_launcher()
         if type(self._launcher) is _SubprocessScriptLauncher:  # check the model before the other ranks start
-            self._launcher = checks.CheckingLauncher(self)
+            self._launcher = PipeLauncher(self)
 
     def connect(self, model: LightningModule) -> None:
         super().connect(model)
@@ -294,6 +305,8 @@ class PipeStrategy(DDPStrategy):
         super().setup_environment()
         self._generation += 1
         self._watchdog = Watchdog.from_process_group(self.options.timeout, self._generation)
+        with self._watchdog.guard("the other ranks to start"):
+            self._watchdog.learn_peers()  # who to end if this rank gives up on a hung one
         # the processes' topology: an emulated pipeline is one process holding every stage
         stages = 1 if self.emulating else self.num_stages
         self._topology = Topology(stages, self.num_pipelines, self.global_rank)
@@ -501,6 +514,7 @@ class PipeStrategy(DDPStrategy):
         return self._watchdog.guard(what) if self._watchdog is not None else nullcontext()
 
     def on_exception(self, exception: BaseException) -> None:
+        """Tell the other ranks why this one fails, and make sure none outlives the job."""
         if self._watchdog is not None:
             self._watchdog.report(exception)
             if not isinstance(exception, LightningPipeError):  # e.g. a raw collective error inside Lightning
@@ -508,4 +522,5 @@ class PipeStrategy(DDPStrategy):
                 if report is not None and not report.startswith(f"rank {self.global_rank} "):
                     log.error(f"lightning_pipe: rank {self.global_rank} failed ({type(exception).__name__}: {exception}) "
                               f"after {report}")
+            self._watchdog.end_stragglers(FAILURE_GRACE)
         super().on_exception(exception)

@@ -1,6 +1,6 @@
 """Measure avgpipe candidates on the real devices: step 5 of the tuner (docs/algorithms.md §13).
 
-The tuner's prediction (:mod:`lightning_pipe.avg_tuner`) takes each layer's compute time from a tight
+The tuner's prediction (:mod:`lightning_pipe.planning.avgpipe_tuner`) takes each layer's compute time from a tight
 profiling loop. Inside a real round compute runs slower (up to 35 % on the 2-core CPU machine of
 docs/avgpipe.md, by an amount that changes from run to run) and messages take time the prediction
 does not charge, while the best predicted candidates often lie within a few percent of each other:
@@ -12,7 +12,7 @@ Every rank of the job calls :func:`measure_candidates` with the same candidates.
 built afresh in every window and dropped after it (so trials never hold more than one candidate's
 copies, i.e. no more memory than the run they try), warmed up, then timed between barriers; the
 candidates take turns in rotating order, so a slow phase of a shared machine hits each alike.
-What runs is described in :mod:`lightning_pipe.trials`: copies of the stage's layers, the trunk's
+What runs is described in :mod:`lightning_pipe.planning.trials`: copies of the stage's layers, the trunk's
 input on the first stage, a stand-in loss on the last.
 """
 

@@ -9,7 +9,7 @@
    ``N static + params + N min(M, w_s + a_s + 1) act(B / M)`` must stay below ``(1 - margin) cap``.
 3. Predict the round time by merging the replicas' lists with the fitted durations
    (:func:`~lightning_pipe.schedules.build_avgpipe`) and simulating the merged lists
-   (:func:`~lightning_pipe.simulate.simulate`); throughput = ``L / round time``.
+   (:func:`~lightning_pipe.sim.simulate.simulate`); throughput = ``L / round time``.
 4. Best predicted throughput first; ties (within ``tie`` relative) go to smaller ``N``, then larger
    micro-batches ``b``, then smaller ``a``.
 
@@ -173,7 +173,7 @@ def simulate_round(
     bandwidth: float | None = None, latency: float = 0.0, step: float | None = None,
 ) -> Simulation:
     """One round of a candidate simulated with the fitted costs: the replicas' merged lists
-    (:func:`~lightning_pipe.schedules.build_avgpipe`) through :func:`~lightning_pipe.simulate.simulate`.
+    (:func:`~lightning_pipe.schedules.build_avgpipe`) through :func:`~lightning_pipe.sim.simulate.simulate`.
     Arguments as :func:`predict`."""
     if step is None:
         step = max(f.step for f in fits)

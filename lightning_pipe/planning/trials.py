@@ -2,7 +2,7 @@
 
 Profiles are taken in a tight loop on one process; a pipeline's real steps differ (compute next to
 a busy peer, messages, waits). ``balance="auto"``'s refinement (docs/algorithms.md §12 step 4) and
-avgpipe's tuner trials (section 13 step 5, :mod:`lightning_pipe.avg_trials`) therefore measure a
+avgpipe's tuner trials (section 13 step 5, :mod:`lightning_pipe.planning.avgpipe_trials`) therefore measure a
 few steps of the real executor and transport. Every rank runs copies of the layers its stage would
 hold (the user's module, optimizer and data order are untouched), the first stage feeds them the
 trunk's input of one batch, and the last stage's loss is a stand-in: the mean of its output (the

@@ -1,7 +1,7 @@
-"""Pictures of a pipeline timeline, simulated (:func:`lightning_pipe.simulate.simulate`) or measured
+"""Pictures of a pipeline timeline, simulated (:func:`lightning_pipe.sim.simulate.simulate`) or measured
 (``PipeStrategy(trace_dir=...)``): a PNG like the papers' figures and a Chrome-trace JSON.
 
-Both take a list of :class:`~lightning_pipe.simulate.TimedAction`. The PNG has one row per device:
+Both take a list of :class:`~lightning_pipe.schedules.ir.TimedAction`. The PNG has one row per device:
 forwards blue, backwards green, optimizer STEPs dark grey, time spent waiting for a receive (measured
 runs) hatched red, idle time light grey; the micro-batch number is written in each box. Chunks of
 interleaved schedules are shades of the same colour (later chunks lighter) and parallel pipelines

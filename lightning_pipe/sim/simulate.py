@@ -127,7 +127,7 @@ def measured_costs(
     """The costs a measured run shows, to simulate other schedules or micro-batch counts with them.
 
     ``events`` are the recorded actions of one pipeline (``PipeStrategy(trace_dir=...)``'s
-    ``events-rank{r}.json`` through :func:`lightning_pipe.tracing.events_from_rows`, or an
+    ``events-rank{r}.json`` through :func:`lightning_pipe.sim.tracing.events_from_rows`, or an
     ``ActionRecorder``), ``device`` being the rank; devices ``>= stages`` (other data-parallel
     pipelines) are ignored. Per virtual stage, forward and backward are the medians of the recorded
     ones, each with the median time it took to post the message it sends; ``step`` is the slowest

@@ -50,7 +50,7 @@ class RunTracer:
         steps: training steps to record.
         device: this rank's row (its global rank).
         clock: seconds, one wall clock for the processes of a host; on CUDA one that first waits
-            for the device (:func:`lightning_pipe.trials.device_clock`), so spans are compute, not
+            for the device (:func:`lightning_pipe.planning.trials.device_clock`), so spans are compute, not
             kernel launches.
     """
 

@@ -1,0 +1,95 @@
+"""``PipeLauncher``: Lightning's script launcher, with the checks before launching and an observer
+that never ends the job without saying why.
+
+* Before the other ranks start, the model and the training DataLoader are checked in the launching
+  process (:mod:`.checks`): a bad configuration fails once, at once.
+* Lightning's own child-process observer kills the launching rank (rank 0) with SIGKILL as soon as
+  another rank exits with an error, often before rank 0 could print the error it was about to raise
+  (:class:`~lightning_pipe.errors.PeerFailure` naming that rank). This observer gives rank 0 a grace
+  period to end on its own first, and says which rank ended with which code before it ends the job.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import threading
+import time
+from typing import TYPE_CHECKING, Any
+
+from lightning.fabric.utilities.distributed import _set_num_threads_if_needed
+from lightning.pytorch import LightningModule
+from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+
+from lightning_pipe.engine.watchdog import FAILURE_GRACE
+from lightning_pipe.lightning.checks import check_loader, check_model
+
+if TYPE_CHECKING:
+    from lightning_pipe.lightning.strategy import PipeStrategy
+
+log = logging.getLogger(__name__)
+
+
+class PipeLauncher(_SubprocessScriptLauncher):
+    """Starts the other ranks of this node like Lightning's script launcher does (re-running the
+    script), after the strategy's checks, and watches them with :class:`ChildObserver`.
+
+    Args:
+        strategy: the strategy whose checks run and whose grace period the observer gives.
+    """
+
+    def __init__(self, strategy: PipeStrategy) -> None:
+        super().__init__(strategy.cluster_environment, strategy.num_processes, strategy.num_nodes)
+        self.strategy = strategy
+
+    def launch(self, function: Any, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
+        strategy = self.strategy
+        if not self.cluster_environment.creates_processes_externally and args and isinstance(args[0], LightningModule):
+            strategy.checked = (args[0], check_model(strategy.options, strategy.num_stages, strategy.num_pipelines, args[0]))
+            if trainer is not None and trainer.state.fn == "fit" and len(args) > 1:
+                check_loader(strategy.options, strategy.num_pipelines, args[1])
+        self.cluster_environment.validate_settings(num_devices=self.num_processes, num_nodes=self.num_nodes)
+        if not self.cluster_environment.creates_processes_externally:
+            self._call_children_scripts()
+            ChildObserver(self.procs, grace=FAILURE_GRACE).start()
+        _set_num_threads_if_needed(num_processes=self.num_processes)
+        return function(*args, **kwargs)
+
+
+class ChildObserver(threading.Thread):
+    """Watches the ranks this process started; when one exits with an error and this process is
+    still alive ``grace`` seconds later, says so and ends the job (SIGKILL: a rank hung in gloo
+    ignores SIGTERM). A daemon thread: it ends with this process.
+
+    Args:
+        children: the other ranks of this node, as started by the launcher.
+        grace: seconds this process gets to end on its own (it normally raises the failed rank's
+            error within a few seconds).
+        period: seconds between looks.
+    """
+
+    def __init__(self, children: list[subprocess.Popen], grace: float, period: float = 0.5) -> None:
+        super().__init__(daemon=True, name="lightning-pipe-child-observer")
+        self.children, self.grace, self.period = children, grace, period
+
+    def run(self) -> None:
+        while True:
+            time.sleep(self.period)
+            codes = [child.poll() for child in self.children]
+            if all(code == 0 for code in codes):
+                return
+            failed = [(rank, code) for rank, code in enumerate(codes, start=1) if code not in (None, 0)]
+            if failed:
+                break
+        rank, code = failed[0]
+        deadline = time.monotonic() + self.grace
+        while time.monotonic() < deadline:  # this process normally raises that rank's error meanwhile
+            time.sleep(self.period)
+        log.error(f"lightning_pipe: local rank {rank} exited with code {code} and this process did not end within "
+                  f"{self.grace:.0f} s; ending the job's processes on this node.")
+        for child in self.children:
+            if child.poll() is None:
+                child.send_signal(signal.SIGKILL)
+        os.kill(os.getpid(), signal.SIGKILL)
