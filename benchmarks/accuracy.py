@@ -49,10 +49,10 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "pipedream": {"schedule": "pipedream"},
     "pipedream_2bw": {"schedule": "pipedream_2bw"},
     "pipemare": {"schedule": "pipemare"},  # T1 + T2, the defaults
-    "pipemare_plain": {"schedule": "pipemare", "pipemare_lr_reschedule": False, "pipemare_correction": False},
+    "pipemare_plain": {"schedule": "pipemare", "pipemare": {"lr_reschedule": False, "correction": False}},
     "xpipe": {"schedule": "xpipe"},
     # 2 replicas on the same 2 processes: each Lightning batch of 128 gives each replica 64 samples
-    "avgpipe": {"schedule": "avgpipe", "parallel_pipelines": 2},
+    "avgpipe": {"schedule": "avgpipe", "avgpipe": {"parallel_pipelines": 2}},
 }
 SYNC_VARIANTS = ("gpipe", "1f1b")
 BASELINE = "gpipe"
@@ -566,8 +566,8 @@ a fixed wall-clock budget) and over several seeds.
 
 Variants: `gpipe` and `1f1b` (flushing, synchronous), `pipedream` (weight stashing), `pipedream_2bw`
 (double-buffered weights, 1-step delay), `pipemare` (T1 lr rescheduling + T2 discrepancy correction,
-the defaults: `pipemare_lr_warmup_steps=100`, `pipemare_correction_decay=0.9`), `pipemare_plain` (PipeMare
-with `pipemare_lr_reschedule=False, pipemare_correction=False`), `xpipe` (weight prediction from Adam's
+the defaults: `pipemare=PipeMareOptions(lr_warmup_steps=100, correction_decay=0.9)`), `pipemare_plain` (PipeMare
+with `pipemare=PipeMareOptions(lr_reschedule=False, correction=False)`), `xpipe` (weight prediction from Adam's
 moments). No synchronous warm-up (`sync_warmup_epochs=0`). Exact semantics: [async-semantics.md](async-semantics.md).
 
 ## Results

@@ -15,7 +15,7 @@ whose building blocks this script reuses. One pair of processes per (workload, M
    pipeline on a 2-core machine). The transfer time is half the median round trip of the boundary
    activation out (header and payload, the executor's ``Transport``) and its gradient back.
    A third set, *in the pipeline*, comes from one untimed step of the schedule run right before its
-   timed window with the executor's ``ActionRecorder`` on (``lightning_pipe.simulate.measured_costs``:
+   timed window with the executor's ``ActionRecorder`` on (``lightning_pipe.sim.simulate.measured_costs``:
    the median recorded forward, backward and STEP of each stage, with the time to post the message
    each sends, and the median delay of the messages a receive was already waiting for);
 2. **times one window of every schedule** (rotating order): ``Executor`` with ``build_schedule``
@@ -172,7 +172,7 @@ def measure_costs(workload: Workload, micro_batches: int, rank: int, group: Any,
 
 def recorded_costs(variant: Variant, rank: int) -> dict[str, float]:
     """One untimed step of ``variant`` with the executor's recorder on (every rank calls this); the
-    costs it shows (:func:`lightning_pipe.simulate.measured_costs`): this rank's forward, backward and
+    costs it shows (:func:`lightning_pipe.sim.simulate.measured_costs`): this rank's forward, backward and
     STEP, and the boundary's transfer time. ``time.time()`` is one clock for both processes here."""
     variant.executor.recorder = recorder = ActionRecorder(rank)
     recorder.enabled = True

@@ -5,10 +5,10 @@
 
 1. Profile the MLP trunk of ``benchmarks/avgpipe.py`` in this process (one thread, like each
    worker) at three micro-batch sizes (``L/16``, ``L/4``, ``L/2`` as at fit start), fit per stage
-   (:func:`lightning_pipe.avg_tuner.fit_stages`), and profile each stage's STEP + AVG
-   (:func:`lightning_pipe.avg_tuner.profile_step`).
+   (:func:`lightning_pipe.planning.avgpipe_tuner.fit_stages`), and profile each stage's STEP + AVG
+   (:func:`lightning_pipe.planning.avgpipe_tuner.profile_step`).
 2. Tune ``N <= --max-replicas``, every ``M`` dividing ``L / N``, ``a`` in ``--advances``
-   (:func:`lightning_pipe.avg_tuner.tune`): the prediction's ranking.
+   (:func:`lightning_pipe.planning.avgpipe_tuner.tune`): the prediction's ranking.
 3. Trials, as at fit start (``avgpipe_trials``): the best ``--trials`` predicted candidates run on the
    2 gloo processes with :func:`lightning_pipe.avg_trials.measure_candidates` (its defaults: 2 windows
    of 2 rounds after a warm-up round); the fastest is the tuner's choice.
