@@ -240,3 +240,28 @@ def test_a_checkpoint_resumes_under_another_split(schedule, tmp_path):
         torch.testing.assert_close(resumed["state"][key], value, rtol=1e-5, atol=1e-6, msg=key)
     other = emulated(schedule, 2, 2, ckpt_path=ckpt, strategy={"balance": [3, 9]})
     assert other["global_step"] == 12
+
+
+@pytest.mark.parametrize("schedule", ["pipedream", "pipedream_2bw"])
+def test_activation_recomputation_changes_nothing(schedule):
+    """checkpoint_activations recomputes a stage's forward inside its backward: on the stashed
+    version that forward saw, so the run equals the one that kept its activations."""
+    kept = emulated(schedule, 2, 2)
+    recomputed = emulated(schedule, 2, 2, strategy={"checkpoint_activations": True})
+    assert [m["train_loss"] for m in recomputed["metrics"]] == pytest.approx([m["train_loss"] for m in kept["metrics"]], rel=1e-6)
+    for key, value in kept["state"].items():
+        torch.testing.assert_close(recomputed["state"][key], value, rtol=1e-6, atol=1e-7, msg=key)
+
+
+def test_activation_recomputation_changes_nothing_under_avgpipe():
+    """avgpipe's replicas: recomputation runs on the replica whose forward it repeats (one process)."""
+    import warnings
+
+    config = {"devices": 1, "epochs": 1, "batch_size": BATCH, "trainer": {"log_every_n_steps": 1},
+              "strategy": {"schedule": "avgpipe", "micro_batches": 2, "avgpipe": {"parallel_pipelines": 2}}}
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*one-stage pipeline.*")
+        kept = train(config)
+        recomputed = train({**config, "strategy": {**config["strategy"], "checkpoint_activations": True}})
+    for key, value in kept["state"].items():
+        torch.testing.assert_close(recomputed["state"][key], value, rtol=1e-6, atol=1e-7, msg=key)

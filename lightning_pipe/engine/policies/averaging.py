@@ -19,7 +19,6 @@ tensors, one dict per replica) and its own optimizer state; ``C`` is the center 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from contextlib import nullcontext
 from typing import Any, ContextManager
 
 import torch
@@ -83,7 +82,8 @@ class ElasticAveraging(WeightPolicy):
         return self._binding.bound(self.weights[self.current])
 
     def backward(self, g: int) -> ContextManager[Any]:
-        return nullcontext()  # the forward's graph already references W^(current)
+        # the forward's graph references W^(current); a checkpointed stage recomputes it here, bound again
+        return self._binding.bound(self.weights[self.current])
 
     def finished(self, g: int) -> None: ...
 

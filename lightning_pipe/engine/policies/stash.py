@@ -48,9 +48,12 @@ class _SnapshotPolicy(WeightPolicy):
         # autograd accumulates in place into an existing .grad: point the snapshot's at the real
         # parameter's accumulator, so no gradient is copied or added a second time
         version = self.version_of[g]
-        for name, snap in self.snapshots[version].items() if version is not None else ():
+        if version is None:
+            return context
+        for name, snap in self.snapshots[version].items():
             snap.grad = self.params[name].grad
-        return context
+        # bound again: a checkpointed stage recomputes its forward inside this backward, on the version F saw
+        return self._binding.bound(self.snapshots[version])
 
     def finished(self, g: int) -> None:
         super().finished(g)
