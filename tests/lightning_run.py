@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 from typing import Any
 
 import lightning as L
@@ -52,9 +53,16 @@ class TrunkModel(L.LightningModule):
         # tie=True reuses the input layer's weight after the trunk (like a tied embedding / LM head)
         return F.linear(h, self.pre.weight.t()) if self.tie else self.head(h)
 
+    def _fail_in(self, hook):
+        if self.fail_hook == hook and self.global_rank == self.fail_rank:
+            print(f"injecting raise on rank {self.global_rank} at step 0 at {time.time()}", flush=True)
+            raise ZeroDivisionError(f"deliberate failure in {hook}")
+
+    def setup(self, stage):
+        self._fail_in("setup")
+
     def on_train_start(self):
-        if self.fail_hook == "on_train_start" and self.global_rank == self.fail_rank:
-            raise ZeroDivisionError("deliberate failure in on_train_start")
+        self._fail_in("on_train_start")
 
     def validation_step(self, batch, batch_idx):
         x, y = batch
@@ -79,9 +87,8 @@ class TrunkModel(L.LightningModule):
         if fault is None or batch_idx != fault["step"] or self.global_rank != fault["rank"]:
             return
         import signal
-        import time
 
-        print(f"injecting {fault['kind']} on rank {self.global_rank} at step {batch_idx}", flush=True)
+        print(f"injecting {fault['kind']} on rank {self.global_rank} at step {batch_idx} at {time.time()}", flush=True)
         if fault["kind"] == "stop":
             os.kill(os.getpid(), signal.SIGSTOP)
         elif fault["kind"] == "kill":
@@ -92,6 +99,7 @@ class TrunkModel(L.LightningModule):
     def training_step(self, batch, batch_idx):
         self.inject(batch_idx)
         if batch_idx == self.fail_at and self.global_rank == self.fail_rank:
+            print(f"injecting raise on rank {self.global_rank} at step {batch_idx} at {time.time()}", flush=True)
             raise ZeroDivisionError(f"deliberate failure at batch {batch_idx}")
         x, y = batch
         h = torch.relu(self.pre(x))
@@ -135,15 +143,21 @@ class Recorder(L.Callback):
 
 
 class SlowCheckpointIO(TorchCheckpointIO):
-    """A filesystem that takes ``seconds`` to write a checkpoint."""
+    """A filesystem that takes ``seconds`` to write a checkpoint; with ``kill``, the writing process is
+    killed (SIGKILL) half-way through the file."""
 
-    def __init__(self, seconds: float):
+    def __init__(self, seconds: float, kill: bool = False):
         super().__init__()
-        self.seconds = seconds
+        self.seconds, self.kill = seconds, kill
 
     def save_checkpoint(self, checkpoint, path, storage_options=None):
-        import time
+        with open(path, "wb") as f:
+            f.write(b"half a checkpoint")
+        if self.kill:
+            import signal
 
+            print(f"injecting kill on rank 0 at step -1 at {time.time()} while writing {path}", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
         time.sleep(self.seconds)
         super().save_checkpoint(checkpoint, path, storage_options)
 
@@ -161,7 +175,7 @@ def train(config: dict[str, Any]) -> dict[str, Any]:
     model = TrunkModel(**config.get("model", {}))
     strategy = config.get("strategy")
     if isinstance(strategy, dict):
-        io = SlowCheckpointIO(config["slow_save"]) if config.get("slow_save") else None
+        io = SlowCheckpointIO(config["slow_save"], config.get("kill_in_save", False)) if "slow_save" in config else None
         strategy = lightning_pipe.PipeStrategy(**strategy, checkpoint_io=io)
     recorder = Recorder()
     callbacks, logger = [recorder], False

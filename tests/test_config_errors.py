@@ -76,6 +76,10 @@ def test_bad_configuration(make, kwargs, match):
         ({"schedule": "pipemagic"}, "schedule='pipemagic' is not available"),
         ({"micro_batches": 0}, "micro_batches=0 must be at least 1"),
         ({"schedule": "1f1b", "chunks_per_stage": 2}, "only applies to schedule='interleaved_1f1b'"),
+        ({"balance": "foo"}, "balance='foo' is not known; use 'uniform', 'parameters', 'auto'"),
+        ({"micro_batch": 4}, r"PipeStrategy has no option 'micro_batch'; did you mean micro_batches=\?"),
+        ({"timeout": 0}, "timeout=0.0 must be a positive number of seconds"),
+        ({"checkpoint_timeout": -1}, "checkpoint_timeout=-1.0 must be a positive number of seconds"),
     ],
 )
 def test_bad_options(options, match):

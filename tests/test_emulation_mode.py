@@ -265,3 +265,20 @@ def test_activation_recomputation_changes_nothing_under_avgpipe():
         recomputed = train({**config, "strategy": {**config["strategy"], "checkpoint_activations": True}})
     for key, value in kept["state"].items():
         torch.testing.assert_close(recomputed["state"][key], value, rtol=1e-6, atol=1e-7, msg=key)
+
+
+@pytest.mark.multiprocess
+def test_a_two_process_checkpoint_resumes_emulated_as_four_stages(tmp_path):
+    """2 processes -> one process emulating 4 stages: the merged policy state carries over, and the run
+    continues exactly as the reference started from the checkpoint says."""
+    from tests.launch import launch
+
+    ckpt = str(tmp_path / "two-processes.ckpt")
+    code, output, _ = launch({"devices": 2, "epochs": 1, "batch_size": BATCH, "ckpt_out": ckpt,
+                              "strategy": {"schedule": "pipemare", "micro_batches": 2, **OPTIONS}})
+    assert code == 0, output[-3000:]
+    resumed = emulated("pipemare", 4, 2, ckpt_path=ckpt)
+    reference, model = _reference_from_checkpoint("pipemare", 4, ckpt)
+    assert [m["train_loss"] for m in resumed["metrics"]] == pytest.approx(run_epochs(reference, [], None, 2, 1), rel=1e-5)
+    for key, value in model.state_dict().items():
+        torch.testing.assert_close(resumed["state"][key], value, rtol=1e-5, atol=1e-6, msg=key)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import os
 
 import pytest
 import torch
@@ -88,3 +89,22 @@ def test_checkpoint_writes_are_atomic(tmp_path):
     strategy.save_checkpoint({"state_dict": {"w": torch.ones(2)}}, target)
     assert list(tmp_path.iterdir()) == [target]
     assert torch.load(target, weights_only=True)["state_dict"]["w"].sum() == 2
+
+
+def test_a_killed_saves_leftovers_are_removed_by_the_next_save(tmp_path):
+    """A save killed half-way leaves '<name>.partial-<pid>'; the next save into that directory removes
+    it once process pid is gone, and leaves everyone else's files alone."""
+    import subprocess
+    import sys
+
+    from lightning_pipe import PipeStrategy
+
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    stale = tmp_path / f"epoch=1.ckpt.partial-{int(gone.stdout)}"
+    stale.write_bytes(b"half a checkpoint")
+    mine = tmp_path / f"other.ckpt.partial-{os.getpid()}"  # a save still running (this process)
+    mine.write_bytes(b"in progress")
+    unrelated = tmp_path / "notes.partial-x"
+    unrelated.write_bytes(b"not ours")
+    PipeStrategy().save_checkpoint({"state_dict": {"w": torch.ones(2)}}, tmp_path / "epoch=2.ckpt")
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["epoch=2.ckpt", mine.name, unrelated.name])

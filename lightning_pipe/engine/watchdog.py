@@ -35,6 +35,8 @@ from lightning_pipe.errors import PeerFailure, PipelineTimeout
 _ERROR_KEY = "lightning_pipe/error"
 #: Seconds a failing job gives its ranks to end on their own before the survivors are ended.
 FAILURE_GRACE = 5.0
+#: Seconds the key-value store may take to answer one request before its host counts as hung.
+STORE_PATIENCE = 1.0
 T = TypeVar("T")
 
 
@@ -77,6 +79,7 @@ class Watchdog:
         self.key = f"{_ERROR_KEY}/{generation}"
         self.grace = grace
         self.peers: list[tuple[str, int]] = []
+        self.store_silent = False  # the store did not answer once: rank 0 is hung or gone, do not wait again
 
     @classmethod
     def from_process_group(cls, timeout: float, generation: int = 0) -> Watchdog:
@@ -95,16 +98,22 @@ class Watchdog:
     # ------------------------------------------------------------------ the store, bounded
     def report(self, error: BaseException) -> None:
         """Tell every other rank that this one failed (best effort, never raises, never hangs)."""
-        if self.store is None or isinstance(error, PeerFailure):
+        if self.store is None or self.store_silent or isinstance(error, PeerFailure):
             return
         message = f"rank {self.rank} raised {type(error).__name__}: {error}"
-        _bounded(lambda: None if self.store.check([self.key]) else self.store.set(self.key, message), self.grace)
+        answered, _ = _bounded(lambda: None if self.store.check([self.key]) else self.store.set(self.key, message), self.grace)
+        self.store_silent = not answered
 
     def peer_error(self, wait: float = 0.0) -> str | None:
         """The first reported error message, waiting up to ``wait`` seconds for one to appear; when
         the store's host (rank 0) does not answer, a sentence that says so."""
         if self.store is None:
             return None
+        silent = "rank 0, which holds the job's key-value store, does not answer (hung, stopped or overloaded)"
+        if not self.store_silent:  # one quick look first: a stopped rank 0 answers nothing, ever
+            self.store_silent = not _bounded(lambda: self.store.check([self.key]), STORE_PATIENCE)[0]
+        if self.store_silent:
+            return silent if self.rank != 0 else None
 
         def look() -> str | None:
             deadline = time.monotonic() + wait
@@ -115,9 +124,10 @@ class Watchdog:
                     return None
                 time.sleep(0.05)
 
-        answered, message = _bounded(look, wait + self.grace)
-        if not answered and self.rank != 0:
-            return "rank 0, which holds the job's key-value store, does not answer (hung, stopped or overloaded)"
+        answered, message = _bounded(look, wait + STORE_PATIENCE)
+        if not answered:
+            self.store_silent = True
+            return silent if self.rank != 0 else None
         return message
 
     # ------------------------------------------------------------------ waiting
@@ -163,10 +173,16 @@ class Watchdog:
                 "Raise PipeStrategy(timeout=...) if that is expected."
             )
         if "closed" in text or "reset" in text or "broken pipe" in text or "connection" in text:
-            who = f"rank {peer}" if peer is not None else "a peer"
+            gone = [peer] if peer is not None else self.gone_peers()
+            who = " and ".join(f"rank {r}" for r in gone) if gone else "a peer"
             return PeerFailure(f"rank {self.rank} stopped waiting for {what}: {who} closed its connection without "
                                "reporting an error (it was killed, or crashed outside Python).")
         return error
+
+    def gone_peers(self) -> list[int]:
+        """The ranks on this host whose processes no longer run (which peer a collective lost)."""
+        here = socket.gethostname()
+        return [r for r, (host, pid) in enumerate(self.peers) if r != self.rank and host == here and not _alive(pid)]
 
     # ------------------------------------------------------------------ no orphans
     def end_stragglers(self, grace: float) -> None:
@@ -210,3 +226,20 @@ for pid in pids:
     except OSError:
         pass
 """
+
+
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` exists and has not exited (an exited child not yet reaped counts as exited)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+    except OSError:  # no /proc (not Linux): signal 0 tells whether it exists
+        try:
+            os.kill(pid, 0)
+            return True
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True

@@ -14,6 +14,7 @@ module's ``named_parameters()`` order, which is the order a one-device optimizer
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -134,13 +135,48 @@ def slice_optimizer_state(
     return {"state": state, "param_groups": groups}
 
 
+_PARTIAL = re.compile(r"\.partial-(\d+)$")  # the temporary files of atomic_save, named after their writer
+
+
+def remove_stale_partials(directory: str | os.PathLike[str]) -> list[str]:
+    """Remove the temporary files a save killed half-way left in ``directory`` (only this library's
+    ``<name>.partial-<pid>`` files, and only when process ``pid`` no longer runs); return their names."""
+    removed = []
+    try:
+        names = os.listdir(directory)
+    except OSError:  # no such directory yet, or not a local one
+        return removed
+    for name in names:
+        match = _PARTIAL.search(name)
+        if match is None or _running(int(match.group(1))):
+            continue
+        try:
+            os.remove(os.path.join(directory, name))
+            removed.append(name)
+        except OSError:
+            pass
+    return removed
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process: running
+        return True
+    return True
+
+
 def atomic_save(io: CheckpointIO, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
     """Write to a temporary file in the target directory, then rename it into place, so a save killed
-    half-way never leaves a truncated file under the final name (remote paths: ``io`` as is)."""
+    half-way never leaves a truncated file under the final name (remote paths: ``io`` as is). What an
+    earlier killed save left in that directory is removed first."""
     path = str(filepath)
     if "://" in path:  # remote filesystems: their own transaction semantics apply
         io.save_checkpoint(checkpoint, filepath, storage_options=storage_options)
         return
+    remove_stale_partials(os.path.dirname(os.path.abspath(path)))
     partial = f"{path}.partial-{os.getpid()}"
     try:
         io.save_checkpoint(checkpoint, partial, storage_options=storage_options)

@@ -160,6 +160,9 @@ def check(options: PipeOptions) -> None:
     for name in ("timeout", "startup_timeout", "checkpoint_timeout"):
         if not getattr(o, name) > 0:
             raise PipeConfigError(f"{name}={getattr(o, name)} must be a positive number of seconds.")
+    if isinstance(o.balance, str) and o.balance not in ("uniform", "parameters", "auto"):
+        raise PipeConfigError(f"balance={o.balance!r} is not known; use 'uniform', 'parameters', 'auto' (profile and plan "
+                              "at setup) or a list of layer counts.")
     if o.sync_warmup_epochs < 0:
         raise PipeConfigError(f"sync_warmup_epochs={o.sync_warmup_epochs} must be at least 0.")
     _check_avgpipe(o)

@@ -15,6 +15,8 @@ Only glue lives here; each hook delegates:
 
 from __future__ import annotations
 
+import difflib
+import inspect
 import logging
 from contextlib import nullcontext
 from datetime import timedelta
@@ -58,7 +60,20 @@ from lightning_pipe.sim.tracing import RunTracer
 log = logging.getLogger(__name__)
 
 
-class PipeStrategy(DDPStrategy):
+class _NamesItsOptions(type(DDPStrategy)):  # type: ignore[misc]
+    """``PipeStrategy(micro_batch=4)`` says which option was meant instead of Python's bare TypeError."""
+
+    def __call__(cls, *args: Any, **kwargs: Any) -> Any:
+        known = inspect.signature(cls.__init__).parameters
+        for name in kwargs:
+            if name not in known:
+                close = difflib.get_close_matches(name, [k for k in known if k != "self"], n=1)
+                hint = f"; did you mean {close[0]}=?" if close else ""
+                raise PipeConfigError(f"PipeStrategy has no option {name!r}{hint} (docs/options.md lists them all).")
+        return super().__call__(*args, **kwargs)
+
+
+class PipeStrategy(DDPStrategy, metaclass=_NamesItsOptions):
     """Pipeline-parallel training of an ordinary LightningModule.
 
     The module's trunk (one ``nn.Sequential`` attribute) is split into contiguous stages, one
@@ -349,6 +364,10 @@ class PipeStrategy(DDPStrategy):
         )
         if fitting:
             _optimizers_to_device(self.optimizers, self.root_device)
+            if self.is_global_zero:  # what a save killed half-way left in a checkpoint directory of this fit
+                for callback in trainer.checkpoint_callbacks:
+                    if getattr(callback, "dirpath", None):
+                        checkpointing.remove_stale_partials(callback.dirpath)
 
     def _choose_split(self, trainer: Trainer, module: LightningModule) -> None:
         """``balance="auto"`` and avgpipe's ``"auto"`` options (a checkpoint's choice when resuming)."""

@@ -37,7 +37,8 @@ def resolve_balance(balance: str | Sequence[int], layers: nn.Sequential, parts: 
             found = min_max_split(n, parts, lambda i, j, d: prefix[j] - prefix[i], ties="earlier")
             assert found is not None  # every split is feasible
             return found[1]
-        raise BalanceError(f"balance={balance!r} is not known; use 'uniform', 'parameters' or a list of layer counts.")
+        raise BalanceError(f"balance={balance!r} is not known; use 'uniform', 'parameters', 'auto' (profile and plan at "
+                           "setup) or a list of layer counts.")
     counts = [int(c) for c in balance]
     if len(counts) != parts:
         raise BalanceError(f"balance has {len(counts)} entries but the pipeline has {parts} stages; give one count per stage.")
