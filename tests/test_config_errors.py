@@ -89,14 +89,15 @@ def test_named_trunk_is_used():
 
 @pytest.mark.multiprocess
 def test_micro_batches_larger_than_batch_fails_on_every_rank():
-    code, output, _ = launch({"devices": 2, "max_steps": 2, "batch_size": 4, "strategy": {"micro_batches": 8}})
+    # fresh processes (as for every job below that must fail): how a real job ends is the point
+    code, output, _ = launch({"devices": 2, "max_steps": 2, "batch_size": 4, "strategy": {"micro_batches": 8}}, fresh=True)
     assert code != 0
     assert "micro_batches=8 is larger than the batch size 4; use micro_batches <= 4" in output
 
 
 @pytest.mark.multiprocess
 def test_devices_mismatch_fails_before_launching():
-    code, output, _ = launch({"devices": 3, "max_steps": 2, "strategy": {"stages": 2}})
+    code, output, _ = launch({"devices": 3, "max_steps": 2, "strategy": {"stages": 2}}, fresh=True)
     assert code != 0
     assert "set devices=2 or change stages/pipelines" in output
     assert "Initializing distributed" not in output
@@ -107,7 +108,7 @@ def test_devices_mismatch_fails_before_launching():
 def test_a_failing_stage_ends_every_rank_with_its_error(fail_rank):
     code, output, records = launch(
         {"devices": 2, "max_steps": 5, "model": {"fail_at": 2, "fail_rank": fail_rank}, "strategy": {"timeout": 60}},
-        timeout=120,
+        timeout=120, fresh=True,
     )
     assert code not in (0, -9), "the job must fail, and well before the test's own timeout"
     assert records == []
