@@ -77,8 +77,12 @@ def run_workers(
 
     if fresh or world_size not in POOL_WORLD_SIZES:
         return run_fresh_workers(fn, world_size, *args, timeout=timeout)
-    payload = pickle.dumps((fn, args))
-    replies = get_pool(world_size).request("call", payload, timeout=timeout)
+    return call_on_pool(get_pool(world_size), fn, *args, timeout=timeout)
+
+
+def call_on_pool(pool: Any, fn: Callable[..., Any], *args: Any, timeout: float) -> list[tuple[str, Any]]:
+    """:func:`run_workers` on the workers of ``pool`` (a :class:`tests.pool.Pool`)."""
+    replies = pool.request("call", pickle.dumps((fn, args)), timeout=timeout)
     for rank, reply in enumerate(replies):
         if reply.output:  # pytest captures it, shown with a failure as a fresh worker's output would be
             sys.stdout.write(f"--- rank {rank} output\n{reply.output}")

@@ -74,6 +74,7 @@ class Pool:
     """``world_size`` long-lived worker processes that run requests together."""
 
     world_size: int
+    preload: tuple[str, ...] = ("tests.lightning_run",)  # modules every worker imports before it is ready
     _dir: str | None = None
     _workers: list[_Worker] = field(default_factory=list)
     _server: socket.socket | None = None
@@ -94,7 +95,7 @@ class Pool:
             log_path = os.path.join(self._dir, f"worker{rank}.log")
             with open(log_path, "wb") as log:
                 proc = subprocess.Popen(
-                    [sys.executable, "-m", "tests.worker", path], cwd=ROOT, env=self._environment(rank, job_environment()),
+                    [sys.executable, "-m", "tests.worker", path, *self.preload], cwd=ROOT, env=self._environment(rank, job_environment()),
                     stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                 )
             self._workers.append(_Worker(rank, proc, log_path))

@@ -9,9 +9,9 @@ import time
 import pytest
 import torch
 
-from tests.distributed import run_workers, values
+from tests.distributed import call_on_pool, run_workers, values
 from tests.launch import launch
-from tests.pool import get_pool
+from tests.pool import Pool
 
 pytestmark = pytest.mark.multiprocess
 
@@ -60,9 +60,23 @@ def _die_on_rank_1(rank: int, world_size: int) -> int:
     return rank
 
 
-def _normal_request_works(world_size: int = 2) -> None:
-    got = values(run_workers(_where, world_size, timeout=60))
-    assert [g["rank"] for g in got] == list(range(world_size)) and {g["world"] for g in got} == {world_size}
+def _rank_and_world(rank: int, world_size: int) -> tuple[int, int]:
+    import torch.distributed as dist
+
+    return dist.get_rank(), dist.get_world_size()
+
+
+@pytest.fixture(scope="module")
+def light_pool():
+    """A pool of its own whose workers import no more than torch: the failures below restart it cheaply."""
+    pool = Pool(2, preload=())
+    pool.start()
+    yield pool
+    pool.close(grace=5.0)
+
+
+def _normal_request_works(pool: Pool) -> None:
+    assert call_on_pool(pool, _rank_and_world, timeout=60) == [("ok", (0, 2)), ("ok", (1, 2))]
 
 
 def test_workers_are_an_external_job_of_this_checkout(tmp_path, monkeypatch):
@@ -83,39 +97,38 @@ def test_no_state_leaks_into_the_next_request():
         assert where["threads"] == 1 and where["dtype"] == torch.float32 and where["cwd"] == os.getcwd()
 
 
-def test_an_error_on_one_rank_restarts_the_pool():
-    pool = get_pool(2)
-    starts = pool.starts
-    results = run_workers(_fail_on_rank_1, 2, timeout=60)
+def test_an_error_on_one_rank_restarts_the_pool(light_pool):
+    _normal_request_works(light_pool)
+    starts = light_pool.starts
+    results = call_on_pool(light_pool, _fail_on_rank_1, timeout=60)
     assert results[0] == ("ok", 0)
     assert results[1][0] == "error" and "ValueError: deliberate failure on rank 1" in results[1][1]
-    assert pool.starts == starts + 1
-    _normal_request_works()
+    assert light_pool.starts == starts + 1
+    _normal_request_works(light_pool)
 
 
-def test_a_hung_request_times_out_and_the_next_one_runs():
-    pool = get_pool(2)
-    starts = pool.starts
-    _normal_request_works()  # the pool is up: time only the request
+def test_a_hung_request_times_out_and_the_next_one_runs(light_pool):
+    _normal_request_works(light_pool)  # the pool is up: time only the request
+    starts = light_pool.starts
     start = time.monotonic()
-    results = run_workers(_hang_on_rank_1, 2, timeout=3)
+    results = call_on_pool(light_pool, _hang_on_rank_1, timeout=3)
     assert time.monotonic() - start < 10
     assert results == [("ok", 0), ("timeout", None)]
-    assert pool.starts == starts + 1
-    _normal_request_works()
+    assert light_pool.starts == starts + 1
+    _normal_request_works(light_pool)
 
 
-def test_a_dead_worker_is_reported_with_its_exit_code():
-    results = run_workers(_die_on_rank_1, 2, timeout=60)
+def test_a_dead_worker_is_reported_with_its_exit_code(light_pool):
+    results = call_on_pool(light_pool, _die_on_rank_1, timeout=60)
     assert results[0] == ("ok", 0) and results[1] == ("crashed", 3)
-    _normal_request_works()
+    _normal_request_works(light_pool)
 
 
 def test_lightning_jobs_failing_or_hung_on_the_pool_return_what_a_fresh_job_returns():
     code, output, records = launch({"devices": 2, "max_steps": 2, "batch_size": 4, "strategy": {"micro_batches": 8}})
     assert code not in (0, -9) and records == []
     assert "micro_batches=8 is larger than the batch size 4; use micro_batches <= 4" in output
-    code, output, records = launch({"devices": 2, "epochs": 10_000}, timeout=2)  # killed mid-run
+    code, output, records = launch({"devices": 2, "epochs": 10_000}, timeout=3)  # killed mid-run
     assert code == -9 and records == []
     assert output.count("most recent call first") >= 2  # each rank's stacks, written before the kill
     code, output, records = launch({"devices": 2, "max_steps": 2})

@@ -1,10 +1,10 @@
-"""One long-lived rank of a worker pool (tests/pool.py): ``python -m tests.worker SOCKET_PATH``.
+"""One long-lived rank of a worker pool (tests/pool.py): ``python -m tests.worker SOCKET_PATH [MODULE...]``.
 
 The pool starts ``WORLD_SIZE`` of these at once with the environment under which Lightning treats
 processes as created externally (``LOCAL_RANK``, ``NODE_RANK``, ``WORLD_SIZE``, ...), so a
 ``Trainer(devices=WORLD_SIZE)`` in each of them forms one job without Lightning's launcher starting
-children. Lightning and the package are imported once, at start; each request then costs what the
-work costs.
+children. The MODULEs (the pool's default: ``tests.lightning_run``, hence Lightning and the package)
+are imported once, at start; each request then costs what the work costs.
 
 Requests (pickled, over a Unix socket to the pool):
 
@@ -53,10 +53,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
+import importlib  # noqa: E402
+
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-import tests.lightning_run as lightning_run  # noqa: E402  (lightning, torchmetrics, lightning_pipe)
+for _module in sys.argv[2:]:  # before the filters and defaults below are recorded
+    importlib.import_module(_module)
 
 RANK = int(os.environ["LOCAL_RANK"])
 WORLD_SIZE = int(os.environ["WORLD_SIZE"])
@@ -114,7 +117,9 @@ def run(message: tuple) -> tuple[str, Any]:
     kind, request = message[0], message[1]
     if kind == "train":
         config, out_dir = message[2], message[3]
-        record = lightning_run.train(config)
+        from tests.lightning_run import train
+
+        record = train(config)
         torch.save(record, os.path.join(out_dir, f"rank{record['rank']}.pt"))
         return "ok", None
     if kind == "call":
@@ -165,7 +170,7 @@ def main() -> None:
             # shortly before the pool kills a hung request: every thread's stack, into the request's output
             # (a timer thread: Lightning's Trainer resets every signal handler, faulthandler's too)
             timeout = request["timeout"]
-            faulthandler.dump_traceback_later(max(timeout - 1.0, 0.8 * timeout), file=sys.stderr)
+            faulthandler.dump_traceback_later(max(timeout - 1.0, 0.5 * timeout), file=sys.stderr)
             try:
                 reset_state(request)
                 status, value = run(message)
