@@ -64,7 +64,8 @@ def launch_on_pool(config: dict[str, Any], world_size: int, timeout: float) -> t
         else:
             code = 1
         if code != 0:
-            output += "".join(f"[tests.pool] rank {rank}: {r.status}\n" for rank, r in enumerate(replies) if r.status != "ok")
+            output += "".join(f"[tests.pool] rank {rank}: {r.status}" + (f" (exit code {r.value})" if r.status == "crashed" else "")
+                              + "\n" for rank, r in enumerate(replies) if r.status != "ok")
         if code == -9:
             return code, output, []  # as a fresh job killed at its timeout
         records = [torch.load(os.path.join(out, f), weights_only=False) for f in sorted(os.listdir(out))]

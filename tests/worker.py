@@ -18,7 +18,7 @@ Requests (pickled, over a Unix socket to the pool):
 port of its own for this request's rendezvous), the working directory and the file that receives
 this rank's stdout and stderr (file descriptors 1 and 2 are redirected, so Lightning's and the
 package's output, warnings and tracebacks land there), and the request's timeout (shortly before
-it, faulthandler writes every thread's stack there: what a hung rank was waiting for).
+it, every thread's stack is written there: what a hung rank was waiting for).
 
 Every request gets a process group of its own (created by Lightning, or here for ``call``) and
 destroys it at the end, so nothing of one request's key-value store (e.g. the watchdog's error key)
@@ -36,13 +36,13 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import faulthandler
 import gc
 import os
 import pickle
 import signal
 import socket
 import sys
+import threading
 import traceback
 import warnings
 from datetime import timedelta
@@ -130,6 +130,27 @@ def run(message: tuple) -> tuple[str, Any]:
     raise ValueError(f"unknown request {kind!r}")
 
 
+def dump_stacks(timeout: float) -> None:
+    """Shortly before the pool kills a request that outlives its timeout: every thread's stack, into
+    the request's output (what a hung rank waits for).
+
+    A Python thread reading ``sys._current_frames()`` under the GIL: faulthandler's signal handlers
+    do not survive Lightning's Trainer (it resets every signal's handler when it ends), and its
+    ``dump_traceback_later`` thread reads the frames of running threads without the GIL, which can
+    crash a rank that is busy rather than hung (seen: a segfault, turning the timeout into a crash).
+    A gloo wait releases the GIL, so a hung rank's stack is read while it stands still.
+    """
+    names = {thread.ident: thread.name for thread in threading.enumerate()}
+    me = threading.get_ident()
+    parts = [f"[tests.worker] rank {RANK}: still running shortly before the {timeout:g} s timeout; stacks:\n"]
+    for ident, frame in sys._current_frames().items():
+        if ident != me:
+            parts.append(f"Thread {names.get(ident, ident)} (most recent call last):\n")
+            parts.extend(traceback.format_stack(frame))
+    sys.stderr.write("".join(parts))
+    sys.stderr.flush()
+
+
 def cleanup() -> bool:
     """Every rank is done with the process group; destroy it (the next request makes its own)."""
     try:
@@ -167,17 +188,18 @@ def main() -> None:
             os._exit(0)
         request = message[1]
         with output_to(request["output"]):
-            # shortly before the pool kills a hung request: every thread's stack, into the request's output
-            # (a timer thread: Lightning's Trainer resets every signal handler, faulthandler's too)
             timeout = request["timeout"]
-            faulthandler.dump_traceback_later(max(timeout - 1.0, 0.5 * timeout), file=sys.stderr)
+            timer = threading.Timer(max(timeout - 1.0, 0.5 * timeout), dump_stacks, (timeout,))
+            timer.daemon = True
+            timer.start()
             try:
                 reset_state(request)
                 status, value = run(message)
             except BaseException as error:  # report everything, the pool decides
                 traceback.print_exc()
                 status, value = "error", f"{type(error).__name__}: {error}\n{traceback.format_exc()}"
-            faulthandler.cancel_dump_traceback_later()
+            timer.cancel()
+            timer.join()
             try:
                 reply = pickle.dumps(("result", status, value))
             except BaseException as error:
