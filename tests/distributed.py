@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import pickle
 import socket
+import sys
 import tempfile
 import traceback
 from collections.abc import Callable
@@ -59,12 +60,37 @@ def _worker(fn: Callable[..., Any], rank: int, world_size: int, port: int, out_d
     os._exit(0)  # skip gloo teardown, which can block on a failed peer
 
 
-def run_workers(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 120.0) -> list[tuple[str, Any]]:
+def run_workers(
+    fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 120.0, fresh: bool = False
+) -> list[tuple[str, Any]]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` processes; return ``[(status, value)]`` per rank.
 
-    ``fn`` must be importable (defined at module level). Processes still alive after ``timeout``
-    seconds are killed and reported as ``("timeout", None)``.
+    ``fn`` must be importable (defined at module level). Ranks still running after ``timeout``
+    seconds are killed and reported as ``("timeout", None)``, ranks whose process died as
+    ``("crashed", exit_code)``, ranks that raised as ``("error", message)``.
+
+    By default the ranks are this session's pool workers (tests/pool.py; Lightning and the test
+    module are imported there once); ``fresh=True``, or a world size no pool serves, spawns new
+    processes as before.
     """
+    from tests.pool import POOL_WORLD_SIZES, get_pool
+
+    if fresh or world_size not in POOL_WORLD_SIZES:
+        return run_fresh_workers(fn, world_size, *args, timeout=timeout)
+    return call_on_pool(get_pool(world_size), fn, *args, timeout=timeout)
+
+
+def call_on_pool(pool: Any, fn: Callable[..., Any], *args: Any, timeout: float) -> list[tuple[str, Any]]:
+    """:func:`run_workers` on the workers of ``pool`` (a :class:`tests.pool.Pool`)."""
+    replies = pool.request("call", pickle.dumps((fn, args)), timeout=timeout)
+    for rank, reply in enumerate(replies):
+        if reply.output:  # pytest captures it, shown with a failure as a fresh worker's output would be
+            sys.stdout.write(f"--- rank {rank} output\n{reply.output}")
+    return [(r.status, r.value) for r in replies]
+
+
+def run_fresh_workers(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 120.0) -> list[tuple[str, Any]]:
+    """:func:`run_workers` on newly spawned processes."""
     ctx = mp.get_context("spawn")
     port = free_port()
     with tempfile.TemporaryDirectory() as out_dir:

@@ -78,7 +78,7 @@ def test_tied_weights_accumulation_and_value_clipping_equal_one_device(tmp_path)
 def test_checkpoint_of_another_model_names_the_keys(tmp_path):
     ckpt = str(tmp_path / "deep.ckpt")
     train({"max_steps": 1, "model": {"depth": 7}, "ckpt_out": ckpt})
-    code, output, _ = launch({**PIPE, "max_steps": 2, "ckpt_path": ckpt})
+    code, output, _ = launch({**PIPE, "max_steps": 2, "ckpt_path": ckpt}, fresh=True)  # a job that must fail
     assert code != 0
     assert "the checkpoint does not match the model: unexpected keys [model.12.weight, model.12.bias]" in output
     with pytest.raises(CheckpointMismatchError):
@@ -102,6 +102,6 @@ def test_bf16_mixed_on_cpu_stays_close_to_one_device():
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
 def test_fp16_mixed_on_cuda_scales_each_micro_batch_loss():
     config = {"max_steps": 4, "trainer": {"precision": "16-mixed"}}
-    code, output, records = launch({**PIPE, **config, "accelerator": "cuda"})
+    code, output, records = launch({**PIPE, **config, "accelerator": "cuda"}, fresh=True)
     assert code == 0, output[-3000:]
     assert all(torch.isfinite(torch.tensor(m["train_loss"])) for m in records[0]["metrics"])
