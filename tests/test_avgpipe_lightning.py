@@ -75,10 +75,12 @@ def test_lightning_equals_reference_and_resumes_exactly(tmp_path):
     plain.load_state_dict(saved["state_dict"])
     for key, value in want_state.items():
         torch.testing.assert_close(plain.state_dict()[key], value, rtol=1e-5, atol=1e-6, msg=key)
-    replicas = saved["pipe_avgpipe_state"]
-    assert len(replicas) == 2 and len(replicas[1]["weights"]) == REPLICAS
+    state = saved["pipe_avgpipe_state"]  # every stage's replicas, merged and keyed by parameter name
+    assert len(state["weights"]) == REPLICAS and set(state["weights"][1]) == set(want_state)
     head = f"{len(center.model) - len(center.model) // 2}.weight"  # the head's index in the reference's stage 1
-    torch.testing.assert_close(replicas[1]["weights"][1]["head.weight"], ref.replica_state(1, 1)[head], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(state["weights"][1]["head.weight"], ref.replica_state(1, 1)[head], rtol=1e-5, atol=1e-6)
+    # a parameter held by both stages (pre, used on stage 0 only) is saved as its owner trained it
+    torch.testing.assert_close(state["weights"][1]["pre.weight"], ref.replica_state(1, 0)["0.weight"], rtol=1e-5, atol=1e-6)
 
 
 def test_auto_options_are_tried_on_both_processes_and_agreed():

@@ -9,7 +9,10 @@ relies on three facts (docs/failures.md):
 * before a rank dies it writes its error into the job's key-value store, so its peers raise
   :class:`PeerFailure` with the original message instead of "connection closed".
 
-The store lives in global rank 0's process. Every access to it is bounded (a daemon thread with a
+The store lives in global rank 0's process, so it dies with a failing rank 0, at the moment that
+rank's connections close and its peers look for its report. Every rank therefore also listens for
+reports as they are made (:meth:`Watchdog.listen`: a thread blocked on its own store connection),
+and a failing rank waits, briefly and bounded, until its listening peers heard it. Every access to it is bounded (a daemon thread with a
 deadline), so a rank 0 that hangs cannot hang the ranks that check for its report. A rank that
 gives up ends the peers on its host that are still alive after a grace period (:meth:`end_stragglers`):
 a hung rank does not outlive the job.
@@ -33,6 +36,7 @@ import torch.distributed as dist
 from lightning_pipe.errors import PeerFailure, PipelineTimeout
 
 _ERROR_KEY = "lightning_pipe/error"
+_STOP = b"\0stop"  # what a listener's own rank pushes into its inbox to end it
 #: Seconds a failing job gives its ranks to end on their own before the survivors are ended.
 FAILURE_GRACE = 5.0
 #: Seconds the key-value store may take to answer one request before its host counts as hung.
@@ -80,6 +84,10 @@ class Watchdog:
         self.grace = grace
         self.peers: list[tuple[str, int]] = []
         self.store_silent = False  # the store did not answer once: rank 0 is hung or gone, do not wait again
+        self.heard: str | None = None  # the first report the listener received
+        self._listening = False
+        self.world_size = 1  # known once listening
+        self.reported = False
 
     @classmethod
     def from_process_group(cls, timeout: float, generation: int = 0) -> Watchdog:
@@ -95,18 +103,68 @@ class Watchdog:
             dist.all_gather_object(peers, (socket.gethostname(), os.getpid()))
             self.peers = peers
 
+    def listen(self, world_size: int) -> None:
+        """Start receiving the other ranks' reports as they are made, on a store connection of this
+        rank's own (a daemon thread blocked until a report or :meth:`close`), so that a report of
+        rank 0 is known here even after rank 0, and the store with it, are gone."""
+        if self.store is None or world_size < 2 or self._listening:
+            return
+        try:
+            inbox = self.store.clone()
+            inbox.set_timeout(timedelta(days=7))  # it waits for a report that normally never comes
+            self.store.add(f"{self.key}/listeners", 1)
+        except Exception:  # a store that cannot be cloned: reports are read from the store only
+            return
+        self._listening, self.world_size = True, world_size
+        threading.Thread(target=self._receive, args=(inbox,), daemon=True, name="lightning-pipe-reports").start()
+
+    def _receive(self, inbox: Any) -> None:
+        try:
+            message = inbox.queue_pop(f"{self.key}/inbox/{self.rank}")
+            if message != _STOP:
+                self.heard = message.decode()
+                inbox.add(f"{self.key}/heard", 1)
+        except Exception:  # the store is gone: the job is ending
+            pass
+
+    def close(self) -> None:
+        """End this rank's listener (at the end of a run; best effort)."""
+        if self._listening:
+            self._listening = False
+            _bounded(lambda: self.store.queue_push(f"{self.key}/inbox/{self.rank}", _STOP), STORE_PATIENCE)
+
     # ------------------------------------------------------------------ the store, bounded
     def report(self, error: BaseException) -> None:
-        """Tell every other rank that this one failed (best effort, never raises, never hangs)."""
-        if self.store is None or self.store_silent or isinstance(error, PeerFailure):
+        """Tell every other rank that this one failed (once; best effort, never raises, never hangs):
+        in the store, and into every listener's inbox. Rank 0, whose store dies with it, then waits
+        until the listeners heard it (milliseconds when they are alive, at most ``STORE_PATIENCE``)."""
+        if self.store is None or self.store_silent or self.reported or isinstance(error, PeerFailure):
             return
+        self.reported = True
         message = f"rank {self.rank} raised {type(error).__name__}: {error}"
-        answered, _ = _bounded(lambda: None if self.store.check([self.key]) else self.store.set(self.key, message), self.grace)
+
+        def tell() -> int:
+            if not self.store.check([self.key]):
+                self.store.set(self.key, message)
+            for rank in range(self.world_size):
+                if rank != self.rank:
+                    self.store.queue_push(f"{self.key}/inbox/{rank}", message)
+            return int(self.store.add(f"{self.key}/listeners", 0)) - int(self._listening)
+
+        answered, listeners = _bounded(tell, self.grace)
         self.store_silent = not answered
+        if answered and listeners and self.rank == 0:
+            deadline = time.monotonic() + STORE_PATIENCE
+            while time.monotonic() < deadline:
+                if int(self.store.add(f"{self.key}/heard", 0)) >= listeners:  # rank 0's own store: answers at once
+                    return
+                time.sleep(0.01)
 
     def peer_error(self, wait: float = 0.0) -> str | None:
         """The first reported error message, waiting up to ``wait`` seconds for one to appear; when
         the store's host (rank 0) does not answer, a sentence that says so."""
+        if self.heard is not None:
+            return self.heard
         if self.store is None:
             return None
         silent = "rank 0, which holds the job's key-value store, does not answer (hung, stopped or overloaded)"

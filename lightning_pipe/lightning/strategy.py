@@ -320,6 +320,7 @@ class PipeStrategy(DDPStrategy, metaclass=_NamesItsOptions):
         super().setup_environment()
         self._generation += 1
         self._watchdog = Watchdog.from_process_group(self.options.timeout, self._generation)
+        self._watchdog.listen(self.world_size)  # before the collective below: every listener counts
         with self._watchdog.guard("the other ranks to start"):
             self._watchdog.learn_peers()  # who to end if this rank gives up on a hung one
         # the processes' topology: an emulated pipeline is one process holding every stage
@@ -531,6 +532,11 @@ class PipeStrategy(DDPStrategy, metaclass=_NamesItsOptions):
 
     def _guard(self, what: str) -> ContextManager[None]:
         return self._watchdog.guard(what) if self._watchdog is not None else nullcontext()
+
+    def teardown(self) -> None:
+        if self._watchdog is not None:
+            self._watchdog.close()
+        super().teardown()
 
     def on_exception(self, exception: BaseException) -> None:
         """Tell the other ranks why this one fails, and make sure none outlives the job."""

@@ -222,19 +222,27 @@ def detached_copy(tensor: Tensor) -> nn.Parameter:
     return nn.Parameter(tensor.detach().clone())
 
 
-def merge_states(states: Iterable[Any]) -> Any:
-    """One policy state out of several stages' (``None`` for none): name-keyed maps are united (every
-    stage holds other parameters), lists are merged element-wise (avgpipe's replicas), and any other
-    value is taken from the first state (step counts agree after a drain)."""
-    merged: Any = None
-    for state in states:
-        merged = state if merged is None else _merge(merged, state)
-    return merged
+def merge_states(states: Iterable[Any], owner: Mapping[str, int] | None = None) -> Any:
+    """One policy state out of several stages' (indexed by stage; ``None`` for none).
+
+    Name-keyed maps are united (every stage holds other parameters), lists are merged element-wise
+    (avgpipe's replicas), and any other value is taken from the first state (step counts agree after
+    a drain). A parameter held by several stages (outside the trunk) takes the entry of the stage
+    ``owner`` names for it: the other stages' replicas of it are not trained there, so stale.
+    """
+    return _merge([(stage, state) for stage, state in enumerate(states)], owner or {}, None)
 
 
-def _merge(a: Any, b: Any) -> Any:
-    if isinstance(a, dict) and isinstance(b, dict):
-        return {**b, **{k: _merge(v, b[k]) if k in b else v for k, v in a.items()}}
-    if isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
-        return [_merge(x, y) for x, y in zip(a, b)]
-    return a if a is not None else b
+def _merge(items: list[tuple[int, Any]], owner: Mapping[str, int], key: str | None) -> Any:
+    items = [(stage, value) for stage, value in items if value is not None]
+    if not items:
+        return None
+    if key in owner:
+        items = [item for item in items if item[0] == owner[key]] or items
+    values = [value for _, value in items]
+    if all(isinstance(v, dict) for v in values):
+        keys = list(dict.fromkeys(k for v in values for k in v))
+        return {k: _merge([(s, v[k]) for s, v in items if k in v], owner, k) for k in keys}
+    if all(isinstance(v, list) for v in values) and len({len(v) for v in values}) == 1:
+        return [_merge([(s, v[i]) for s, v in items], owner, key) for i in range(len(values[0]))]
+    return values[0]

@@ -161,12 +161,12 @@ class AsyncRuntime(BaseRuntime):
             return {}
         self.drain()
         parts = self.pipeline.gather_in_first_pipeline(self.segments.state_dict())
-        return {ASYNC_STATE_KEY: merge_states(parts)} if parts else {}
+        return {ASYNC_STATE_KEY: merge_states(parts, self.pipeline.outside.owner())} if parts else {}
 
     def restore(self, checkpoint: dict[str, Any]) -> None:
         state = checkpoint.get(ASYNC_STATE_KEY)
         if isinstance(state, list):  # lightning_pipe 0.1 saved one entry per stage, each keyed by name too
-            state = merge_states(state)
+            state = merge_states(state, self.pipeline.outside.owner())
         if state is not None:
             self.segments.restore(state)
 

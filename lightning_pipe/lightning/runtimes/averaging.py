@@ -97,12 +97,12 @@ class AvgPipeRuntime(BaseRuntime):
         if self.rounds.policy is not None:
             parts = self.pipeline.gather_in_first_pipeline(self.rounds.policy.state_dict())
             if parts:
-                state[AVGPIPE_STATE_KEY] = merge_states(parts)
+                state[AVGPIPE_STATE_KEY] = merge_states(parts, self.pipeline.outside.owner())
         return state
 
     def restore(self, checkpoint: dict[str, Any]) -> None:
         state = checkpoint.get(AVGPIPE_STATE_KEY)
         if isinstance(state, list):  # lightning_pipe 0.1 saved one entry per stage, each keyed by name too
-            state = merge_states(state)
+            state = merge_states(state, self.pipeline.outside.owner())
         if state is not None:
             self.rounds.restore(state)
