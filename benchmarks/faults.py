@@ -2,7 +2,7 @@
 
     python benchmarks/faults.py --runs 3 --timeout 10
 
-Each case runs ``tests/lightning_run.py`` (the test suite's small model, 1F1B on 2 CPU processes)
+Each case runs ``tests/harness/lightning_run.py`` (the test suite's small model, 1F1B on 2 CPU processes)
 in a session of its own with one fault: a rank stopped (SIGSTOP: hung outside Python), killed
 (SIGKILL), asleep inside its step (hung in Python), raising in its step or in a hook, at start-up, a
 checkpoint save slower than the pipeline ``timeout``, a rank killed in the middle of a checkpoint
@@ -21,7 +21,7 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from tests.faults import cases, run  # noqa: E402  (the test suite's fault harness, one implementation)
+from tests.harness.faults import cases, run  # noqa: E402  (the test suite's fault harness, one implementation)
 
 
 def main() -> None:

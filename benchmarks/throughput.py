@@ -11,7 +11,7 @@ all variants alike:
 * ``torch gpipe`` / ``torch 1f1b``: ``torch.distributed.pipelining``'s ``ScheduleGPipe`` /
   ``Schedule1F1B`` on a ``PipelineStage`` per process (``loss_fn`` given to the schedule);
 * ``ours gpipe`` / ``ours 1f1b``: ``lightning_pipe.engine.Executor`` running ``build_schedule``
-  with ``SequentialStage`` chunks, exactly what ``tests/test_engine.py`` does;
+  with ``SequentialStage`` chunks, exactly what ``tests/distributed/test_engine.py`` does;
 * ``single thread``: rank 0 alone runs the whole model on the same ``M`` micro-batches
   (accumulating gradients, one SGD step) while rank 1 idles. The ideal 2-stage pipeline then does
   ``2 × single thread × M / (M + 1)`` samples/s: each stage does half the work, and the
@@ -302,7 +302,7 @@ class StagesAtOnce(Variant):
 
 
 class Engine(Variant):
-    """lightning_pipe's executor with ``SequentialStage`` chunks (as in ``tests/test_engine.py``)."""
+    """lightning_pipe's executor with ``SequentialStage`` chunks (as in ``tests/distributed/test_engine.py``)."""
 
     def __init__(self, schedule: str, workload: Workload, micro_batches: int, rank: int, group: Any) -> None:
         self.name = f"ours {schedule}"

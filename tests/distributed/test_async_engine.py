@@ -1,0 +1,127 @@
+"""Asynchronous schedules on gloo processes equal the literal one-process reference, step by step.
+
+One spawn per pipeline depth runs every (schedule, M, optimizer) case, to keep process start-ups few.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_pipe.engine import Executor, SequentialStage, Transport, Watchdog, split_micro_batches
+from lightning_pipe.engine.policies import AsyncOptions, PipeMareOptions
+from lightning_pipe.partition import resolve_balance, stage_bounds
+from lightning_pipe.registry import SCHEDULES, names
+from lightning_pipe.schedules import async_schedule
+from tests.harness.distributed import run_workers, values
+from tests.reference.async_reference import AsyncEmulator
+
+SEGMENTS = (3, 2)  # windows per segment: a drain after 3 Lightning steps, then 2 more and a drain
+OPTIONS = AsyncOptions(PipeMareOptions(lr_warmup_steps=4))  # T1 still rescheduling during the test
+
+
+def make_trunk(stages: int) -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(*[m for _ in range(2 * stages) for m in (nn.Linear(6, 6), nn.Tanh())])
+
+
+def make_optimizer(kind: str, params) -> torch.optim.Optimizer:
+    if kind == "adam":
+        return torch.optim.Adam(params, lr=0.02)
+    return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+
+
+def batches(micro_batches: int) -> list:
+    g = torch.Generator().manual_seed(micro_batches)
+    return [(torch.randn(2 * micro_batches, 6, generator=g), torch.randn(2 * micro_batches, 6, generator=g))
+            for _ in range(sum(SEGMENTS))]
+
+
+def loss_fn(output, micro_batch):
+    return nn.functional.mse_loss(output, micro_batch[1])
+
+
+def stage_modules(trunk: nn.Sequential, stages: int) -> list[nn.Sequential]:
+    return [trunk[a:b] for a, b in stage_bounds(resolve_balance("uniform", trunk, stages))]
+
+
+CASES = [c for c in itertools.product(names("asynchronous"), (1, 2, 4), ("sgd", "adam"))]
+
+
+def distributed(rank: int, world: int) -> dict:
+    """Every case on this rank: losses of the last stage and final weights of this stage."""
+    out = {}
+    for name, micro_batches, optimizer_kind in CASES:
+        if name == "pipedream_2bw" and micro_batches < world:
+            continue
+        module = stage_modules(make_trunk(world), world)[rank]
+        optimizer = make_optimizer(optimizer_kind, module.parameters())
+        policy = SCHEDULES[name].policy(module, optimizer, rank, world, micro_batches, OPTIONS)
+        stage = SequentialStage(module, input_fn=(lambda mb: mb[0]) if rank == 0 else None,
+                                loss_fn=loss_fn if rank == world - 1 else None)
+        executor = Executor(rank, list(range(world)), [stage], Transport(torch.device("cpu")),
+                            Watchdog.from_process_group(60.0), policy=policy)
+        losses, data, t = [], batches(micro_batches), 0
+        for windows in SEGMENTS:
+            for window in range(windows):
+                mbs = split_micro_batches(data[t], micro_batches)
+                t += 1
+                got = executor.run(async_schedule(name, world, micro_batches, window), mbs, None,
+                                   first_micro_batch=window * micro_batches, carry_over=True)
+                losses += [float(x) for x in got]
+            executor.run(async_schedule(name, world, micro_batches, None, windows), [], carry_over=True)
+            executor.finish()
+            policy.end_segment(windows)
+        out[(name, micro_batches, optimizer_kind)] = {
+            "losses": losses, "state": {k: v.clone() for k, v in module.state_dict().items()},
+            "steps": policy.steps, "copies": policy.max_copies,
+        }
+    return out
+
+
+def reference(world: int, name: str, micro_batches: int, optimizer_kind: str) -> tuple[list[float], list[dict], AsyncEmulator]:
+    modules = stage_modules(make_trunk(world), world)
+    optimizers = [make_optimizer(optimizer_kind, m.parameters()) for m in modules]
+    emulator = AsyncEmulator(name, modules, optimizers, micro_batches, lambda mb: mb[0], loss_fn, OPTIONS)
+    losses, data, t = [], batches(micro_batches), 0
+    for windows in SEGMENTS:
+        for _ in range(windows):
+            losses += emulator.train_window(split_micro_batches(data[t], micro_batches))
+            t += 1
+        emulator.drain()
+    return losses, [m.state_dict() for m in modules], emulator
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_distributed_equals_reference(world):
+    ranks = values(run_workers(distributed, world, timeout=300))
+    checked = 0
+    for case in CASES:
+        name, micro_batches, optimizer_kind = case
+        if case not in ranks[0]:
+            continue
+        want_losses, want_states, emulator = reference(world, name, micro_batches, optimizer_kind)
+        got = ranks[-1][case]
+        assert got["losses"] == pytest.approx(want_losses, rel=1e-5, abs=1e-7), case
+        for rank in range(world):
+            for key, value in want_states[rank].items():
+                torch.testing.assert_close(ranks[rank][case]["state"][key], value, rtol=1e-5, atol=1e-6,
+                                           msg=f"{case} stage {rank} {key}")
+            assert ranks[rank][case]["steps"] == sum(SEGMENTS) == emulator.step_counts[rank]
+            assert ranks[rank][case]["copies"] <= copy_bound(name, rank, world, micro_batches), (case, rank)
+        checked += 1
+    assert checked == sum(case in ranks[0] for case in CASES) > 0
+
+
+def copy_bound(name: str, stage: int, stages: int, micro_batches: int) -> int:
+    """Weight copies beyond the module's parameters, docs/algorithms.md §11."""
+    warmup = stages - 1 - stage
+    return {
+        "pipedream": -(-warmup // micro_batches) + 1,  # tau_bar + 1 stashed versions
+        "pipedream_2bw": 2,
+        "pipemare": 1 + OPTIONS.pipemare.correction,  # masters (+ velocity)
+        "xpipe": 3,  # masters + forward and backward predictions
+    }[name]

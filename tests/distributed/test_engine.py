@@ -1,0 +1,115 @@
+"""The executor without Lightning: every synchronous schedule equals one-device training."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_pipe.engine import Executor, SequentialStage, Transport, Watchdog, split_micro_batches
+from lightning_pipe.partition import resolve_balance, stage_bounds
+from lightning_pipe.registry import build_schedule
+from tests.harness.distributed import run_workers, values
+
+
+class PairUp(nn.Module):
+    """Returns a tuple (float activation, integer tensor) to exercise tuple messages and int passthrough."""
+
+    def forward(self, x):
+        return x, (x.sum(dim=1) > 0).long()
+
+
+class UsePair(nn.Module):
+    def __init__(self, width):
+        super().__init__()
+        self.linear = nn.Linear(width, width)
+
+    def forward(self, pair):
+        x, flag = pair
+        return torch.tanh(self.linear(x)) + flag.unsqueeze(1).to(x.dtype) * 0.1
+
+
+def make_trunk(seed: int = 0, width: int = 8, depth: int = 8) -> nn.Sequential:
+    """Linear/Tanh pairs with one (activation, int flag) tuple crossing a layer boundary."""
+    torch.manual_seed(seed)
+    layers: list[nn.Module] = []
+    for i in range(depth):
+        layers.append(nn.Linear(width, width))
+        layers.append(nn.Tanh())
+    layers[5] = PairUp()  # outputs a tuple; layer 6 consumes it
+    layers[6] = UsePair(width)
+    return nn.Sequential(*layers)
+
+
+def make_batch(n: int = 12, width: int = 8, seed: int = 1):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, width, generator=g), torch.randn(n, width, generator=g)
+
+
+def loss_fn(output, micro_batch):
+    return nn.functional.mse_loss(output, micro_batch[1])
+
+
+def reference(steps: int, batches: list, lr: float = 0.1):
+    trunk = make_trunk()
+    opt = torch.optim.SGD(trunk.parameters(), lr=lr, momentum=0.9)
+    losses = []
+    for x, y in batches[:steps]:
+        opt.zero_grad()
+        loss = loss_fn(trunk(x), (x, y))
+        loss.backward()
+        losses.append(loss.item())
+        opt.step()
+    return losses, {k: v.clone() for k, v in trunk.state_dict().items()}
+
+
+def pipeline_worker(rank: int, world: int, name: str, micro_batches: int, chunks: int, batches: list):
+    """One pipeline of ``world`` devices; returns losses (last device) and local weights."""
+    trunk = make_trunk()
+    parts = world * chunks
+    bounds = stage_bounds(resolve_balance("uniform", trunk, parts))
+    schedule = build_schedule(name, world, micro_batches, chunks)
+    stages, params = [], []
+    for chunk in range(chunks):
+        vs = chunk * world + rank
+        start, end = bounds[vs]
+        layers = trunk[start:end]
+        params += list(layers.parameters())
+        stages.append(SequentialStage(
+            layers,
+            input_fn=(lambda mb: mb[0]) if vs == 0 else None,
+            loss_fn=loss_fn if vs == parts - 1 else None,
+        ))
+    opt = torch.optim.SGD(params, lr=0.1, momentum=0.9)
+    executor = Executor(rank, list(range(world)), stages, Transport(torch.device("cpu")), Watchdog.from_process_group(60.0))
+    losses = []
+    for batch in batches:
+        mbs = split_micro_batches(batch, micro_batches)
+        weights = [len(mb[0]) / len(batch[0]) for mb in mbs]
+        out = executor.run(schedule, mbs, weights, step=lambda: (opt.step(), opt.zero_grad()))
+        if out:
+            losses.append(sum(w * l.item() for w, l in zip(weights, out)))
+    owned = {}
+    for chunk in range(chunks):
+        start, end = bounds[chunk * world + rank]
+        owned.update({f"{i}.{k}": v for i in range(start, end) for k, v in trunk[i].state_dict().items()})
+    return losses, owned
+
+
+@pytest.mark.parametrize(
+    "name,world,micro_batches,chunks",
+    [("gpipe", 2, 4, 1), ("1f1b", 2, 3, 1), ("interleaved_1f1b", 2, 4, 2), ("1f1b", 4, 6, 1), ("interleaved_1f1b", 4, 4, 2)],
+)
+def test_pipeline_equals_single_device(name, world, micro_batches, chunks):
+    batches = [make_batch(seed=s) for s in range(3)]
+    ref_losses, ref_state = reference(3, batches)
+    results = values(run_workers(pipeline_worker, world, name, micro_batches, chunks, batches, timeout=120))
+    losses = [r[0] for r in results if r[0]]
+    assert len(losses) == 1
+    torch.testing.assert_close(torch.tensor(losses[0]), torch.tensor(ref_losses), rtol=1e-5, atol=1e-7)
+    merged = {}
+    for _, owned in results:
+        merged.update(owned)
+    assert merged.keys() == ref_state.keys()
+    for key, value in ref_state.items():
+        torch.testing.assert_close(merged[key], value, rtol=1e-5, atol=1e-6)

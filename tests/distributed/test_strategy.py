@@ -1,0 +1,167 @@
+"""PipeStrategy through Lightning equals one-device training (the heart of the suite)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.harness.launch import launch
+from tests.harness.lightning_run import train
+
+STEPS = 4
+
+
+def merged_state(records):
+    """Whole-model weights from the ranks of pipeline 0: trunk layers from their owners,
+    layers before the trunk from stage 0, layers after it from the last stage."""
+    first, last = records[0], records[-1]
+    state = {}
+    for record in records:
+        state.update({k: v for k, v in record["state"].items() if k.startswith("model.")})
+    state.update({k: v for k, v in first["state"].items() if k.startswith("pre.")})
+    state.update({k: v for k, v in last["state"].items() if k.startswith("head.")})
+    return state
+
+
+def assert_matches(reference, records, pipeline_ranks):
+    ranks = [records[r] for r in pipeline_ranks]
+    state = merged_state(ranks)
+    assert state.keys() == reference["state"].keys()
+    for key, value in reference["state"].items():
+        torch.testing.assert_close(state[key], value, rtol=1e-5, atol=1e-6, msg=key)
+    for record in records:  # every rank logged the same as one device, step by step
+        assert len(record["metrics"]) == len(reference["metrics"])
+        for got, want in zip(record["metrics"], reference["metrics"]):
+            for name in ("train_loss", "train_acc", "seen"):
+                assert got[name] == pytest.approx(want[name], rel=1e-5, abs=1e-6), name
+        assert record["returned"] == pytest.approx(reference["returned"], rel=1e-5)
+    grads = {}
+    for record in ranks:
+        grads.update({k: v for k, v in record["grads"].items() if k.startswith("model.")})
+    grads.update({k: v for k, v in ranks[0]["grads"].items() if k.startswith("pre.")})
+    grads.update({k: v for k, v in ranks[-1]["grads"].items() if k.startswith("head.")})
+    for key, value in reference["grads"].items():
+        torch.testing.assert_close(grads[key], value, rtol=1e-5, atol=1e-7, msg=key)
+
+
+@pytest.mark.parametrize(
+    "schedule,micro_batches,extra",
+    [("gpipe", 4, {}), ("1f1b", 4, {"checkpoint_activations": True}), ("interleaved_1f1b", 4, {"chunks_per_stage": 2})],
+)
+def test_two_stages_equal_one_device(schedule, micro_batches, extra):
+    """Training, mid-epoch validation (torchmetrics objects too), validate, test and predict."""
+    common = {"max_steps": STEPS, "batch_size": 16, "model": {"optimizer": "adam"}, "evaluate": True,
+              "trainer": {"val_check_interval": 2}}
+    reference = train(common)
+    code, output, records = launch({
+        **common, "devices": 2, "strategy": {"schedule": schedule, "micro_batches": micro_batches, **extra},
+    })
+    assert code == 0, output[-3000:]
+    assert_matches(reference, records, [0, 1])
+    assert len(reference["val_metrics"]) == 3  # two mid-epoch checks + trainer.validate
+    for record in records:
+        assert_close_dicts(record["val_metrics"], reference["val_metrics"])
+        assert_close_dicts(record["validate"], reference["validate"])
+        assert_close_dicts(record["test"], reference["test"])
+        torch.testing.assert_close(torch.cat(record["predict"]), torch.cat(reference["predict"]), rtol=1e-5, atol=1e-6)
+
+
+def assert_close_dicts(got: list[dict], want: list[dict]) -> None:
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        assert g.keys() == w.keys()
+        for key in w:
+            assert g[key] == pytest.approx(w[key], rel=1e-5, abs=1e-6), key
+
+
+def test_four_stages_short_last_batch_equal_one_device():
+    """4 stages, 1f1b, SGD momentum, a batch size that leaves a short last batch (96 = 5 × 18 + 6)."""
+    reference = train({"epochs": 1, "batch_size": 18})
+    code, output, records = launch({
+        "devices": 4, "epochs": 1, "batch_size": 18, "strategy": {"schedule": "1f1b", "micro_batches": 6, "balance": [3, 3, 3, 3]},
+    }, timeout=240)
+    assert code == 0, output[-3000:]
+    assert reference["global_step"] == records[0]["global_step"] == 6
+    assert_matches(reference, records, [0, 1, 2, 3])
+
+
+def test_two_pipelines_equal_one_device_at_double_batch():
+    reference = train({"max_steps": STEPS, "batch_size": 16})
+    code, output, records = launch({
+        "devices": 4, "max_steps": STEPS, "batch_size": 8, "stages": 2, "pipelines_in_sampler": 2,
+        "strategy": {"schedule": "1f1b", "micro_batches": 4, "pipelines": 2},
+    }, timeout=240)
+    assert code == 0, output[-3000:]
+    for pipeline in ([0, 1], [2, 3]):
+        ranks = [records[r] for r in pipeline]
+        state = merged_state(ranks)
+        for key, value in reference["state"].items():
+            torch.testing.assert_close(state[key], value, rtol=1e-5, atol=1e-6, msg=key)
+
+
+def test_callbacks_and_loggers_behave_as_on_one_device(tmp_path):
+    """ModelCheckpoint (monitor, top-k, last, every n steps), EarlyStopping, LearningRateMonitor, CSV and
+    TensorBoard loggers (rank 0 writes what one device writes)."""
+    import csv
+    import os
+
+    common = {"epochs": 6, "batch_size": 16, "evaluate": False, "model": {"scheduler": True},
+              "trainer": {"val_check_interval": 1.0, "log_every_n_steps": 1}}
+
+    def run(root, pipeline):
+        config = {**common, "full_callbacks": str(root)}
+        if not pipeline:
+            return train(config)
+        code, output, records = launch({**config, "devices": 2, "strategy": {"schedule": "1f1b", "micro_batches": 4}},
+                                       timeout=240)
+        assert code == 0, output[-3000:]
+        return records[0]
+
+    reference = run(tmp_path / "one", False)
+    piped = run(tmp_path / "pipe", True)
+    assert piped["checkpointing"]["best_k"] == reference["checkpointing"]["best_k"]
+    assert piped["checkpointing"]["stopped_epoch"] == reference["checkpointing"]["stopped_epoch"] < 5
+    assert piped["checkpointing"]["best_score"] == pytest.approx(reference["checkpointing"]["best_score"], rel=1e-5)
+    for sub in ("best", "every"):
+        assert sorted(os.listdir(tmp_path / "pipe" / sub)) == sorted(os.listdir(tmp_path / "one" / sub))
+
+    def rows(root):
+        with open(root / "csv" / "version_0" / "metrics.csv") as f:
+            return list(csv.DictReader(f))
+
+    got, want = rows(tmp_path / "pipe"), rows(tmp_path / "one")
+    # the pipeline adds its per-stage columns (stage_metrics=True, docs/metrics.md); the rest is as on one device
+    extra = {key for key in got[0] if key.startswith("pipe/")}
+    assert {"pipe/stage0/bubble", "pipe/stage1/compute_ms"} <= extra
+    got = [{k: v for k, v in row.items() if k not in extra} for row in got]
+    assert len(got) == len(want) and got[0].keys() == want[0].keys()
+    for g, w in zip(got, want):
+        for key in w:
+            if w[key] == "":
+                assert g[key] == ""
+            else:
+                assert float(g[key]) == pytest.approx(float(w[key]), rel=1e-5, abs=1e-6), key
+    tb_got, tb_want = tensorboard_scalars(tmp_path / "pipe"), tensorboard_scalars(tmp_path / "one")
+    assert {k for k in tb_got if not k.startswith("pipe/")} == tb_want.keys() and "train_loss" in tb_got
+    for tag, points in tb_want.items():
+        assert [s for s, _ in tb_got[tag]] == [s for s, _ in points], tag
+        assert [v for _, v in tb_got[tag]] == pytest.approx([v for _, v in points], rel=1e-5, abs=1e-6), tag
+
+
+def tensorboard_scalars(root) -> dict[str, list[tuple[int, float]]]:
+    """Scalars of rank 0's TensorBoard event files (TFRecord framing: length, crc, event, crc)."""
+    import struct
+
+    from tensorboardX.proto import event_pb2
+
+    scalars: dict[str, list[tuple[int, float]]] = {}
+    for path in sorted((root / "tb" / "version_0").glob("events.out.tfevents.*")):
+        data = path.read_bytes()
+        offset = 0
+        while offset < len(data):
+            (length,) = struct.unpack("<Q", data[offset : offset + 8])
+            event = event_pb2.Event.FromString(data[offset + 12 : offset + 12 + length])
+            offset += 12 + length + 4
+            for value in event.summary.value:
+                scalars.setdefault(value.tag, []).append((event.step, value.simple_value))
+    return scalars

@@ -1,0 +1,120 @@
+"""Fault injection into 2-process training jobs (tests/distributed/test_faults.py; the table of docs/failures.md
+comes from benchmarks/faults.py, which runs every case several times).
+
+Each case runs ``tests/harness/lightning_run.py`` (the suite's small model, 1F1B on 2 CPU processes) in a
+session of its own with one fault. :func:`run` records how the job ended, the seconds from the
+fault to the last process of the job gone, whether a surviving rank's error names the failed rank,
+the job's processes still alive afterwards (orphans; zombies excluded) and, for the save cases,
+whether the checkpoint was written and no temporary file survived.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+
+from tests.harness.distributed import job_environment
+
+SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "lightning_run.py")
+
+
+@dataclass
+class Case:
+    """One fault: the job's config and what a correct ending looks like."""
+
+    name: str
+    config: dict
+    failed_rank: int | None = None  # the rank a survivor's error must name
+    expect_success: bool = False
+    checkpoint: bool = False  # the case writes ckpt_out and must leave it loadable
+    notes: str = ""
+
+
+def cases(timeout: float) -> list[Case]:
+    strategy = {"schedule": "1f1b", "timeout": timeout}
+    base = {"devices": 2, "max_steps": 6, "batch_size": 16, "strategy": strategy}
+
+    def fault(kind: str, rank: int) -> dict:
+        return {**base, "model": {"fault": {"kind": kind, "rank": rank, "step": 2}}}
+
+    return [
+        Case("rank 0 stopped (SIGSTOP)", fault("stop", 0), failed_rank=0),
+        Case("rank 1 stopped (SIGSTOP)", fault("stop", 1), failed_rank=1),
+        Case("rank 1 asleep in its step", fault("sleep", 1), failed_rank=1),
+        Case("rank 0 killed (SIGKILL)", fault("kill", 0), failed_rank=0, notes="rank 1's own parent is gone"),
+        Case("rank 1 killed (SIGKILL)", fault("kill", 1), failed_rank=1),
+        Case("rank 0 raises in its step", {**base, "model": {"fail_at": 2, "fail_rank": 0}}, failed_rank=0),
+        Case("rank 1 raises in its step", {**base, "model": {"fail_at": 2, "fail_rank": 1}}, failed_rank=1),
+        Case("rank 1 raises in on_train_start", {**base, "model": {"fail_hook": "on_train_start", "fail_rank": 1}},
+             failed_rank=1),
+        Case("rank 1 raises in setup (start-up)", {**base, "model": {"fail_hook": "setup", "fail_rank": 1}}, failed_rank=1),
+        Case(f"checkpoint save slower than timeout ({timeout * 1.5:.0f} s)",
+             {**base, "max_steps": 2, "slow_save": timeout * 1.5, "ckpt_out": "<ckpt>"}, expect_success=True,
+             checkpoint=True),
+        Case("rank 0 killed while saving, then the next job saves there",
+             {**base, "max_steps": 2, "slow_save": 0, "kill_in_save": True, "ckpt_out": "<ckpt>"}, failed_rank=0,
+             checkpoint=True, notes="the second job"),
+    ]
+
+
+@dataclass
+class Outcome:
+    code: int | str
+    seconds: float | None  # from the fault to the job's end
+    named: bool | None
+    orphans: list[int] = field(default_factory=list)
+    checkpoint_ok: bool | None = None
+
+
+def _job_processes(session: int) -> list[int]:
+    """Live, non-zombie processes of the session ``session``."""
+    listing = subprocess.run(["ps", "-eo", "pid,sid,stat"], capture_output=True, text=True).stdout.splitlines()[1:]
+    return [int(pid) for pid, sid, stat in (line.split()[:3] for line in listing) if int(sid) == session and not stat.startswith("Z")]
+
+
+def run(case: Case, limit: float) -> Outcome:
+    with tempfile.TemporaryDirectory() as out:
+        config = json.loads(json.dumps(case.config).replace("<ckpt>", os.path.join(out, "model.ckpt")))
+        started = time.time()
+        proc = subprocess.Popen([sys.executable, SCRIPT, json.dumps(config), out], stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True, env=job_environment(), start_new_session=True)
+        try:
+            output, _ = proc.communicate(timeout=limit)
+            code: int | str = proc.returncode
+        except subprocess.TimeoutExpired:
+            code = "hung"
+            os.killpg(proc.pid, signal.SIGKILL)
+            output, _ = proc.communicate()
+        ended = time.time()
+        deadline = time.time() + 15  # the reaper's grace, then look
+        while _job_processes(proc.pid) and time.time() < deadline:
+            time.sleep(0.2)
+        gone = time.time()
+        orphans = _job_processes(proc.pid)
+        for pid in orphans:
+            os.kill(pid, signal.SIGKILL)
+        injected = re.search(r"injecting \w+ on rank \d at step -?\d+ at ([\d.]+)", output)
+        fault_at = float(injected.group(1)) if injected else None
+        seconds = (gone if orphans or gone > ended + 0.3 else ended) - (fault_at or started) if code != "hung" else None
+        named = None
+        if case.failed_rank is not None:
+            survivors = [line for line in output.splitlines()
+                         if ("PeerFailure" in line or "PipelineTimeout" in line) and not line.startswith(("  ", "[rank"))
+                         or ("lightning_pipe." in line and ("PeerFailure" in line or "PipelineTimeout" in line))]
+            named = any(f"rank {case.failed_rank}" in line for line in survivors)
+        checkpoint_ok = None
+        if case.checkpoint:
+            if config.get("kill_in_save"):  # the killed save left its temporary file; the next job saves there
+                rerun = {**config, "kill_in_save": False}
+                subprocess.run([sys.executable, SCRIPT, json.dumps(rerun), out], capture_output=True, env=job_environment(),
+                               timeout=limit)
+            path = os.path.join(out, "model.ckpt")
+            checkpoint_ok = os.path.exists(path) and not any(".partial-" in f for f in os.listdir(out))
+        return Outcome(code, seconds, named, orphans, checkpoint_ok)

@@ -1,0 +1,254 @@
+"""A small Lightning training run, used both in-process (one-device reference) and as a script.
+
+Lightning's launcher re-executes ``sys.argv`` for every extra rank, so multi-process runs must be a
+script: ``python tests/harness/lightning_run.py CONFIG_JSON OUT_DIR``. Every rank writes what it saw to
+``OUT_DIR/rank{r}.pt``: logged metrics per step, the loss returned per step, first-step
+gradients, final local weights.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from typing import Any
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+import torchmetrics
+from lightning.fabric.plugins import TorchCheckpointIO
+from torch import nn
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+import lightning_pipe  # noqa: E402  (registers the strategy names)
+
+
+class TrunkModel(L.LightningModule):
+    """Layers before the trunk (first stage), an nn.Sequential trunk, a head after it (last stage)."""
+
+    def __init__(self, width: int = 16, depth: int = 6, classes: int = 4, optimizer: str = "sgd", fail_at: int = -1,
+                 fail_rank: int = -1, tie: bool = False, scheduler: bool | str = False, fail_hook: str | None = None,
+                 fault: dict | None = None):
+        super().__init__()
+        self.save_hyperparameters()
+        self.tie, self.scheduler = tie, scheduler
+        torch.manual_seed(0)
+        self.pre = nn.Linear(8, width)
+        self.model = nn.Sequential(*[m for _ in range(depth) for m in (nn.Linear(width, width), nn.Tanh())])
+        self.head = nn.Linear(width, classes)
+        self.optimizer = optimizer
+        self.fail_at, self.fail_rank, self.fail_hook = fail_at, fail_rank, fail_hook
+        self.fault = fault  # {"kind": "stop" | "kill" | "sleep", "rank": r, "step": s}: see inject()
+        self.val_acc = torchmetrics.classification.MulticlassAccuracy(num_classes=classes, average="micro")
+        self.val_mae = torchmetrics.MeanAbsoluteError()
+
+    def forward(self, x):
+        return self.output(self.model(torch.relu(self.pre(x))))
+
+    def output(self, h):
+        # tie=True reuses the input layer's weight after the trunk (like a tied embedding / LM head)
+        return F.linear(h, self.pre.weight.t()) if self.tie else self.head(h)
+
+    def _fail_in(self, hook):
+        if self.fail_hook == hook and self.global_rank == self.fail_rank:
+            print(f"injecting raise on rank {self.global_rank} at step 0 at {time.time()}", flush=True)
+            raise ZeroDivisionError(f"deliberate failure in {hook}")
+
+    def setup(self, stage):
+        self._fail_in("setup")
+
+    def on_train_start(self):
+        self._fail_in("on_train_start")
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        logits = self(x)
+        self.log("val_loss", F.cross_entropy(logits, y), prog_bar=True)
+        self.val_acc(logits, y)
+        self.log("val_acc", self.val_acc)
+        self.val_mae(logits.softmax(1).max(1).values, torch.ones_like(y, dtype=torch.float))
+        self.log("val_mae", self.val_mae)
+
+    def test_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("test_loss", F.cross_entropy(self(x), y))
+
+    def predict_step(self, batch, batch_idx):
+        return self(batch[0]).softmax(1)
+
+    def inject(self, batch_idx):
+        """The fault of ``self.fault`` on its rank at its step: SIGSTOP (a hung process), SIGKILL, or a
+        sleep inside the step (a hung Python)."""
+        fault = self.fault
+        if fault is None or batch_idx != fault["step"] or self.global_rank != fault["rank"]:
+            return
+        import signal
+
+        print(f"injecting {fault['kind']} on rank {self.global_rank} at step {batch_idx} at {time.time()}", flush=True)
+        if fault["kind"] == "stop":
+            os.kill(os.getpid(), signal.SIGSTOP)
+        elif fault["kind"] == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        elif fault["kind"] == "sleep":
+            time.sleep(3600)
+
+    def training_step(self, batch, batch_idx):
+        self.inject(batch_idx)
+        if batch_idx == self.fail_at and self.global_rank == self.fail_rank:
+            print(f"injecting raise on rank {self.global_rank} at step {batch_idx} at {time.time()}", flush=True)
+            raise ZeroDivisionError(f"deliberate failure at batch {batch_idx}")
+        x, y = batch
+        h = torch.relu(self.pre(x))
+        logits = self.output(self.model(h))
+        loss = F.cross_entropy(logits, y)
+        self.log("train_loss", loss, prog_bar=True)
+        self.log("train_acc", (logits.argmax(1) == y).float().mean())
+        self.log("seen", float(len(y)), reduce_fx="sum")
+        return loss
+
+    def configure_optimizers(self):
+        if self.optimizer == "adam":
+            optimizer = torch.optim.Adam(self.parameters(), lr=1e-2)
+        else:
+            optimizer = torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+        if not self.scheduler:
+            return optimizer
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
+        interval = self.scheduler if isinstance(self.scheduler, str) else "epoch"
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": interval}}
+
+
+class Recorder(L.Callback):
+    def __init__(self):
+        self.val_metrics: list[dict[str, float]] = []
+        self.metrics: list[dict[str, float]] = []
+        self.returned: list[float] = []
+        self.first_grads: dict[str, torch.Tensor] = {}
+
+    def on_before_optimizer_step(self, trainer, module, optimizer):
+        if not self.first_grads:
+            self.first_grads = {n: p.grad.clone() for n, p in module.named_parameters() if p.grad is not None}
+
+    def on_validation_end(self, trainer, module):
+        if not trainer.sanity_checking:
+            self.val_metrics.append({k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val")})
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+        self.metrics.append({k: float(v) for k, v in trainer.callback_metrics.items()})
+        self.returned.append(float(outputs["loss"]))
+
+
+class SlowCheckpointIO(TorchCheckpointIO):
+    """A filesystem that takes ``seconds`` to write a checkpoint; with ``kill``, the writing process is
+    killed (SIGKILL) half-way through the file."""
+
+    def __init__(self, seconds: float, kill: bool = False):
+        super().__init__()
+        self.seconds, self.kill = seconds, kill
+
+    def save_checkpoint(self, checkpoint, path, storage_options=None):
+        with open(path, "wb") as f:
+            f.write(b"half a checkpoint")
+        if self.kill:
+            import signal
+
+            print(f"injecting kill on rank 0 at step -1 at {time.time()} while writing {path}", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(self.seconds)
+        super().save_checkpoint(checkpoint, path, storage_options)
+
+
+def make_data(n: int = 96, seed: int = 0) -> TensorDataset:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 8, generator=g)
+    y = (x[:, 0] > 0).long() + 2 * (x[:, 1] > 0).long()
+    return TensorDataset(x, y)
+
+
+def train(config: dict[str, Any]) -> dict[str, Any]:
+    """Train per ``config``; return this rank's record."""
+    L.seed_everything(0, verbose=False)
+    model = TrunkModel(**config.get("model", {}))
+    strategy = config.get("strategy")
+    if isinstance(strategy, dict):
+        io = SlowCheckpointIO(config["slow_save"], config.get("kill_in_save", False)) if "slow_save" in config else None
+        strategy = lightning_pipe.PipeStrategy(**strategy, checkpoint_io=io)
+    recorder = Recorder()
+    callbacks, logger = [recorder], False
+    if config.get("full_callbacks"):  # a directory: the usual Lightning callbacks and a CSV logger
+        from lightning.pytorch.callbacks import EarlyStopping, LearningRateMonitor, ModelCheckpoint
+        from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+
+        root = config["full_callbacks"]
+        logger = [CSVLogger(root, name="csv", version=0), TensorBoardLogger(root, name="tb", version=0)]
+        callbacks += [
+            ModelCheckpoint(os.path.join(root, "best"), monitor="val_loss", save_top_k=2, save_last=True,
+                            filename="{epoch}-{step}-{val_loss:.4f}"),
+            ModelCheckpoint(os.path.join(root, "every"), every_n_train_steps=4, save_top_k=-1, filename="{step}"),
+            EarlyStopping(monitor="val_loss", patience=1, min_delta=0.01),
+            LearningRateMonitor(logging_interval="step"),
+        ]
+    options = dict(
+        accelerator=config.get("accelerator", "cpu"),
+        devices=config.get("devices", 1),
+        strategy=strategy or "auto",
+        max_epochs=config.get("epochs", 1),
+        max_steps=config.get("max_steps", -1),
+        logger=logger,
+        enable_checkpointing=bool(config.get("full_callbacks")),
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        use_distributed_sampler=False,
+        callbacks=callbacks,
+    )
+    trainer = L.Trainer(**{**options, **config.get("trainer", {})})
+    dataset = make_data(config.get("samples", 96))
+    sampler = None
+    pipelines = config.get("pipelines_in_sampler", 1)
+    if pipelines > 1:
+        sampler = DistributedSampler(dataset, num_replicas=pipelines, rank=trainer.global_rank // config["stages"], shuffle=False)
+    loader = DataLoader(dataset, batch_size=config.get("batch_size", 16), shuffle=False, sampler=sampler)
+    eval_loader = DataLoader(make_data(40, seed=1), batch_size=config.get("eval_batch_size", 12))
+    evaluate = config.get("evaluate", False)
+    validate_during_fit = evaluate or bool(config.get("full_callbacks"))
+    trainer.fit(model, loader, eval_loader if validate_during_fit else None, ckpt_path=config.get("ckpt_path"))
+    if config.get("ckpt_out"):
+        trainer.save_checkpoint(config["ckpt_out"])
+    results = {}
+    if evaluate:
+        results["validate"] = trainer.validate(model, eval_loader, verbose=False)
+        results["test"] = trainer.test(model, eval_loader, verbose=False)
+        results["predict"] = trainer.predict(model, eval_loader)
+    if config.get("full_callbacks"):
+        best = trainer.checkpoint_callbacks[0]
+        results["checkpointing"] = {"best_score": float(best.best_model_score), "best_k": sorted(
+            os.path.basename(k) for k in best.best_k_models), "stopped_epoch": trainer.current_epoch}
+    return {
+        **results,
+        "val_metrics": recorder.val_metrics,
+        "rank": trainer.global_rank,
+        "metrics": recorder.metrics,
+        "returned": recorder.returned,
+        "grads": recorder.first_grads,
+        "state": {k: v.clone() for k, v in model.state_dict().items()},
+        "global_step": trainer.global_step,
+        "counts": getattr(trainer.strategy, "_counts", None),
+        "avgpipe": avgpipe_values(trainer.strategy),
+    }
+
+
+def avgpipe_values(strategy: Any) -> tuple[int, int, int] | None:
+    """``(parallel_pipelines, micro_batches, advance_forward)`` of an avgpipe strategy (after any tuning)."""
+    if getattr(strategy, "schedule", None) != "avgpipe":
+        return None
+    return strategy.options.avgpipe.parallel_pipelines, strategy.micro_batches, strategy.options.avgpipe.advance_forward
+
+
+if __name__ == "__main__":
+    config = json.loads(sys.argv[1])
+    result = train(config)
+    torch.save(result, os.path.join(sys.argv[2], f"rank{result['rank']}.pt"))

@@ -1,0 +1,121 @@
+"""Bad configurations fail early with one sentence that says what to change."""
+
+from __future__ import annotations
+
+import lightning as L
+import pytest
+from torch import nn
+
+import lightning_pipe
+from lightning_pipe import PipeConfigError, PipeStrategy
+from tests.harness.lightning_run import TrunkModel
+
+
+def connect(model: L.LightningModule, devices: int = 2, **options) -> None:
+    """Run the strategy's pre-launch checks without launching processes."""
+    trainer = L.Trainer(strategy=PipeStrategy(**options), accelerator="cpu", devices=devices, logger=False)
+    trainer.strategy.connect(model)
+
+
+class TwoTrunks(TrunkModel):
+    def __init__(self):
+        super().__init__()
+        self.other = nn.Sequential(nn.Linear(4, 4))
+
+
+class NoTrunk(L.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.layer = nn.Linear(4, 4)
+
+
+class Manual(TrunkModel):
+    def __init__(self):
+        super().__init__()
+        self.automatic_optimization = False
+
+
+def test_strategy_names_are_registered():
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    for name in ("gpipe", "1f1b", "interleaved_1f1b"):
+        assert name in StrategyRegistry
+        trainer = L.Trainer(strategy=name, accelerator="cpu", devices=2, logger=False)
+        assert isinstance(trainer.strategy, PipeStrategy) and trainer.strategy.schedule == name
+    import importlib
+
+    importlib.reload(lightning_pipe)  # a second import must not raise "already registered"
+
+
+@pytest.mark.parametrize(
+    "make,kwargs,match",
+    [
+        (TrunkModel, {"devices": 3, "stages": 2}, r"stages=2 × pipelines=1 needs 2 processes .* set devices=2"),
+        (TrunkModel, {"devices": 3, "pipelines": 2}, r"3 processes .* cannot form 2 pipelines"),
+        (lambda: TrunkModel(depth=1), {"devices": 2, "schedule": "interleaved_1f1b", "chunks_per_stage": 2},
+         r"trunk has 2 layers but the pipeline needs 4 stages"),
+        (TrunkModel, {"balance": [5, 5]}, r"sums to 10 but the trunk has 12 layers"),
+        (TrunkModel, {"balance": [12]}, r"balance has 1 entries but the pipeline has 2 stages"),
+        (TrunkModel, {"schedule": "interleaved_1f1b", "micro_batches": 3}, r"multiple of stages; .* micro_batches=4"),
+        (Manual, {}, r"manual optimization"),
+        (NoTrunk, {}, r"no nn.Sequential attribute"),
+        (TwoTrunks, {}, r"several nn.Sequential attributes \(model, other\).*PipeStrategy\(module=\.\.\.\)"),
+        (TrunkModel, {"module": "head"}, r"head is a Linear, not an nn.Sequential"),
+    ],
+)
+def test_bad_configuration(make, kwargs, match):
+    devices = kwargs.pop("devices", 2)
+    with pytest.raises(PipeConfigError, match=match):
+        connect(make(), devices=devices, **kwargs)
+
+
+@pytest.mark.parametrize(
+    "options,match",
+    [
+        ({"schedule": "pipemagic"}, "schedule='pipemagic' is not available"),
+        ({"micro_batches": 0}, "micro_batches=0 must be at least 1"),
+        ({"schedule": "1f1b", "chunks_per_stage": 2}, "only applies to schedule='interleaved_1f1b'"),
+        ({"balance": "foo"}, "balance='foo' is not known; use 'uniform', 'parameters', 'auto'"),
+        ({"micro_batch": 4}, r"PipeStrategy has no option 'micro_batch'; did you mean micro_batches=\?"),
+        ({"timeout": 0}, "timeout=0.0 must be a positive number of seconds"),
+        ({"checkpoint_timeout": -1}, "checkpoint_timeout=-1.0 must be a positive number of seconds"),
+    ],
+)
+def test_bad_options(options, match):
+    with pytest.raises(PipeConfigError, match=match):
+        PipeStrategy(**options)
+
+
+@pytest.mark.parametrize("schedule", ["pipemare", "1f1b"])
+def test_a_one_stage_pipeline_is_not_silent(schedule):
+    """Trainer(strategy=name) on CPU without devices runs one process: say so, and what to set."""
+    import warnings
+
+    with pytest.warns(UserWarning, match=r"one-stage pipeline .* Trainer\(devices=N\) .* PipeStrategy\(stages=N\)"):
+        connect(TrunkModel(), devices=1, schedule=schedule)
+    with warnings.catch_warnings():  # two processes, or an emulated pipeline: no warning
+        warnings.filterwarnings("error", message=".*one-stage pipeline.*")
+        connect(TrunkModel(), devices=2, schedule=schedule)
+        connect(TrunkModel(), devices=1, schedule=schedule, stages=2)
+
+
+def test_named_trunk_is_used():
+    connect(TwoTrunks(), module="model")  # no error: the name resolves the ambiguity
+
+
+
+
+
+
+
+
+
+
+
+
+@pytest.mark.parametrize("schedule", ["pipedream", "pipedream_2bw", "pipemare", "xpipe"])
+def test_asynchronous_schedules_refuse_data_parallel_pipelines(schedule):
+    """Each pipeline's stages would step on their own gradients, so the replicas would diverge."""
+    with pytest.raises(PipeConfigError, match=rf"schedule='{schedule}' steps each stage inside the pipeline"):
+        connect(TrunkModel(), devices=4, schedule=schedule, stages=2, pipelines=2)
+    connect(TrunkModel(), devices=4, schedule="avgpipe", stages=2, pipelines=2)  # its replicas average gradients

@@ -1,0 +1,245 @@
+"""One-device emulation (``Trainer(devices=1, strategy=PipeStrategy(stages=P))``) equals the literal
+reference of each asynchronous update rule, the distributed run, and (sync schedules) one device."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_pipe.engine import split_micro_batches
+from lightning_pipe.engine.policies import AsyncOptions, PipeMareOptions
+from lightning_pipe.partition import resolve_balance, stage_bounds
+from tests.harness.lightning_run import TrunkModel, make_data, train
+from tests.reference.async_reference import AsyncEmulator
+
+EPOCHS, BATCH = 2, 16
+OPTIONS = {"pipemare": {"lr_warmup_steps": 5}}
+
+
+def reference_stages(model: TrunkModel, stages: int) -> list[nn.Module]:
+    """The module cut like the strategy cuts it: code before the trunk on stage 0, the head on the last."""
+    bounds = stage_bounds(resolve_balance("uniform", model.model, stages))
+    parts = [list(model.model[a:b]) for a, b in bounds]
+    parts[0] = [model.pre, nn.ReLU(), *parts[0]]
+    parts[-1] = [*parts[-1], model.head]
+    return [nn.Sequential(*p) for p in parts]
+
+
+def emulator_for(model: TrunkModel, schedule: str, stages: int, micro: int, clip: float | None, interval: str | None,
+                 optimizers: list | None = None):
+    modules = reference_stages(model, stages)
+    optimizers = optimizers or [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in modules]
+    schedulers = [torch.optim.lr_scheduler.StepLR(o, step_size=2, gamma=0.5) for o in optimizers] if interval else []
+    emulator = AsyncEmulator(schedule, modules, optimizers, micro, lambda mb: mb[0],
+                             lambda out, mb: nn.functional.cross_entropy(out, mb[1]), AsyncOptions(PipeMareOptions(**OPTIONS["pipemare"])),
+                             schedulers if interval == "step" else None, clip_val=clip)
+    return emulator, schedulers
+
+
+def run_epochs(emulator, schedulers, interval, micro: int, epochs: int, samples: int = 96) -> list[float]:
+    x, y = make_data(samples).tensors
+    losses = []
+    for _ in range(epochs):
+        for start in range(0, len(x), BATCH):
+            batch = (x[start:start + BATCH], y[start:start + BATCH])
+            n = len(batch[1])
+            parts = split_micro_batches(batch, min(micro, n))  # a short last batch: one sample per micro-batch
+            losses.append(sum(loss * len(p[1]) / n for loss, p in zip(emulator.train_window(parts, [len(p[1]) / n for p in parts]), parts)))
+        emulator.drain()
+        if interval == "epoch":
+            for scheduler in schedulers:
+                scheduler.step()
+    return losses
+
+
+def reference(schedule: str, stages: int, micro: int, clip: float | None, interval: str | None,
+              samples: int = 96) -> tuple[list[float], dict]:
+    model = TrunkModel(scheduler=interval or False)
+    emulator, schedulers = emulator_for(model, schedule, stages, micro, clip, interval)
+    return run_epochs(emulator, schedulers, interval, micro, EPOCHS, samples), model.state_dict()
+
+
+def emulated(schedule: str, stages: int, micro: int, **config) -> dict:
+    strategy = {"schedule": schedule, "micro_batches": micro, "stages": stages, **OPTIONS, **config.pop("strategy", {})}
+    return train({"devices": 1, "epochs": EPOCHS, "batch_size": BATCH, "strategy": strategy,
+                  "trainer": {"log_every_n_steps": 1, **config.pop("trainer", {})}, **config})
+
+
+CASES = [
+    (schedule, stages, micro)
+    for schedule in ("pipedream", "pipedream_2bw", "pipemare", "xpipe")
+    for stages in (2, 4)
+    for micro in (1, 2)
+    if not (schedule == "pipedream_2bw" and micro < stages)
+]
+
+
+@pytest.mark.parametrize("schedule,stages,micro", CASES)
+def test_emulation_equals_reference(schedule, stages, micro):
+    """Losses per step and final weights; clipping per stage and per-stage lr schedulers (step interval
+    for pipedream/pipemare, Lightning's epoch interval for the others) in the stages=2 cases."""
+    clip, interval = (0.5, "step" if schedule in ("pipedream", "pipemare") else "epoch") if stages == 2 else (None, None)
+    trainer = {"gradient_clip_val": clip} if clip else {}
+    got = emulated(schedule, stages, micro, model={"scheduler": interval or False}, trainer=trainer)
+    want_losses, want_state = reference(schedule, stages, micro, clip, interval)
+    assert [m["train_loss"] for m in got["metrics"]] == pytest.approx(want_losses, rel=1e-5)
+    assert got["global_step"] == len(want_losses)
+    for key, value in want_state.items():
+        torch.testing.assert_close(got["state"][key], value, rtol=1e-5, atol=1e-6, msg=key)
+    last = got["metrics"][-1]
+    assert all(f"pipe/stage{s}/weight_copies" in last for s in range(stages))
+    assert last[f"pipe/stage{stages - 1}/staleness"] == 0.0 and last["pipe/stage0/staleness"] > 0
+
+
+@pytest.mark.parametrize("schedule", ["pipedream", "pipedream_2bw", "pipemare", "xpipe"])
+def test_a_short_last_batch_is_a_short_mini_batch(schedule):
+    """90 samples in batches of 16 leave a last batch of 10 samples (4 micro-batches of 2 or 3) and,
+    with 82 samples, one of 2 samples: fewer than the 4 micro-batches, so 2 micro-batches of one
+    sample make a short mini-batch that steps in the drain ending the epoch (docs/async-semantics.md).
+    No drop_last needed; every step equals the reference's rule."""
+    for samples in (90, 82):
+        got = emulated(schedule, 2, 4, samples=samples)
+        want_losses, want_state = reference(schedule, 2, 4, None, None, samples)
+        assert got["global_step"] == len(want_losses) == EPOCHS * 6
+        assert [m["train_loss"] for m in got["metrics"]] == pytest.approx(want_losses, rel=1e-5)
+        for key, value in want_state.items():
+            torch.testing.assert_close(got["state"][key], value, rtol=1e-5, atol=1e-6, msg=key)
+
+
+@pytest.mark.parametrize("schedule,extra", [("gpipe", {}), ("1f1b", {}), ("interleaved_1f1b", {"micro_batches": 4})])
+def test_sync_emulation_equals_one_device(schedule, extra):
+    """Training, then validate / test / predict through the emulated forward-only pipeline."""
+    one = train({"epochs": 1, "batch_size": BATCH, "evaluate": True})
+    got = train({"epochs": 1, "batch_size": BATCH, "evaluate": True,
+                 "strategy": {"schedule": schedule, "stages": 2, "micro_batches": 2, **extra}})
+    assert [m["train_loss"] for m in got["metrics"]] == pytest.approx([m["train_loss"] for m in one["metrics"]], rel=1e-5)
+    for key in ("validate", "test"):
+        assert got[key][0] == pytest.approx(one[key][0], rel=1e-5), key
+    torch.testing.assert_close(torch.cat(got["predict"]), torch.cat(one["predict"]), rtol=1e-5, atol=1e-6)
+    for key, value in one["state"].items():
+        torch.testing.assert_close(got["state"][key], value, rtol=1e-5, atol=1e-6, msg=key)
+
+
+def test_sync_warmup_then_asynchronous():
+    """Epoch 0 is one-device training (1f1b); epoch 1 is the reference started from its weights and
+    momentum (each stage's optimizer takes the state of its parameters)."""
+    got = emulated("xpipe", 2, 2, strategy={"sync_warmup_epochs": 1})
+    one = train({"epochs": 1, "batch_size": BATCH})
+    losses = [m["train_loss"] for m in got["metrics"]]
+    assert losses[:6] == pytest.approx([m["train_loss"] for m in one["metrics"]], rel=1e-5)
+
+    model = TrunkModel()  # replay epoch 0 by hand, then hand the stages to the reference
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    x, y = make_data().tensors
+    for start in range(0, len(x), BATCH):
+        optimizer.zero_grad()
+        nn.functional.cross_entropy(model(x[start:start + BATCH]), y[start:start + BATCH]).backward()
+        optimizer.step()
+    modules = reference_stages(model, 2)
+    optimizers = []
+    for module in modules:
+        stage = torch.optim.SGD(module.parameters(), lr=0.1, momentum=0.9)
+        for p in module.parameters():
+            stage.state[p] = optimizer.state[p]
+        optimizers.append(stage)
+    emulator, _ = emulator_for(model, "xpipe", 2, 2, None, None, optimizers)
+    assert losses[6:] == pytest.approx(run_epochs(emulator, [], None, 2, 1), rel=1e-5)
+    for key, value in model.state_dict().items():
+        torch.testing.assert_close(got["state"][key], value, rtol=1e-5, atol=1e-6, msg=key)
+    assert "pipe/stage0/staleness" not in got["metrics"][5] and got["metrics"][-1]["pipe/stage0/prediction_norm"] > 0
+
+
+@pytest.mark.parametrize("schedule", ["pipedream_2bw", "pipemare"])
+def test_resume_continues_like_an_uninterrupted_run(schedule, tmp_path):
+    """The checkpoint holds every stage's policy state and optimizer share in one-device format."""
+    whole = emulated(schedule, 2, 2, model={"scheduler": "step"})
+    ckpt = str(tmp_path / "epoch1.ckpt")
+    emulated(schedule, 2, 2, model={"scheduler": "step"}, epochs=1, ckpt_out=ckpt)
+    resumed = emulated(schedule, 2, 2, model={"scheduler": "step"}, ckpt_path=ckpt)
+    for key, value in whole["state"].items():
+        torch.testing.assert_close(resumed["state"][key], value, rtol=1e-6, atol=1e-7, msg=key)
+    assert [m["train_loss"] for m in resumed["metrics"]] == pytest.approx([m["train_loss"] for m in whole["metrics"]][6:], rel=1e-6)
+    saved = torch.load(ckpt, weights_only=False)
+    state = saved["pipe_async_state"]  # every stage's state in one, keyed by parameter name
+    per_parameter = state["previous" if schedule == "pipedream_2bw" else "delta"]
+    assert set(per_parameter) == {n for n, _ in TrunkModel().named_parameters()} and state["steps"] == 6
+    fresh = TrunkModel()  # the file is an ordinary one-device checkpoint
+    fresh.load_state_dict(saved["state_dict"])
+    plain = torch.optim.SGD(fresh.parameters(), lr=0.1, momentum=0.9)
+    plain.load_state_dict({k: v for k, v in saved["optimizer_states"][0].items() if k != "pipe_param_names"})
+
+
+def test_emulation_rejects_parameters_shared_across_stages():
+    with pytest.raises(Exception, match="parameters pre.weight are used on several stages"):
+        emulated("pipedream", 2, 2, model={"tie": True})
+
+
+def _reference_from_checkpoint(schedule: str, stages: int, ckpt: str) -> tuple[AsyncEmulator, TrunkModel]:
+    """The literal reference of a ``stages``-stage pipeline that starts where the checkpoint ends: its
+    weights, optimizer state (by parameter name), step counts and policy state (pipemare's velocity).
+    Its stages are the returned model's own layers, so the model holds the reference's weights."""
+    saved = torch.load(ckpt, weights_only=False)
+    model = TrunkModel()
+    model.load_state_dict(saved["state_dict"])
+    modules = reference_stages(model, stages)
+    full_name = {id(p): n for n, p in model.named_parameters()}
+    optimizer_state = saved["optimizer_states"][0]
+    index_of = {n: i for i, n in enumerate(optimizer_state["pipe_param_names"])}
+    optimizers = []
+    for module in modules:
+        optimizer = torch.optim.SGD(module.parameters(), lr=0.1, momentum=0.9)
+        for p in module.parameters():
+            optimizer.state[p] = {k: v.clone() for k, v in optimizer_state["state"][index_of[full_name[id(p)]]].items()}
+        optimizers.append(optimizer)
+    emulator, _ = emulator_for(model, schedule, stages, 2, None, None, optimizers=optimizers)
+    state = saved["pipe_async_state"]
+    emulator._windows_before_segment = state["batches_before_segment"]
+    for st in emulator._stages:
+        st.steps = state["steps"]
+        if st.delta is not None:
+            st.delta = {name: state["delta"][full_name[id(p)]].clone() for name, p in st.module.named_parameters()}
+    return emulator, model
+
+
+@pytest.mark.parametrize("schedule", ["pipemare", "xpipe"])
+def test_a_checkpoint_resumes_under_another_split(schedule, tmp_path):
+    """The policy state is keyed by parameter name: a 2-stage checkpoint resumes as 4 stages and
+    continues exactly as the reference started from the checkpoint says; another balance resumes too."""
+    ckpt = str(tmp_path / "two-stages.ckpt")
+    emulated(schedule, 2, 2, epochs=1, ckpt_out=ckpt)
+    resumed = emulated(schedule, 4, 2, ckpt_path=ckpt)
+    reference, model = _reference_from_checkpoint(schedule, 4, ckpt)
+    losses = run_epochs(reference, [], None, 2, 1)
+    assert [m["train_loss"] for m in resumed["metrics"]] == pytest.approx(losses, rel=1e-5)
+    for key, value in model.state_dict().items():
+        torch.testing.assert_close(resumed["state"][key], value, rtol=1e-5, atol=1e-6, msg=key)
+    other = emulated(schedule, 2, 2, ckpt_path=ckpt, strategy={"balance": [3, 9]})
+    assert other["global_step"] == 12
+
+
+@pytest.mark.parametrize("schedule", ["pipedream", "pipedream_2bw"])
+def test_activation_recomputation_changes_nothing(schedule):
+    """checkpoint_activations recomputes a stage's forward inside its backward: on the stashed
+    version that forward saw, so the run equals the one that kept its activations."""
+    kept = emulated(schedule, 2, 2)
+    recomputed = emulated(schedule, 2, 2, strategy={"checkpoint_activations": True})
+    assert [m["train_loss"] for m in recomputed["metrics"]] == pytest.approx([m["train_loss"] for m in kept["metrics"]], rel=1e-6)
+    for key, value in kept["state"].items():
+        torch.testing.assert_close(recomputed["state"][key], value, rtol=1e-6, atol=1e-7, msg=key)
+
+
+def test_activation_recomputation_changes_nothing_under_avgpipe():
+    """avgpipe's replicas: recomputation runs on the replica whose forward it repeats (one process)."""
+    import warnings
+
+    config = {"devices": 1, "epochs": 1, "batch_size": BATCH, "trainer": {"log_every_n_steps": 1},
+              "strategy": {"schedule": "avgpipe", "micro_batches": 2, "avgpipe": {"parallel_pipelines": 2}}}
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*one-stage pipeline.*")
+        kept = train(config)
+        recomputed = train({**config, "strategy": {**config["strategy"], "checkpoint_activations": True}})
+    for key, value in kept["state"].items():
+        torch.testing.assert_close(recomputed["state"][key], value, rtol=1e-6, atol=1e-7, msg=key)
+
+
