@@ -40,10 +40,10 @@ import torch.multiprocessing as mp
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks.avgpipe, and a source checkout
 
 from benchmarks.avgpipe import STAGES, Runner, Variant, free_port, make_trunk, timed_windows  # noqa: E402
+from lightning_pipe.engine import Transport, Watchdog  # noqa: E402
 from lightning_pipe.planning.avgpipe_autotune import profile_sizes  # noqa: E402
 from lightning_pipe.planning.avgpipe_trials import TrialStage, fastest, measure_candidates  # noqa: E402
 from lightning_pipe.planning.avgpipe_tuner import Candidate, fit_stages, profile_step, tune  # noqa: E402
-from lightning_pipe.engine import Transport, Watchdog  # noqa: E402
 from lightning_pipe.planning.profile import profile_trunk  # noqa: E402
 
 
