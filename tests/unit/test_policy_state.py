@@ -1,0 +1,26 @@
+"""Merging the stages' policy states into the one a checkpoint holds (any split resumes from it)."""
+
+from __future__ import annotations
+
+import torch
+
+from lightning_pipe.engine.policies import merge_states
+
+
+def test_name_keyed_maps_unite_and_a_shared_parameter_comes_from_its_owner():
+    stage0 = {"policy": "P", "steps": 3, "previous": {"pre.w": torch.tensor(1.0), "head.w": torch.tensor(-1.0)},
+              "replicas": [{"pre.w": torch.tensor(10.0)}, {"pre.w": torch.tensor(11.0)}]}
+    stage1 = {"policy": "P", "steps": 3, "previous": {"mid.w": torch.tensor(2.0), "head.w": torch.tensor(5.0)},
+              "replicas": [{"mid.w": torch.tensor(20.0)}, {"mid.w": torch.tensor(21.0)}]}
+    merged = merge_states([stage0, stage1], owner={"head.w": 1, "pre.w": 0})
+    assert merged["steps"] == 3 and merged["policy"] == "P"
+    assert {k: float(v) for k, v in merged["previous"].items()} == {"pre.w": 1.0, "head.w": 5.0, "mid.w": 2.0}
+    assert [{k: float(v) for k, v in r.items()} for r in merged["replicas"]] == [
+        {"pre.w": 10.0, "mid.w": 20.0}, {"pre.w": 11.0, "mid.w": 21.0}]
+    # without an owner, the first stage that holds it (the 0.1 behaviour, kept for checkpoints without one)
+    assert float(merge_states([stage0, stage1])["previous"]["head.w"]) == -1.0
+
+
+def test_stages_without_state_are_skipped():
+    assert merge_states([None, {"steps": 1}, None]) == {"steps": 1}
+    assert merge_states([]) is None
