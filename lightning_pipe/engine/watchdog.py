@@ -41,6 +41,8 @@ _STOP = b"\0stop"  # what a listener's own rank pushes into its inbox to end it
 FAILURE_GRACE = 5.0
 #: Seconds the key-value store may take to answer one request before its host counts as hung.
 STORE_PATIENCE = 1.0
+#: Seconds a listening rank waits for a report to arrive (a report reaches live listeners in milliseconds).
+LISTENER_PATIENCE = 0.5
 T = TypeVar("T")
 
 
@@ -69,7 +71,8 @@ class Watchdog:
         store: the job's key-value store (``None``: no cross-rank error reports).
         rank: this process's global rank (used in reports).
         generation: separates the reports of consecutive runs that share one store.
-        grace: seconds to wait for a failed peer's report after a connection error, and for a peer to
+        grace: seconds to wait for a failed peer's report after a connection error (when this rank does
+            not listen for reports, :meth:`listen`), and for a peer to
             exit on its own before :meth:`end_stragglers` ends it.
         peers: ``(hostname, pid)`` of every global rank (:meth:`learn_peers`), for ending stragglers.
     """
@@ -137,7 +140,7 @@ class Watchdog:
     def report(self, error: BaseException) -> None:
         """Tell every other rank that this one failed (once; best effort, never raises, never hangs):
         in the store, and into every listener's inbox. Rank 0, whose store dies with it, then waits
-        until the listeners heard it (milliseconds when they are alive, at most ``STORE_PATIENCE``)."""
+        until the listeners heard it (milliseconds when they are alive, at most ``LISTENER_PATIENCE``)."""
         if self.store is None or self.store_silent or self.reported or isinstance(error, PeerFailure):
             return
         self.reported = True
@@ -154,7 +157,7 @@ class Watchdog:
         answered, listeners = _bounded(tell, self.grace)
         self.store_silent = not answered
         if answered and listeners and self.rank == 0:
-            deadline = time.monotonic() + STORE_PATIENCE
+            deadline = time.monotonic() + LISTENER_PATIENCE
             while time.monotonic() < deadline:
                 if int(self.store.add(f"{self.key}/heard", 0)) >= listeners:  # rank 0's own store: answers at once
                     return
@@ -163,6 +166,11 @@ class Watchdog:
     def peer_error(self, wait: float = 0.0) -> str | None:
         """The first reported error message, waiting up to ``wait`` seconds for one to appear; when
         the store's host (rank 0) does not answer, a sentence that says so."""
+        if self._listening:  # a report made before now is here within milliseconds: no need to wait longer
+            deadline = time.monotonic() + min(wait, LISTENER_PATIENCE)
+            while self.heard is None and time.monotonic() < deadline:
+                time.sleep(0.01)
+            wait = 0.0
         if self.heard is not None:
             return self.heard
         if self.store is None:
