@@ -49,7 +49,7 @@ class AsyncSegments:
     ) -> WeightPolicy:
         """Create the weight policy (at the first asynchronous step; ``steps_done`` on resume)."""
         policy = self.policy_class(root, optimizer, self.stage, self.stages, self.micro_batches, options, scheduler, clip)
-        policy.steps = policy.batches_before_segment = steps_done
+        policy.begin(steps_done)
         self.policy = self.executor.policy = policy
         self.policies = [policy]
         self.load_restored()

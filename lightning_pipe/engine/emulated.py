@@ -94,7 +94,7 @@ class EmulatedAsyncSegments(AsyncSegments):
         self.policies = []
         for s, (names, stage_opt, stage_sched) in enumerate(zip(stage_names, self.optimizers, self.schedulers)):
             policy = self.policy_class(root, stage_opt, s, self.stages, self.micro_batches, options, stage_sched, clip, names=names)
-            policy.steps = policy.batches_before_segment = steps_done
+            policy.begin(steps_done)
             self.executor.executors[s].policy = policy
             self.policies.append(policy)
         self.policy = self.policies[0]

@@ -66,6 +66,7 @@ class PipeOptions:
     trace_dir: str | None = None
     trace_steps: int = 3
     stage_metrics: bool = True
+    sync_warmup_steps: int = 0
 
     @property
     def spec(self) -> ScheduleSpec:
@@ -123,7 +124,7 @@ def resolve(
     schedule: str, micro_batches: int | str, stages: int | None, pipelines: int, balance: str | list[int], module: str | None,
     chunks_per_stage: int | None, checkpoint_activations: bool, timeouts: tuple[float, float, float], sync_warmup_epochs: int,
     groups: Mapping[str, Any], trace_dir: str | None, trace_steps: int, deprecated: Mapping[str, Any],
-    stage_metrics: bool = True,
+    stage_metrics: bool = True, sync_warmup_steps: int = 0,
 ) -> PipeOptions:
     """Check the arguments of ``PipeStrategy`` and return them as :class:`PipeOptions`."""
     row = spec(schedule)
@@ -135,6 +136,7 @@ def resolve(
         schedule, micro_batches, stages, pipelines, list(balance) if not isinstance(balance, str) else balance, module,  # type: ignore[arg-type]
         chunks_per_stage, checkpoint_activations, *map(float, timeouts), sync_warmup_epochs, resolved["pipemare"],
         resolved["xpipe"], resolved["avgpipe"], resolved["auto_balance"], trace_dir, trace_steps, stage_metrics,
+        sync_warmup_steps,
     )
     check(options)
     return options
@@ -163,8 +165,9 @@ def check(options: PipeOptions) -> None:
     if isinstance(o.balance, str) and o.balance not in ("uniform", "parameters", "auto"):
         raise PipeConfigError(f"balance={o.balance!r} is not known; use 'uniform', 'parameters', 'auto' (profile and plan "
                               "at setup) or a list of layer counts.")
-    if o.sync_warmup_epochs < 0:
-        raise PipeConfigError(f"sync_warmup_epochs={o.sync_warmup_epochs} must be at least 0.")
+    for name in ("sync_warmup_epochs", "sync_warmup_steps"):
+        if getattr(o, name) < 0:
+            raise PipeConfigError(f"{name}={getattr(o, name)} must be at least 0.")
     _check_avgpipe(o)
     _check_trace(o.trace_dir, o.trace_steps)
 

@@ -128,6 +128,9 @@ class PipeStrategy(DDPStrategy, metaclass=_NamesItsOptions):
             the file while the others wait; a slow filesystem must not lose it).
         sync_warmup_epochs: asynchronous schedules only: train the first epochs with ``1f1b`` (PipeMare's
             synchronous warm-up), then switch in the same run.
+        sync_warmup_steps: asynchronous schedules only: train the first optimizer steps with ``1f1b``,
+            then switch at the next batch, also within an epoch (with ``sync_warmup_epochs``, the
+            warm-up lasts until both are reached).
         pipemare: PipeMare's learning-rate rescheduling and discrepancy correction
             (:class:`~lightning_pipe.PipeMareOptions`; a dict of its fields works too).
         xpipe: XPipe's weight prediction (:class:`~lightning_pipe.XPipeOptions`).
@@ -182,6 +185,7 @@ class PipeStrategy(DDPStrategy, metaclass=_NamesItsOptions):
         startup_timeout: float = 1800.0,
         checkpoint_timeout: float = 3600.0,
         sync_warmup_epochs: int = 0,
+        sync_warmup_steps: int = 0,
         pipemare: PipeMareOptions = PipeMareOptions(),
         xpipe: XPipeOptions = XPipeOptions(),
         avgpipe: AvgPipeOptions = AvgPipeOptions(),
@@ -216,7 +220,7 @@ class PipeStrategy(DDPStrategy, metaclass=_NamesItsOptions):
             schedule, micro_batches, stages, pipelines, balance, module, chunks_per_stage, checkpoint_activations,
             (timeout, startup_timeout, checkpoint_timeout), sync_warmup_epochs,
             {"pipemare": pipemare, "xpipe": xpipe, "avgpipe": avgpipe, "auto_balance": auto_balance},
-            trace_dir, trace_steps, deprecated, stage_metrics,
+            trace_dir, trace_steps, deprecated, stage_metrics, sync_warmup_steps,
         )
         super().__init__(
             accelerator=accelerator,

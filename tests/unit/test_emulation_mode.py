@@ -150,6 +150,41 @@ def test_sync_warmup_then_asynchronous():
     assert "pipe/stage0/staleness" not in got["metrics"][5] and got["metrics"][-1]["pipe/stage0/prediction_norm"] > 0
 
 
+@pytest.mark.parametrize("schedule", ["pipedream_2bw", "xpipe"])
+def test_sync_warmup_counted_in_steps_switches_within_an_epoch(schedule):
+    """``sync_warmup_steps=4`` of an epoch of 6 batches: 4 one-device steps, then the reference's rule
+    from batch 5 on, started from those weights and momentum, through the epoch's drain and the next."""
+    warmup, micro = 4, 2
+    got = emulated(schedule, 2, micro, strategy={"sync_warmup_steps": warmup})
+    losses = [m["train_loss"] for m in got["metrics"]]
+
+    model = TrunkModel()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    x, y = make_data().tensors
+    batches = [(x[start:start + BATCH], y[start:start + BATCH]) for start in range(0, len(x), BATCH)]
+    want = []
+    for batch in batches[:warmup]:
+        optimizer.zero_grad()
+        loss = nn.functional.cross_entropy(model(batch[0]), batch[1])
+        loss.backward()
+        optimizer.step()
+        want.append(loss.item())
+    optimizers = []
+    for module in reference_stages(model, 2):
+        stage = torch.optim.SGD(module.parameters(), lr=0.1, momentum=0.9)
+        for p in module.parameters():
+            stage.state[p] = optimizer.state[p]
+        optimizers.append(stage)
+    emulator, _ = emulator_for(model, schedule, 2, micro, None, None, optimizers)
+    for epoch_batches in (batches[warmup:], batches):
+        for batch in epoch_batches:
+            want.append(sum(emulator.train_window(split_micro_batches(batch, micro))) / micro)
+        emulator.drain()
+    assert losses == pytest.approx(want, rel=1e-5)
+    for key, value in model.state_dict().items():
+        torch.testing.assert_close(got["state"][key], value, rtol=1e-5, atol=1e-6, msg=key)
+
+
 @pytest.mark.parametrize("schedule", ["pipedream_2bw", "pipemare"])
 def test_resume_continues_like_an_uninterrupted_run(schedule, tmp_path):
     """The checkpoint holds every stage's policy state and optimizer share in one-device format."""

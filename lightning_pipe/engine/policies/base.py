@@ -65,6 +65,11 @@ class WeightPolicy:
     def warmup(self) -> int:
         return self.stages - 1 - self.stage
 
+    def begin(self, steps_done: int) -> None:
+        """Start after ``steps_done`` steps taken elsewhere (a synchronous warm-up, or before a resume
+        whose state :meth:`load_state_dict` then restores)."""
+        self.steps = self.batches_before_segment = steps_done
+
     # -- hooks the executor calls --------------------------------------------------------------
     def select(self, replica: int) -> None:
         """Called before every compute, STEP and AVG with the action's replica (only avgpipe has several)."""

@@ -113,6 +113,14 @@ class DoubleBufferPolicy(_SnapshotPolicy):
     def _version(self, g: int) -> int:
         return max(self.batches_before_segment + g // self.micro_batches - 1, 0)
 
+    def begin(self, steps_done: int) -> None:
+        # the first mini-batch after steps taken elsewhere has no older version: it uses the current
+        # weights, as the first mini-batch of a run does (a resume then restores the saved one)
+        super().begin(steps_done)
+        if steps_done > 0:
+            self.snapshots[steps_done - 1] = self._snapshot()
+            self._track_copies()
+
     def _keep(self, version: int) -> bool:
         # the pre-STEP version is needed by the next mini-batch, whose forwards may start after the STEP
         return super()._keep(version) or version >= self.steps - 1

@@ -2,8 +2,9 @@
 
 Within an epoch the micro-batches form one stream: every batch runs one window of it, the weight
 policy steps the optimizer per mini-batch inside the pipeline, and a drain finishes what is in
-flight before evaluation, checkpoints and the epoch's end. The first ``sync_warmup_epochs`` epochs
-run the schedule's flushed counterpart instead.
+flight before evaluation, checkpoints and the epoch's end. The synchronous warm-up (the first
+``sync_warmup_epochs`` epochs and ``sync_warmup_steps`` steps) runs the schedule's flushed
+counterpart instead.
 """
 
 from __future__ import annotations
@@ -57,8 +58,12 @@ class AsyncRuntime(BaseRuntime):
 
     @property
     def active(self) -> bool:
-        """Whether this epoch runs the asynchronous schedule (after the synchronous warm-up)."""
-        return self.strategy.lightning_module.trainer.current_epoch >= self.strategy.options.sync_warmup_epochs
+        """Whether this batch runs the asynchronous schedule (after the synchronous warm-up's epochs
+        and steps; once asynchronous, a run stays so)."""
+        if self.segments.policy is not None:
+            return True
+        trainer, options = self.strategy.lightning_module.trainer, self.strategy.options
+        return trainer.current_epoch >= options.sync_warmup_epochs and trainer.global_step >= options.sync_warmup_steps
 
     @property
     def steps_inside(self) -> bool:
