@@ -52,6 +52,8 @@ def cases(timeout: float) -> list[Case]:
         Case("rank 1 killed (SIGKILL)", fault("kill", 1), failed_rank=1),
         Case("rank 0 raises in its step", {**base, "model": {"fail_at": 2, "fail_rank": 0}}, failed_rank=0),
         Case("rank 1 raises in its step", {**base, "model": {"fail_at": 2, "fail_rank": 1}}, failed_rank=1),
+        Case("rank 0 raises in on_train_start", {**base, "model": {"fail_hook": "on_train_start", "fail_rank": 0}},
+             failed_rank=0, notes="rank 0 holds the key-value store its report goes to"),
         Case("rank 1 raises in on_train_start", {**base, "model": {"fail_hook": "on_train_start", "fail_rank": 1}},
              failed_rank=1),
         Case("rank 1 raises in setup (start-up)", {**base, "model": {"fail_hook": "setup", "fail_rank": 1}}, failed_rank=1),
