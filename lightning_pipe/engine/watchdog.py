@@ -12,8 +12,9 @@ relies on three facts (docs/failures.md):
 The store lives in global rank 0's process, so it dies with a failing rank 0, at the moment that
 rank's connections close and its peers look for its report. Every rank therefore also listens for
 reports as they are made (:meth:`Watchdog.listen`: a thread blocked on its own store connection),
-and a failing rank waits, briefly and bounded, until its listening peers heard it. Every access to it is bounded (a daemon thread with a
-deadline), so a rank 0 that hangs cannot hang the ranks that check for its report. A rank that
+and a failing rank 0 waits, briefly and bounded, until its listening peers heard it. Every access
+to the store is bounded (a daemon thread with a deadline), so a rank 0 that hangs cannot hang the
+ranks that check for its report. A rank that
 gives up ends the peers on its host that are still alive after a grace period (:meth:`end_stragglers`):
 a hung rank does not outlive the job.
 """

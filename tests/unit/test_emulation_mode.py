@@ -26,6 +26,18 @@ def reference_stages(model: TrunkModel, stages: int) -> list[nn.Module]:
     return [nn.Sequential(*p) for p in parts]
 
 
+def stage_optimizers(model: TrunkModel, optimizer: torch.optim.SGD, stages: int) -> list[torch.optim.SGD]:
+    """Each reference stage's optimizer, continuing from the state ``optimizer`` (over the whole model)
+    holds for that stage's parameters: how the strategy hands over after a synchronous warm-up."""
+    optimizers = []
+    for module in reference_stages(model, stages):
+        stage = torch.optim.SGD(module.parameters(), lr=0.1, momentum=0.9)
+        for p in module.parameters():
+            stage.state[p] = optimizer.state[p]
+        optimizers.append(stage)
+    return optimizers
+
+
 def emulator_for(model: TrunkModel, schedule: str, stages: int, micro: int, clip: float | None, interval: str | None,
                  optimizers: list | None = None):
     modules = reference_stages(model, stages)
@@ -136,14 +148,7 @@ def test_sync_warmup_then_asynchronous():
         optimizer.zero_grad()
         nn.functional.cross_entropy(model(x[start:start + BATCH]), y[start:start + BATCH]).backward()
         optimizer.step()
-    modules = reference_stages(model, 2)
-    optimizers = []
-    for module in modules:
-        stage = torch.optim.SGD(module.parameters(), lr=0.1, momentum=0.9)
-        for p in module.parameters():
-            stage.state[p] = optimizer.state[p]
-        optimizers.append(stage)
-    emulator, _ = emulator_for(model, "xpipe", 2, 2, None, None, optimizers)
+    emulator, _ = emulator_for(model, "xpipe", 2, 2, None, None, stage_optimizers(model, optimizer, 2))
     assert losses[6:] == pytest.approx(run_epochs(emulator, [], None, 2, 1), rel=1e-5)
     for key, value in model.state_dict().items():
         torch.testing.assert_close(got["state"][key], value, rtol=1e-5, atol=1e-6, msg=key)
@@ -169,13 +174,7 @@ def test_sync_warmup_counted_in_steps_switches_within_an_epoch(schedule):
         loss.backward()
         optimizer.step()
         want.append(loss.item())
-    optimizers = []
-    for module in reference_stages(model, 2):
-        stage = torch.optim.SGD(module.parameters(), lr=0.1, momentum=0.9)
-        for p in module.parameters():
-            stage.state[p] = optimizer.state[p]
-        optimizers.append(stage)
-    emulator, _ = emulator_for(model, schedule, 2, micro, None, None, optimizers)
+    emulator, _ = emulator_for(model, schedule, 2, micro, None, None, stage_optimizers(model, optimizer, 2))
     for epoch_batches in (batches[warmup:], batches):
         for batch in epoch_batches:
             want.append(sum(emulator.train_window(split_micro_batches(batch, micro))) / micro)
