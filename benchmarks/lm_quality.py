@@ -86,8 +86,8 @@ BASELINE = "1f1b"
 MULTI_PROCESS = ("avgpipe",)
 #: option groups of PipeStrategy that belong to one schedule: given with --strategy-options, they are
 #: passed to (and part of the identity of) that schedule's runs only
-SCHEDULE_GROUPS = ("pipemare", "xpipe", "avgpipe")
-DEFAULT_LR = {"adamw": 2e-3, "sgd": 0.1}
+SCHEDULE_GROUPS = ("pipemare", "xpipe", "pipedream_2bw", "avgpipe")
+DEFAULT_LR = {"adamw": 2e-3, "sgd": 0.1, "muon": 0.02}
 
 
 # ================================================================================================ data
@@ -176,6 +176,12 @@ def _lightning_classes() -> dict[str, Any]:
     import torch.nn.functional as F
     from torch import nn
     from torch.utils.data import DataLoader, Dataset
+
+    try:
+        from lightning_pipe.optim import CombinedOptimizer
+    except ModuleNotFoundError:  # source checkout without `pip install -e .`
+        sys.path.insert(0, str(REPO))
+        from lightning_pipe.optim import CombinedOptimizer
 
     class CausalSelfAttention(nn.Module):
         """Multi-head causal self-attention: one projection to q, k, v, one output projection."""
@@ -291,11 +297,18 @@ def _lightning_classes() -> dict[str, Any]:
             h = self.hparams
             if h.optimizer == "adamw":
                 opt = torch.optim.AdamW(self.parameters(), lr=h.lr, betas=(0.9, 0.95), weight_decay=h.weight_decay)
+            elif h.optimizer == "muon":  # Muon for the blocks' matrices, AdamW (lr 2e-3) for the rest
+                matrices = [p for p in self.blocks.parameters() if p.ndim == 2]
+                rest = [p for p in self.parameters() if all(p is not m for m in matrices)]
+                opt = CombinedOptimizer(
+                    torch.optim.Muon(matrices, lr=h.lr, momentum=0.95, weight_decay=h.weight_decay),
+                    torch.optim.AdamW(rest, lr=DEFAULT_LR["adamw"], betas=(0.9, 0.95), weight_decay=h.weight_decay),
+                )
             elif h.optimizer == "sgd":
                 opt = torch.optim.SGD(self.parameters(), lr=h.lr, momentum=h.momentum, nesterov=False,
                                       weight_decay=h.weight_decay)
             else:
-                raise ValueError(f"optimizer={h.optimizer!r}: choose adamw or sgd")
+                raise ValueError(f"optimizer={h.optimizer!r}: choose adamw, sgd or muon")
             if h.warmup_steps <= 0:
                 return opt
             scheduler = torch.optim.lr_scheduler.LambdaLR(opt, LinearWarmup(h.warmup_steps))
@@ -597,7 +610,7 @@ def plan(args: argparse.Namespace) -> tuple[list[dict[str, Any]], list[str]]:
                         if why:
                             skipped.append(f"{schedule} P={stages} M={m}: {why}")
                             continue
-                        lr = {"adamw": args.lr_adamw, "sgd": args.lr_sgd}[opt]
+                        lr = {"adamw": args.lr_adamw, "sgd": args.lr_sgd, "muon": args.lr_muon}[opt]
                         configs.append(full_config({
                             "schedule": schedule, "stages": stages, "micro_batches": m, "optimizer": opt, "seed": seed,
                             "steps": args.steps, "batch_size": args.batch_size, "context": args.context,
@@ -910,7 +923,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     choices=SCHEDULES)
     pr.add_argument("--stages", nargs="+", type=int, default=[2, 4, 8])
     pr.add_argument("--micro-batches", nargs="+", type=int, default=[4, 8])
-    pr.add_argument("--optimizers", nargs="+", default=["adamw", "sgd"], choices=["adamw", "sgd"])
+    pr.add_argument("--optimizers", nargs="+", default=["adamw", "sgd"], choices=["adamw", "sgd", "muon"],
+                    help="muon: torch.optim.Muon (momentum 0.95, Nesterov) for the blocks' matrices and AdamW "
+                         "(lr 2e-3) for embeddings, norms, biases and head, as one CombinedOptimizer")
     pr.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     pr.add_argument("--steps", type=int, default=400)
     pr.add_argument("--batch-size", type=int, default=32)
@@ -922,6 +937,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     pr.add_argument("--lr-adamw", type=float, default=DEFAULT_LR["adamw"])
     pr.add_argument("--lr-sgd", type=float, default=DEFAULT_LR["sgd"],
                     help="SGD learning rate (default 0.1: a guess, not tuned on this model)")
+    pr.add_argument("--lr-muon", type=float, default=DEFAULT_LR["muon"], help="Muon learning rate (default 0.02)")
     pr.add_argument("--weight-decay", type=float, default=0.0)
     pr.add_argument("--momentum", type=float, default=0.9, help="SGD momentum (default 0.9)")
     pr.add_argument("--warmup-steps", type=int, default=0, help="linear lr warm-up steps (default 0: none)")

@@ -11,7 +11,7 @@ The engine, schedules, planning and simulation (``lightning_pipe.engine``, ``.sc
 
 from importlib.util import find_spec
 
-from lightning_pipe.engine.policies import AvgPipeOptions, PipeMareOptions, XPipeOptions
+from lightning_pipe.engine.policies import AvgPipeOptions, DoubleBufferOptions, PipeMareOptions, XPipeOptions
 from lightning_pipe.errors import (
     BalanceError,
     CheckpointMismatchError,
@@ -38,7 +38,8 @@ if find_spec("lightning") is not None:
     PipeStrategy.register_strategies(StrategyRegistry)
 
 __all__ = [
-    "AutoBalanceOptions", "AvgPipeOptions", "BalanceError", "CheckpointMismatchError", "LightningPipeError", "PeerFailure",
+    "AutoBalanceOptions", "AvgPipeOptions", "BalanceError", "CheckpointMismatchError", "DoubleBufferOptions",
+    "LightningPipeError", "PeerFailure",
     "PipeConfigError", "PipeMareOptions", "PipeStrategy", "PipelineTimeout", "PlanError", "ScheduleError",
     "SharedParameterError", "StageOutputError", "TrunkError", "TrunkUsageError", "XPipeOptions", "__version__",
 ]

@@ -22,12 +22,16 @@ from torch import Tensor, nn
 from lightning_pipe.engine.async_segments import AsyncSegments
 from lightning_pipe.engine.local import LocalPipeline
 from lightning_pipe.engine.policies import AsyncOptions, Clip, WeightPolicy
+from lightning_pipe.optim import CombinedOptimizer
 from lightning_pipe.schedules import validate_async
 
 
 def stage_optimizer(optimizer: torch.optim.Optimizer, names: set[str], name_of: dict[int, str]) -> torch.optim.Optimizer:
     """An optimizer of the same class over the parameters in ``names``: the same param groups (empty
-    ones kept, so group indices and schedulers line up), hyperparameters and per-parameter state."""
+    ones kept, so group indices and schedulers line up), hyperparameters and per-parameter state; a
+    :class:`~lightning_pipe.optim.CombinedOptimizer` gets one of each member."""
+    if isinstance(optimizer, CombinedOptimizer):
+        return CombinedOptimizer(*(stage_optimizer(member, names, name_of) for member in optimizer.optimizers))
     groups = [
         {**{k: v for k, v in group.items() if k != "params"}, "params": [p for p in group["params"] if name_of.get(id(p)) in names]}
         for group in optimizer.param_groups

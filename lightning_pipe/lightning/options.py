@@ -13,12 +13,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal, TypeVar
 
-from lightning_pipe.engine.policies import AsyncOptions, AvgPipeOptions, PipeMareOptions, XPipeOptions
+from lightning_pipe.engine.policies import AsyncOptions, AvgPipeOptions, DoubleBufferOptions, PipeMareOptions, XPipeOptions
 from lightning_pipe.errors import PipeConfigError
 from lightning_pipe.planning.auto_balance import AutoBalanceOptions
 from lightning_pipe.registry import DEFAULT, SCHEDULES, ScheduleSpec, spec
 
-Group = TypeVar("Group", PipeMareOptions, XPipeOptions, AvgPipeOptions, AutoBalanceOptions)
+Group = TypeVar("Group", PipeMareOptions, XPipeOptions, DoubleBufferOptions, AvgPipeOptions, AutoBalanceOptions)
 
 #: The flat option names of lightning_pipe 0.1: ``name -> (group, field)``. They still work in 0.2,
 #: with a FutureWarning that names the group to use; 0.3 removes them.
@@ -39,7 +39,8 @@ DEPRECATED: dict[str, tuple[str, str]] = {
     "profile_cache": ("auto_balance", "profile_cache"),
     "auto_balance_refine": ("auto_balance", "refine"),
 }
-_GROUPS = {"pipemare": PipeMareOptions, "xpipe": XPipeOptions, "avgpipe": AvgPipeOptions, "auto_balance": AutoBalanceOptions}
+_GROUPS = {"pipemare": PipeMareOptions, "xpipe": XPipeOptions, "avgpipe": AvgPipeOptions, "auto_balance": AutoBalanceOptions,
+           "pipedream_2bw": DoubleBufferOptions}
 _CLASS_NAMES = {group: cls.__name__ for group, cls in _GROUPS.items()}
 
 
@@ -67,6 +68,7 @@ class PipeOptions:
     trace_steps: int = 3
     stage_metrics: bool = True
     sync_warmup_steps: int = 0
+    pipedream_2bw: DoubleBufferOptions = field(default_factory=DoubleBufferOptions)
 
     @property
     def spec(self) -> ScheduleSpec:
@@ -82,7 +84,7 @@ class PipeOptions:
     @property
     def asynchronous(self) -> AsyncOptions:
         """What the asynchronous weight policies read."""
-        return AsyncOptions(self.pipemare, self.xpipe)
+        return AsyncOptions(self.pipemare, self.xpipe, self.pipedream_2bw)
 
     @property
     def tuned(self) -> bool:
@@ -136,7 +138,7 @@ def resolve(
         schedule, micro_batches, stages, pipelines, list(balance) if not isinstance(balance, str) else balance, module,  # type: ignore[arg-type]
         chunks_per_stage, checkpoint_activations, *map(float, timeouts), sync_warmup_epochs, resolved["pipemare"],
         resolved["xpipe"], resolved["avgpipe"], resolved["auto_balance"], trace_dir, trace_steps, stage_metrics,
-        sync_warmup_steps,
+        sync_warmup_steps, resolved["pipedream_2bw"],
     )
     check(options)
     return options

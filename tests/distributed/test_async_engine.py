@@ -6,21 +6,27 @@ One spawn per pipeline depth runs every (schedule, M, optimizer) case, to keep p
 from __future__ import annotations
 
 import itertools
+from dataclasses import replace
 
 import pytest
 import torch
 from torch import nn
 
 from lightning_pipe.engine import Executor, SequentialStage, Transport, Watchdog, split_micro_batches
-from lightning_pipe.engine.policies import AsyncOptions, PipeMareOptions
+from lightning_pipe.engine.policies import AsyncOptions, DoubleBufferOptions, PipeMareOptions
 from lightning_pipe.partition import resolve_balance, stage_bounds
 from lightning_pipe.registry import SCHEDULES, names
 from lightning_pipe.schedules import async_schedule
 from tests.harness.distributed import run_workers, values
+from tests.harness.lightning_run import muon_with_adam
 from tests.reference.async_reference import AsyncEmulator
 
 SEGMENTS = (3, 2)  # windows per segment: a drain after 3 Lightning steps, then 2 more and a drain
 OPTIONS = AsyncOptions(PipeMareOptions(lr_warmup_steps=4))  # T1 still rescheduling during the test
+
+
+def options(lookahead: float) -> AsyncOptions:
+    return replace(OPTIONS, pipedream_2bw=DoubleBufferOptions(lookahead=lookahead))
 
 
 def make_trunk(stages: int) -> nn.Sequential:
@@ -29,6 +35,8 @@ def make_trunk(stages: int) -> nn.Sequential:
 
 
 def make_optimizer(kind: str, params) -> torch.optim.Optimizer:
+    if kind == "muon":
+        return muon_with_adam(params)
     if kind == "adam":
         return torch.optim.Adam(params, lr=0.02)
     return torch.optim.SGD(params, lr=0.1, momentum=0.9)
@@ -48,18 +56,20 @@ def stage_modules(trunk: nn.Sequential, stages: int) -> list[nn.Sequential]:
     return [trunk[a:b] for a, b in stage_bounds(resolve_balance("uniform", trunk, stages))]
 
 
-CASES = [c for c in itertools.product(names("asynchronous"), (1, 2, 4), ("sgd", "adam"))]
+#: (schedule, M, optimizer, 2BW look-ahead)
+CASES = [(*c, 0.0) for c in itertools.product(names("asynchronous"), (1, 2, 4), ("sgd", "adam", "muon"))]
+CASES += [("pipedream_2bw", 4, kind, 1.0) for kind in ("adam", "muon")]
 
 
 def distributed(rank: int, world: int) -> dict:
     """Every case on this rank: losses of the last stage and final weights of this stage."""
     out = {}
-    for name, micro_batches, optimizer_kind in CASES:
+    for name, micro_batches, optimizer_kind, lookahead in CASES:
         if name == "pipedream_2bw" and micro_batches < world:
             continue
         module = stage_modules(make_trunk(world), world)[rank]
         optimizer = make_optimizer(optimizer_kind, module.parameters())
-        policy = SCHEDULES[name].policy(module, optimizer, rank, world, micro_batches, OPTIONS)
+        policy = SCHEDULES[name].policy(module, optimizer, rank, world, micro_batches, options(lookahead))
         stage = SequentialStage(module, input_fn=(lambda mb: mb[0]) if rank == 0 else None,
                                 loss_fn=loss_fn if rank == world - 1 else None)
         executor = Executor(rank, list(range(world)), [stage], Transport(torch.device("cpu")),
@@ -75,17 +85,18 @@ def distributed(rank: int, world: int) -> dict:
             executor.run(async_schedule(name, world, micro_batches, None, windows), [], carry_over=True)
             executor.finish()
             policy.end_segment(windows)
-        out[(name, micro_batches, optimizer_kind)] = {
+        out[(name, micro_batches, optimizer_kind, lookahead)] = {
             "losses": losses, "state": {k: v.clone() for k, v in module.state_dict().items()},
             "steps": policy.steps, "copies": policy.max_copies,
         }
     return out
 
 
-def reference(world: int, name: str, micro_batches: int, optimizer_kind: str) -> tuple[list[float], list[dict], AsyncEmulator]:
+def reference(world: int, name: str, micro_batches: int, optimizer_kind: str,
+              lookahead: float) -> tuple[list[float], list[dict], AsyncEmulator]:
     modules = stage_modules(make_trunk(world), world)
     optimizers = [make_optimizer(optimizer_kind, m.parameters()) for m in modules]
-    emulator = AsyncEmulator(name, modules, optimizers, micro_batches, lambda mb: mb[0], loss_fn, OPTIONS)
+    emulator = AsyncEmulator(name, modules, optimizers, micro_batches, lambda mb: mb[0], loss_fn, options(lookahead))
     losses, data, t = [], batches(micro_batches), 0
     for windows in SEGMENTS:
         for _ in range(windows):
@@ -100,10 +111,10 @@ def test_distributed_equals_reference(world):
     ranks = values(run_workers(distributed, world, timeout=300))
     checked = 0
     for case in CASES:
-        name, micro_batches, optimizer_kind = case
+        name, micro_batches, optimizer_kind, lookahead = case
         if case not in ranks[0]:
             continue
-        want_losses, want_states, emulator = reference(world, name, micro_batches, optimizer_kind)
+        want_losses, want_states, emulator = reference(world, name, micro_batches, optimizer_kind, lookahead)
         got = ranks[-1][case]
         assert got["losses"] == pytest.approx(want_losses, rel=1e-5, abs=1e-7), case
         for rank in range(world):
@@ -111,7 +122,8 @@ def test_distributed_equals_reference(world):
                 torch.testing.assert_close(ranks[rank][case]["state"][key], value, rtol=1e-5, atol=1e-6,
                                            msg=f"{case} stage {rank} {key}")
             assert ranks[rank][case]["steps"] == sum(SEGMENTS) == emulator.step_counts[rank]
-            assert ranks[rank][case]["copies"] <= copy_bound(name, rank, world, micro_batches), (case, rank)
+            bound = copy_bound(name, rank, world, micro_batches) + 2 * (lookahead != 0)  # the last update, W before STEP
+            assert ranks[rank][case]["copies"] <= bound, (case, rank)
         checked += 1
     assert checked == sum(case in ranks[0] for case in CASES) > 0
 

@@ -25,6 +25,14 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import lightning_pipe  # noqa: E402  (registers the strategy names)
+from lightning_pipe.optim import CombinedOptimizer  # noqa: E402
+
+
+def muon_with_adam(parameters) -> CombinedOptimizer:
+    """Muon for the 2-D weights, Adam for the rest, as one optimizer (what the tests call "muon")."""
+    parameters = list(parameters)
+    return CombinedOptimizer(torch.optim.Muon([p for p in parameters if p.ndim == 2], lr=0.02, weight_decay=0.01),
+                             torch.optim.Adam([p for p in parameters if p.ndim != 2], lr=1e-2))
 
 
 class TrunkModel(L.LightningModule):
@@ -113,6 +121,8 @@ class TrunkModel(L.LightningModule):
     def configure_optimizers(self):
         if self.optimizer == "adam":
             optimizer = torch.optim.Adam(self.parameters(), lr=1e-2)
+        elif self.optimizer == "muon":
+            optimizer = muon_with_adam(self.parameters())
         else:
             optimizer = torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
         if not self.scheduler:

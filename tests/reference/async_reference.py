@@ -55,6 +55,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 from torch.func import functional_call
+from torch.optim._muon import _zeropower_via_newtonschulz
 
 from lightning_pipe.engine.policies import AsyncOptions
 from lightning_pipe.registry import names
@@ -216,8 +217,9 @@ class _Stage:
     # xpipe: Pred(W, s_f) per mini-batch (forward cache) and Pred(W, s_b) (backward cache)
     forward_cache: dict[int, Weights] = field(default_factory=dict)
     backward_cache: dict[int, Weights] = field(default_factory=dict)
-    prediction: str = ""  # xpipe: "adam", "momentum" or "sgd"
+    prediction: dict[str, str] = field(default_factory=dict)  # xpipe: parameter name -> "adam", "muon", "momentum" or "sgd"
     last_grad: Weights = field(default_factory=dict)  # xpipe "sgd": the last applied gradient
+    history: dict[int, Weights] = field(default_factory=dict)  # 2bw look-ahead: W(v) of every past version v
     # statistics
     tau_sum: int = 0
     backwards: int = 0
@@ -269,10 +271,23 @@ def _lr_scaled(optimizer: torch.optim.Optimizer, factor: float) -> Iterator[None
             group["lr"] = lr
 
 
+def _resolve_predictions(mode: str, st: _Stage) -> dict[str, str]:
+    """XPipe's update direction per parameter of one stage: each member of a combined optimizer
+    (lightning_pipe.optim.CombinedOptimizer) resolves its own."""
+    name_of = {id(p): name for name, p in st.masters().items()}
+    rules = {}
+    for member in getattr(st.optimizer, "optimizers", [st.optimizer]):
+        rule = _resolve_prediction(mode, member, st.index)
+        rules.update({name_of[id(p)]: rule for group in member.param_groups for p in group["params"]})
+    return rules
+
+
 def _resolve_prediction(mode: str, optimizer: torch.optim.Optimizer, stage: int) -> str:
     """XPipe's update direction for one stage's optimizer: ``auto`` -> adam / momentum / sgd by type."""
     groups = optimizer.param_groups
     if mode == "auto":
+        if isinstance(optimizer, torch.optim.Muon):
+            return "muon"
         if isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
             return "adam"
         if isinstance(optimizer, torch.optim.SGD):
@@ -298,7 +313,9 @@ def _resolve_prediction(mode: str, optimizer: torch.optim.Optimizer, stage: int)
         raise ValueError(
             f"xpipe_prediction='momentum' needs SGD with momentum > 0 in every param group (stage {stage})."
         )
-    if mode not in ("adam", "momentum", "sgd"):
+    if mode == "muon" and not isinstance(optimizer, torch.optim.Muon):
+        raise ValueError(f"xpipe_prediction='muon' needs torch.optim.Muon; stage {stage} has {type(optimizer).__name__}.")
+    if mode not in ("adam", "muon", "momentum", "sgd"):
         raise ValueError(f"unknown xpipe_prediction {mode!r}; expected 'auto', 'adam', 'momentum' or 'sgd'.")
     return mode
 
@@ -385,7 +402,7 @@ class AsyncEmulator:
             if schedule == "pipemare" and options.pipemare.correction:
                 st.delta = {name: torch.zeros_like(p, requires_grad=False) for name, p in st.masters().items()}
             if schedule == "xpipe":
-                st.prediction = _resolve_prediction(options.xpipe.prediction, st.optimizer, st.index)
+                st.prediction = _resolve_predictions(options.xpipe.prediction, st)
             st.note_copies()
 
         self._windows_before_segment = 0  # mini-batches trained in earlier segments (global K offset)
@@ -589,7 +606,7 @@ class AsyncEmulator:
                 torch.nn.utils.clip_grad_norm_(params, self.clip_val)
             else:
                 torch.nn.utils.clip_grad_value_(params, self.clip_val)
-        if self.schedule == "xpipe" and st.prediction == "sgd":
+        if self.schedule == "xpipe" and "sgd" in st.prediction.values():
             st.last_grad.update({name: p.grad.detach().clone() for name, p in masters.items() if p.grad is not None})
         correcting = self.schedule == "pipemare" and st.delta is not None
         if correcting:
@@ -599,6 +616,8 @@ class AsyncEmulator:
         if self.schedule == "pipemare" and self.options.pipemare.lr_reschedule:
             warmup_steps = self.options.pipemare.lr_warmup_steps
             lr_factor = pipemare_lr_factor(st.steps, st.warmup, self.micro_batches, warmup_steps)
+        if self.schedule == "pipedream_2bw" and self.options.pipedream_2bw.lookahead:
+            st.history[st.steps] = {n: p.detach().clone() for n, p in masters.items()}  # W(k_s), for look-ahead
         with _lr_scaled(st.optimizer, lr_factor):
             st.optimizer.step()
         st.optimizer.zero_grad(set_to_none=True)
@@ -667,7 +686,7 @@ class AsyncEmulator:
                     f"stage {st.index} needs weight version {version} but holds only the current one "
                     f"({st.steps}) and stashed {sorted(st.snapshots)}"
                 )
-            st.snapshots[version] = _copy_weights(st.masters())
+            st.snapshots[version] = self._version_weights(st)
             st.snapshot_users[version] = 0
             self._check_snapshot_count(st)
             st.note_copies()
@@ -685,10 +704,20 @@ class AsyncEmulator:
         """2bw, before a STEP: stash the current version if a later forward still needs it."""
         oldest = self._oldest_version_for_later_forwards(st)
         if oldest is not None and oldest <= st.steps and st.steps not in st.snapshots:
-            st.snapshots[st.steps] = _copy_weights(st.masters())
+            st.snapshots[st.steps] = self._version_weights(st)
             st.snapshot_users[st.steps] = 0
             self._check_snapshot_count(st)
             st.note_copies()
+
+    def _version_weights(self, st: _Stage) -> Weights:
+        """What a snapshot of the current version ``v = k_s`` holds: ``W(v)``, or for 2bw with look-ahead
+        ``a``: ``W(v) + a * (W(v) - W(v-1))`` (``W(-1) = W(0)``), from the stage's history of versions."""
+        lookahead = self.options.pipedream_2bw.lookahead if self.schedule == "pipedream_2bw" else 0.0
+        current = st.masters()
+        if not lookahead or st.steps - 1 not in st.history:
+            return _copy_weights(current)
+        previous = st.history[st.steps - 1]
+        return {n: (w.detach() + lookahead * (w.detach() - previous[n])).requires_grad_(w.requires_grad) for n, w in current.items()}
 
     def _free_unused_snapshots(self, st: _Stage) -> None:
         """Drop stashed versions no in-flight micro-batch uses and no later forward will need."""
@@ -725,7 +754,17 @@ class AsyncEmulator:
     def _update_direction(self, st: _Stage, name: str, p: Tensor) -> Tensor | None:
         """XPipe's ``Delta`` from the optimizer state; None (meaning 0) before the parameter's first STEP."""
         state = st.optimizer.state.get(p, {})
-        if st.prediction == "adam":
+        rule = st.prediction[name]
+        if rule == "muon":  # Muon's next update direction: Newton-Schulz of the momentum, shape-scaled
+            if "momentum_buffer" not in state:
+                return None
+            group = next(group for group in st.optimizer.param_groups if any(q is p for q in group["params"]))
+            rows, cols = p.shape[:2]
+            scale = {None: math.sqrt(max(1.0, rows / cols)), "original": math.sqrt(max(1.0, rows / cols)),
+                     "match_rms_adamw": 0.2 * math.sqrt(max(rows, cols))}.get(group["adjust_lr_fn"], 1.0)
+            ortho = _zeropower_via_newtonschulz(state["momentum_buffer"], group["ns_coefficients"], group["ns_steps"], group["eps"])
+            return ortho * scale
+        if rule == "adam":
             if "exp_avg" not in state:
                 return None
             group = next(group for group in st.optimizer.param_groups if any(q is p for q in group["params"]))
@@ -734,6 +773,6 @@ class AsyncEmulator:
             m_hat = state["exp_avg"] / (1 - beta1**c)
             v_hat = state["exp_avg_sq"] / (1 - beta2**c)
             return m_hat / (v_hat.sqrt() + group["eps"])
-        if st.prediction == "momentum":
+        if rule == "momentum":
             return state.get("momentum_buffer")
         return st.last_grad.get(name)  # "sgd"

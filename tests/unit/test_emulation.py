@@ -13,8 +13,10 @@ import pytest
 import torch
 from torch import nn
 from torch.func import functional_call
+from torch.optim._muon import _zeropower_via_newtonschulz
 
-from lightning_pipe.engine.policies import AsyncOptions, PipeMareOptions
+from lightning_pipe.engine.policies import AsyncOptions, DoubleBufferOptions, PipeMareOptions
+from tests.harness.lightning_run import muon_with_adam
 from tests.reference.async_reference import AsyncEmulator, pipemare_lr_factor, round_half_up, xpipe_distances
 
 SCHEDULES = ("pipedream", "pipedream_2bw", "pipemare", "xpipe")
@@ -44,6 +46,8 @@ def mse(out, mb):
 
 
 def make_optimizer(kind: str, params) -> torch.optim.Optimizer:
+    if kind == "muon":
+        return muon_with_adam(params)
     if kind == "sgd_momentum":
         return torch.optim.SGD(params, lr=0.1, momentum=0.9)
     if kind == "sgd":
@@ -136,9 +140,12 @@ def test_xpipe_distances_formula():
     assert round_half_up(5, 2) == 3 and round_half_up(3, 2) == 2 and round_half_up(4, 3) == 1
 
 
-@pytest.mark.parametrize("opt_kind", ["sgd_momentum", "adam", "sgd"])
+@pytest.mark.parametrize("opt_kind", ["sgd_momentum", "adam", "sgd", "muon"])
 def test_xpipe_single_stage_predicts_one_step_ahead(opt_kind):
-    """P = 1, M = 3: s_f = s_b = 1, so each mini-batch's gradient is taken at Pred(W, 1) = W - lr * Delta."""
+    """P = 1, M = 3: s_f = s_b = 1, so each mini-batch's gradient is taken at Pred(W, 1) = W - lr * Delta.
+
+    "muon" (Muon for the matrices, Adam for the biases, one combined optimizer): a matrix's Delta is
+    the Newton-Schulz orthogonalisation of Muon's momentum buffer scaled by sqrt(max(1, rows/cols))."""
     M, T = 3, 4
     data = micro_batch_stream(2 * T * M)
     (ref,) = mlp_stages(1)
@@ -149,7 +156,12 @@ def test_xpipe_single_stage_predicts_one_step_ahead(opt_kind):
 
     def delta(name: str, p: torch.Tensor) -> torch.Tensor:
         state = ref_opt.state.get(p, {})
-        if opt_kind == "adam":
+        if opt_kind == "muon" and p.ndim == 2:
+            if not state:
+                return torch.zeros_like(p)
+            ortho = _zeropower_via_newtonschulz(state["momentum_buffer"], (3.4445, -4.775, 2.0315), 5, 1e-7)
+            return ortho * math.sqrt(max(1.0, p.shape[0] / p.shape[1]))
+        if opt_kind in ("adam", "muon"):
             if not state:
                 return torch.zeros_like(p)
             c = float(state["step"])
@@ -163,8 +175,8 @@ def test_xpipe_single_stage_predicts_one_step_ahead(opt_kind):
     for segment in range(2):
         for t in range(segment * T, (segment + 1) * T):
             mbs = data[t * M:(t + 1) * M]
-            lr = ref_opt.param_groups[0]["lr"]
-            predicted = {n: (p.detach() - lr * 1 * delta(n, p)).requires_grad_() for n, p in ref.named_parameters()}
+            lr = {id(p): group["lr"] for group in ref_opt.param_groups for p in group["params"]}
+            predicted = {n: (p.detach() - lr[id(p)] * 1 * delta(n, p)).requires_grad_() for n, p in ref.named_parameters()}
             ref_losses, grads = [], None
             for mb in mbs:
                 loss = mse(functional_call(ref, predicted, (input_fn(mb),)), mb)
@@ -186,21 +198,25 @@ def test_xpipe_single_stage_predicts_one_step_ahead(opt_kind):
 
 @pytest.mark.parametrize("opt_kind", ["sgd_momentum", "adam"])
 @pytest.mark.parametrize("M", [1, 3])
-def test_2bw_single_stage_is_one_step_delayed(opt_kind, M):
-    """P = 1: mini-batch K's gradient is taken at V_{max(K-1, 0)} and applied to V_K, also across a drain."""
+@pytest.mark.parametrize("lookahead", [0.0, 1.0, 0.5])
+def test_2bw_single_stage_is_one_step_delayed(opt_kind, M, lookahead):
+    """P = 1: mini-batch K's gradient is taken at V_{max(K-1, 0)} and applied to V_K, also across a
+    drain; with look-ahead ``a`` at V_{K-1} + a (V_{K-1} - V_{K-2}) (V_{-1} = V_{-2} = V_0)."""
     segments = [3, 2]
     data = micro_batch_stream(sum(segments) * M)
     (ref,) = mlp_stages(1)
     (emu_stage,) = mlp_stages(1)
     ref_opt = make_optimizer(opt_kind, ref.parameters())
     emu_opt = make_optimizer(opt_kind, emu_stage.parameters())
-    emu = AsyncEmulator("pipedream_2bw", [emu_stage], [emu_opt], M, input_fn, mse)
+    emu = AsyncEmulator("pipedream_2bw", [emu_stage], [emu_opt], M, input_fn, mse,
+                        options=AsyncOptions(pipedream_2bw=DoubleBufferOptions(lookahead=lookahead)))
     previous = {n: p.detach().clone() for n, p in ref.named_parameters()}  # V_{K-1}, V_{-1} = V_0
+    before = previous  # V_{K-2}
     K = 0
     for T in segments:
         for _ in range(T):
-            used = {n: v.clone().requires_grad_() for n, v in previous.items()}
-            previous = {n: p.detach().clone() for n, p in ref.named_parameters()}
+            used = {n: (v + lookahead * (v - before[n])).requires_grad_() for n, v in previous.items()}
+            before, previous = previous, {n: p.detach().clone() for n, p in ref.named_parameters()}
             ref_losses, grads = [], None
             for mb in data[K * M:(K + 1) * M]:
                 loss = mse(functional_call(ref, used, (input_fn(mb),)), mb)

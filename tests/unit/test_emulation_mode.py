@@ -8,9 +8,9 @@ import torch
 from torch import nn
 
 from lightning_pipe.engine import split_micro_batches
-from lightning_pipe.engine.policies import AsyncOptions, PipeMareOptions
+from lightning_pipe.engine.policies import AsyncOptions, DoubleBufferOptions, PipeMareOptions
 from lightning_pipe.partition import resolve_balance, stage_bounds
-from tests.harness.lightning_run import TrunkModel, make_data, train
+from tests.harness.lightning_run import TrunkModel, make_data, muon_with_adam, train
 from tests.reference.async_reference import AsyncEmulator
 
 EPOCHS, BATCH = 2, 16
@@ -39,12 +39,13 @@ def stage_optimizers(model: TrunkModel, optimizer: torch.optim.SGD, stages: int)
 
 
 def emulator_for(model: TrunkModel, schedule: str, stages: int, micro: int, clip: float | None, interval: str | None,
-                 optimizers: list | None = None):
+                 optimizers: list | None = None, options: AsyncOptions | None = None):
     modules = reference_stages(model, stages)
     optimizers = optimizers or [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in modules]
     schedulers = [torch.optim.lr_scheduler.StepLR(o, step_size=2, gamma=0.5) for o in optimizers] if interval else []
     emulator = AsyncEmulator(schedule, modules, optimizers, micro, lambda mb: mb[0],
-                             lambda out, mb: nn.functional.cross_entropy(out, mb[1]), AsyncOptions(PipeMareOptions(**OPTIONS["pipemare"])),
+                             lambda out, mb: nn.functional.cross_entropy(out, mb[1]),
+                             options or AsyncOptions(PipeMareOptions(**OPTIONS["pipemare"])),
                              schedulers if interval == "step" else None, clip_val=clip)
     return emulator, schedulers
 
@@ -152,7 +153,7 @@ def test_sync_warmup_then_asynchronous():
     assert losses[6:] == pytest.approx(run_epochs(emulator, [], None, 2, 1), rel=1e-5)
     for key, value in model.state_dict().items():
         torch.testing.assert_close(got["state"][key], value, rtol=1e-5, atol=1e-6, msg=key)
-    assert "pipe/stage0/staleness" not in got["metrics"][5] and got["metrics"][-1]["pipe/stage0/prediction_norm"] > 0
+    assert got["metrics"][5]["pipe/stage0/staleness"] == 0.0 and got["metrics"][-1]["pipe/stage0/prediction_norm"] > 0
 
 
 @pytest.mark.parametrize("schedule", ["pipedream_2bw", "xpipe"])
@@ -277,3 +278,35 @@ def test_activation_recomputation_changes_nothing_under_avgpipe():
         torch.testing.assert_close(recomputed["state"][key], value, rtol=1e-6, atol=1e-7, msg=key)
 
 
+
+
+@pytest.mark.parametrize("schedule", ["pipedream", "pipedream_2bw", "pipemare", "xpipe"])
+def test_muon_in_every_weight_policy_equals_reference(schedule):
+    """torch.optim.Muon for the matrices and Adam for the rest, as one CombinedOptimizer (Lightning takes
+    one optimizer): every policy steps it like the reference; xpipe predicts a matrix along Muon's
+    orthogonalised momentum and a bias along Adam's moments."""
+    got = emulated(schedule, 2, 2, model={"optimizer": "muon"})
+    model = TrunkModel()
+    optimizers = [muon_with_adam(module.parameters()) for module in reference_stages(model, 2)]
+    emulator, schedulers = emulator_for(model, schedule, 2, 2, None, None, optimizers)
+    want_losses = run_epochs(emulator, schedulers, None, 2, EPOCHS)
+    assert [m["train_loss"] for m in got["metrics"]] == pytest.approx(want_losses, rel=1e-5)
+    for key, value in model.state_dict().items():
+        torch.testing.assert_close(got["state"][key], value, rtol=1e-5, atol=1e-6, msg=key)
+
+
+@pytest.mark.parametrize("stages,micro,clip", [(2, 2, 0.5), (4, 4, None)])
+def test_2bw_lookahead_equals_reference(stages, micro, clip):
+    """pipedream_2bw with look-ahead 1: every F and B of mini-batch K on W(K-1) + (W(K-1) - W(K-2)),
+    across the epoch's drain, per stage (with stage-local clipping at P = 2)."""
+    trainer = {"gradient_clip_val": clip} if clip else {}
+    got = emulated("pipedream_2bw", stages, micro, strategy={"pipedream_2bw": {"lookahead": 1.0}}, trainer=trainer)
+    model = TrunkModel()
+    emulator, schedulers = emulator_for(model, "pipedream_2bw", stages, micro, clip, None,
+                                        options=AsyncOptions(pipedream_2bw=DoubleBufferOptions(lookahead=1.0)))
+    want_losses = run_epochs(emulator, schedulers, None, micro, EPOCHS)
+    assert [m["train_loss"] for m in got["metrics"]] == pytest.approx(want_losses, rel=1e-5)
+    for key, value in model.state_dict().items():
+        torch.testing.assert_close(got["state"][key], value, rtol=1e-5, atol=1e-6, msg=key)
+    plain = emulated("pipedream_2bw", stages, micro, trainer=trainer)["metrics"][-1]["pipe/stage0/weight_copies"]
+    assert got["metrics"][-1]["pipe/stage0/weight_copies"] == plain + 2  # the last update, and W before each STEP

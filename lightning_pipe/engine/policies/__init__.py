@@ -7,10 +7,16 @@ uses which. Synchronous schedules need none: the executor runs them on the modul
 from lightning_pipe.engine.policies.averaging import ElasticAveraging
 from lightning_pipe.engine.policies.base import Binding, Clip, WeightPolicy, make_clip, merge_states
 from lightning_pipe.engine.policies.live import PipeMarePolicy, XPipePolicy
-from lightning_pipe.engine.policies.options import AsyncOptions, AvgPipeOptions, PipeMareOptions, XPipeOptions
+from lightning_pipe.engine.policies.options import (
+    AsyncOptions,
+    AvgPipeOptions,
+    DoubleBufferOptions,
+    PipeMareOptions,
+    XPipeOptions,
+)
 from lightning_pipe.engine.policies.stash import DoubleBufferPolicy, StashPolicy
 
 __all__ = [
-    "AsyncOptions", "AvgPipeOptions", "Binding", "Clip", "DoubleBufferPolicy", "ElasticAveraging", "PipeMareOptions",
-    "PipeMarePolicy", "StashPolicy", "WeightPolicy", "XPipeOptions", "XPipePolicy", "make_clip", "merge_states",
+    "AsyncOptions", "AvgPipeOptions", "Binding", "Clip", "DoubleBufferOptions", "DoubleBufferPolicy", "ElasticAveraging",
+    "PipeMareOptions", "PipeMarePolicy", "StashPolicy", "WeightPolicy", "XPipeOptions", "XPipePolicy", "make_clip", "merge_states",
 ]

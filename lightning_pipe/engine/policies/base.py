@@ -114,6 +114,11 @@ class WeightPolicy:
         self.batches_before_segment += mini_batches
         self._steps_at_forward.clear()
 
+    def diagnostics(self) -> dict[str, float]:
+        """What the per-stage metrics log for this stage (docs/metrics.md): the mean staleness of its
+        backwards, the most weight-sized copies it held, and what a subclass adds."""
+        return {"staleness": self.staleness_sum / max(self.backwards, 1), "weight_copies": float(self.max_copies)}
+
     def state_dict(self) -> dict[str, Any]:
         """What a resumed run needs beyond weights and optimizer state (saved at drain points).
 

@@ -19,6 +19,7 @@ from typing import Any, ContextManager
 
 import torch
 from torch import Tensor, nn
+from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz
 
 from lightning_pipe.engine.policies.base import WeightPolicy
 
@@ -158,6 +159,12 @@ class PipeMarePolicy(_LivePolicy):
     def copies(self) -> int:
         return 1 + (self.delta is not None)
 
+    def diagnostics(self) -> dict[str, float]:
+        values = super().diagnostics()
+        if self.delta is not None:
+            values["correction_norm"] = self.correction_norm
+        return values
+
     def state_dict(self) -> dict[str, Any]:
         delta = None if self.delta is None else {n: d.cpu() for n, d in self.delta.items()}
         return {**super().state_dict(), "delta": delta}
@@ -182,28 +189,37 @@ class XPipePolicy(_LivePolicy):
         k, K, T = self.stage, self.stages, self.micro_batches
         self.s_forward = round_half_up((K + T - 2 - math.ceil(k / 2)) / T)
         self.s_backward = round_half_up((T - 1 + k // 2) / T)
-        self.rule = self._rule(self.options.xpipe.prediction)
+        self.rules = self._rules(self.options.xpipe.prediction)
         self._last_grad: dict[str, Tensor] = {}
         self._cache: dict[str, tuple[int, dict[str, Tensor]] | None] = {"F": None, "B": None}
         self.prediction_norm = 0.0
         # which tensors hold each cached prediction's values (an exchange moves the values around)
         self._slots: dict[tuple[Any, ...], dict[str, Tensor]] = {}
 
-    def _rule(self, rule: str) -> str:
-        if rule != "auto":
-            return rule
-        if isinstance(self.optimizer, (torch.optim.Adam, torch.optim.AdamW)):
+    def _rules(self, rule: str) -> list[str]:
+        """The prediction rule of each param group: ``rule``, or by the optimizer that owns the group
+        when ``"auto"`` (a :class:`~lightning_pipe.optim.CombinedOptimizer` has groups of several kinds)."""
+        return [rule if rule != "auto" else self._auto_rule(group) for group in self.optimizer.param_groups]
+
+    def _auto_rule(self, group: dict[str, Any]) -> str:
+        owner = next((type(member) for member in getattr(self.optimizer, "optimizers", ())
+                      if any(group is g for g in member.param_groups)), type(self.optimizer))
+        if issubclass(owner, torch.optim.Muon):
+            return "muon"
+        if issubclass(owner, (torch.optim.Adam, torch.optim.AdamW)):
             return "adam"
-        if isinstance(self.optimizer, torch.optim.SGD):
-            return "momentum" if self.optimizer.param_groups[0].get("momentum", 0) else "sgd"
+        if issubclass(owner, torch.optim.SGD):
+            return "momentum" if group.get("momentum", 0) else "sgd"
         raise ValueError(
-            f"xpipe cannot derive a prediction rule from {type(self.optimizer).__name__}; set "
-            "xpipe=XPipeOptions(prediction='adam', 'momentum' or 'sgd')."
+            f"xpipe cannot derive a prediction rule from {owner.__name__}; set "
+            "xpipe=XPipeOptions(prediction='adam', 'muon', 'momentum' or 'sgd')."
         )
 
-    def _direction(self, master: Tensor, group: dict[str, Any], name: str) -> Tensor | None:
+    def _direction(self, master: Tensor, group: dict[str, Any], rule: str, name: str) -> Tensor | None:
+        """The update one STEP would apply to ``master`` per unit of learning rate, from the optimizer's
+        current state (``None`` before the state exists)."""
         state = self.optimizer.state.get(master, {})
-        if self.rule == "adam":
+        if rule == "adam":
             if "exp_avg" not in state:
                 return None
             c = float(state["step"])
@@ -211,7 +227,12 @@ class XPipePolicy(_LivePolicy):
             m_hat = state["exp_avg"] / (1 - beta1**c)
             v_hat = state["exp_avg_sq"] / (1 - beta2**c)
             return m_hat / (v_hat.sqrt() + group["eps"])
-        if self.rule == "momentum":
+        if rule == "muon":  # the orthogonalised momentum, at Muon's shape-adjusted learning rate
+            if "momentum_buffer" not in state:
+                return None
+            update = _zeropower_via_newtonschulz(state["momentum_buffer"], group["ns_coefficients"], group["ns_steps"], group["eps"])
+            return update * (_adjust_lr(group["lr"], group["adjust_lr_fn"], master.shape) / group["lr"])
+        if rule == "momentum":
             return state.get("momentum_buffer")
         return self._last_grad.get(name)
 
@@ -219,12 +240,12 @@ class XPipePolicy(_LivePolicy):
         name_of = {id(m): n for n, m in self.masters.items()}
         predicted, squares = {}, 0.0
         with torch.no_grad():
-            for group in self.optimizer.param_groups:
+            for group, rule in zip(self.optimizer.param_groups, self.rules):
                 for master in group["params"]:
                     name = name_of.get(id(master))
                     if name is None:
                         continue
-                    direction = self._direction(master, group, name)
+                    direction = self._direction(master, group, rule, name)
                     if direction is None or distance == 0:
                         predicted[name] = master.detach().clone()  # frozen at the bellwether, like a prediction
                         continue
@@ -273,7 +294,7 @@ class XPipePolicy(_LivePolicy):
         return context
 
     def _before_update(self) -> None:
-        if self.rule == "sgd":  # the gradient this STEP applies (after clipping)
+        if "sgd" in self.rules:  # the gradient this STEP applies (after clipping)
             self._last_grad = {n: m.grad.detach().clone() for n, m in self.masters.items() if m.grad is not None}
 
     def end_segment(self, mini_batches: int) -> None:
@@ -284,9 +305,12 @@ class XPipePolicy(_LivePolicy):
     def copies(self) -> int:
         return 1 + sum(c is not None for c in self._cache.values())
 
+    def diagnostics(self) -> dict[str, float]:
+        return {**super().diagnostics(), "prediction_norm": self.prediction_norm}
+
     def state_dict(self) -> dict[str, Any]:
         return {**super().state_dict(), "last_grad": {n: g.cpu() for n, g in self._last_grad.items()}}
 
     def _load(self, state: dict[str, Any]) -> None:
-        if self.rule == "sgd":  # only the plain-SGD prediction reads the last gradient
+        if "sgd" in self.rules:  # only the plain-SGD prediction reads the last gradient
             self._last_grad = self._own(state.get("last_grad", {}), "last gradient")

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-Prediction = Literal["auto", "adam", "momentum", "sgd"]
+Prediction = Literal["auto", "adam", "muon", "momentum", "sgd"]
 Averaging = Literal["async", "sync"]
 
 
@@ -34,13 +34,29 @@ class PipeMareOptions:
 
 
 @dataclass(frozen=True)
+class DoubleBufferOptions:
+    """pipedream_2bw's options (docs/algorithms.md §7).
+
+    Args:
+        lookahead: extrapolate the one-step-stale version along the last update: every forward and
+            backward of mini-batch ``K`` runs on ``W(K-1) + lookahead * (W(K-1) - W(K-2))`` instead of
+            ``W(K-1)``. ``1.0`` predicts ``W(K)`` when two consecutive updates are equal (a weight
+            prediction that needs no optimizer formula, so it works with any optimizer); it costs one
+            more weight-sized copy. ``0.0`` (the default) is the paper's rule.
+    """
+
+    lookahead: float = 0.0
+
+
+@dataclass(frozen=True)
 class XPipeOptions:
     """XPipe's weight prediction (docs/algorithms.md §9).
 
     Args:
         prediction: the update direction the prediction extrapolates: ``"adam"`` (Adam's bias-corrected
-            moments), ``"momentum"`` (SGD's momentum buffer), ``"sgd"`` (the last gradient) or ``"auto"``
-            (by optimizer type).
+            moments), ``"muon"`` (Muon's orthogonalised momentum at its shape-adjusted learning rate),
+            ``"momentum"`` (SGD's momentum buffer), ``"sgd"`` (the last gradient) or ``"auto"`` (by the
+            optimizer's type, per member of a :class:`~lightning_pipe.optim.CombinedOptimizer`).
     """
 
     prediction: Prediction = "auto"
@@ -52,6 +68,7 @@ class AsyncOptions:
 
     pipemare: PipeMareOptions = field(default_factory=PipeMareOptions)
     xpipe: XPipeOptions = field(default_factory=XPipeOptions)
+    pipedream_2bw: DoubleBufferOptions = field(default_factory=DoubleBufferOptions)
 
 
 @dataclass(frozen=True)

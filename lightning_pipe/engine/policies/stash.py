@@ -7,10 +7,12 @@ updates the real parameters in place. Snapshot gradients land in the real parame
 
 from __future__ import annotations
 
+import math
 from contextlib import nullcontext
 from typing import Any, ContextManager
 
-from torch import nn
+import torch
+from torch import Tensor, nn
 
 from lightning_pipe.engine.policies.base import Binding, WeightPolicy, detached_copy
 
@@ -108,7 +110,45 @@ class StashPolicy(_SnapshotPolicy):
 
 
 class DoubleBufferPolicy(_SnapshotPolicy):
-    """pipedream_2bw: every F and B of mini-batch ``K`` (global) uses the version after ``K-1`` STEPs."""
+    """pipedream_2bw: every F and B of mini-batch ``K`` (global) uses the version after ``K-1`` STEPs,
+    optionally extrapolated along the last update (``lookahead``)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.lookahead = self.options.pipedream_2bw.lookahead
+        # W(v) - W(v-1) while the parameters hold W(v): what a version's snapshot extrapolates along
+        self.last_update = {n: torch.zeros_like(p) for n, p in self.params.items()} if self.lookahead else None
+        self._before: dict[str, Tensor] | None = None
+        self.lookahead_norm = 0.0
+
+    def _snapshot(self) -> dict[str, nn.Parameter]:
+        if self.last_update is None:
+            return super()._snapshot()
+        with torch.no_grad():
+            return {n: nn.Parameter(p.detach() + self.lookahead * self.last_update[n]) for n, p in self.params.items()}
+
+    def _before_update(self) -> None:
+        if self.last_update is not None:
+            self._before = {n: p.detach().clone() for n, p in self.params.items()}
+            self._track_copies()
+
+    def _after_update(self) -> None:
+        if self._before is not None:
+            with torch.no_grad():
+                for name, p in self.params.items():
+                    torch.sub(p.detach(), self._before[name], out=self.last_update[name])
+            self._before = None
+            self.lookahead_norm = self.lookahead * math.sqrt(sum(float(u.pow(2).sum()) for u in self.last_update.values()))
+        super()._after_update()
+
+    def copies(self) -> int:
+        return super().copies() + (self.last_update is not None) + (self._before is not None)
+
+    def diagnostics(self) -> dict[str, float]:
+        values = super().diagnostics()
+        if self.last_update is not None:
+            values["lookahead_norm"] = self.lookahead_norm
+        return values
 
     def _version(self, g: int) -> int:
         return max(self.batches_before_segment + g // self.micro_batches - 1, 0)
@@ -132,9 +172,16 @@ class DoubleBufferPolicy(_SnapshotPolicy):
 
     def state_dict(self) -> dict[str, Any]:
         previous = self.snapshots.get(self.steps - 1)  # the next mini-batch's forwards need it
-        return {**super().state_dict(), "previous": None if previous is None else {n: t.detach().cpu() for n, t in previous.items()}}
+        last_update = None if self.last_update is None else {n: u.cpu() for n, u in self.last_update.items()}
+        return {**super().state_dict(), "previous": None if previous is None else {n: t.detach().cpu() for n, t in previous.items()},
+                "last_update": last_update}
 
     def _load(self, state: dict[str, Any]) -> None:
+        if self.last_update is not None and state.get("last_update") is not None:
+            saved = self._own(state["last_update"], "last update")
+            for name, u in self.last_update.items():  # a parameter without a saved update extrapolates by 0
+                if name in saved:
+                    u.copy_(saved[name])
         if state.get("previous") is None or self.steps == 0:
             return
         previous = self._own(state["previous"], "previous weight version")

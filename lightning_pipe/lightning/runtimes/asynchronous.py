@@ -16,7 +16,7 @@ from torch import Tensor
 from lightning_pipe.engine import AsyncSegments, batch_size, split_micro_batches
 from lightning_pipe.engine.emulated import EmulatedAsyncSegments
 from lightning_pipe.engine.outside import reject_shared
-from lightning_pipe.engine.policies import WeightPolicy, make_clip, merge_states
+from lightning_pipe.engine.policies import make_clip, merge_states
 from lightning_pipe.errors import PipeConfigError, SharedParameterError
 from lightning_pipe.lightning.log_replay import LogCapture
 from lightning_pipe.lightning.module_glue import ModuleStages, stage_parameter_names
@@ -156,10 +156,11 @@ class AsyncRuntime(BaseRuntime):
                           SharedParameterError)
 
     def stage_diagnostics(self) -> list[dict[str, float]]:
-        """Staleness, weight copies and correction or prediction size of every stage this process runs."""
+        """Staleness, weight copies and correction, prediction or look-ahead size of every stage this
+        process runs; during a synchronous warm-up the values of synchronous training."""
         if not self.active or not self.segments.policies:
-            return [{}]
-        return [diagnostics(policy) for policy in self.segments.policies]
+            return super().stage_diagnostics()
+        return [policy.diagnostics() for policy in self.segments.policies]
 
     def checkpoint_state(self) -> dict[str, Any]:
         if self.segments.policy is None:
@@ -185,12 +186,3 @@ class AsyncRuntime(BaseRuntime):
         for policy in self.segments.policies:  # live policies step master copies
             names.update({id(m): n for n, m in getattr(policy, "masters", {}).items()})
         return names
-
-
-def diagnostics(policy: WeightPolicy) -> dict[str, float]:
-    """One stage's staleness, weight copies and prediction/correction norm."""
-    values = {"staleness": policy.staleness_sum / max(policy.backwards, 1), "weight_copies": float(policy.max_copies)}
-    norm = getattr(policy, "prediction_norm", getattr(policy, "correction_norm", None))
-    if norm is not None:
-        values["prediction_norm" if hasattr(policy, "prediction_norm") else "correction_norm"] = norm
-    return values
