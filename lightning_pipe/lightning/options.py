@@ -8,6 +8,7 @@ before anything launches; :mod:`.checks` holds those that need them. Each failur
 from __future__ import annotations
 
 import dataclasses
+import math
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
@@ -170,6 +171,10 @@ def check(options: PipeOptions) -> None:
     for name in ("sync_warmup_epochs", "sync_warmup_steps"):
         if getattr(o, name) < 0:
             raise PipeConfigError(f"{name}={getattr(o, name)} must be at least 0.")
+    lookahead = o.pipedream_2bw.lookahead
+    if not (isinstance(lookahead, (int, float)) and math.isfinite(lookahead) and lookahead >= 0):
+        raise PipeConfigError(f"pipedream_2bw lookahead={lookahead!r} must be a number >= 0 (0: the paper's rule, "
+                              "1: extrapolate the stale version by one whole last update).")
     _check_avgpipe(o)
     _check_trace(o.trace_dir, o.trace_steps)
 

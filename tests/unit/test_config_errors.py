@@ -79,6 +79,8 @@ def test_bad_configuration(make, kwargs, match):
         ({"micro_batch": 4}, r"PipeStrategy has no option 'micro_batch'; did you mean micro_batches=\?"),
         ({"timeout": 0}, "timeout=0.0 must be a positive number of seconds"),
         ({"checkpoint_timeout": -1}, "checkpoint_timeout=-1.0 must be a positive number of seconds"),
+        ({"pipedream_2bw": {"lookahead": -1}}, "pipedream_2bw lookahead=-1 must be a number >= 0"),
+        ({"pipedream_2bw": {"look_ahead": 1}}, "pipedream_2bw= has no option look_ahead; DoubleBufferOptions takes lookahead"),
     ],
 )
 def test_bad_options(options, match):

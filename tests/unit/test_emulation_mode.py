@@ -185,13 +185,15 @@ def test_sync_warmup_counted_in_steps_switches_within_an_epoch(schedule):
         torch.testing.assert_close(got["state"][key], value, rtol=1e-5, atol=1e-6, msg=key)
 
 
-@pytest.mark.parametrize("schedule", ["pipedream_2bw", "pipemare"])
-def test_resume_continues_like_an_uninterrupted_run(schedule, tmp_path):
-    """The checkpoint holds every stage's policy state and optimizer share in one-device format."""
-    whole = emulated(schedule, 2, 2, model={"scheduler": "step"})
+@pytest.mark.parametrize("schedule,options", [("pipedream_2bw", {}), ("pipemare", {}),
+                                              ("pipedream_2bw", {"pipedream_2bw": {"lookahead": 1.0}})])
+def test_resume_continues_like_an_uninterrupted_run(schedule, options, tmp_path):
+    """The checkpoint holds every stage's policy state (2BW's look-ahead: the last update too) and
+    optimizer share in one-device format."""
+    whole = emulated(schedule, 2, 2, model={"scheduler": "step"}, strategy=options)
     ckpt = str(tmp_path / "epoch1.ckpt")
-    emulated(schedule, 2, 2, model={"scheduler": "step"}, epochs=1, ckpt_out=ckpt)
-    resumed = emulated(schedule, 2, 2, model={"scheduler": "step"}, ckpt_path=ckpt)
+    emulated(schedule, 2, 2, model={"scheduler": "step"}, epochs=1, ckpt_out=ckpt, strategy=options)
+    resumed = emulated(schedule, 2, 2, model={"scheduler": "step"}, ckpt_path=ckpt, strategy=options)
     for key, value in whole["state"].items():
         torch.testing.assert_close(resumed["state"][key], value, rtol=1e-6, atol=1e-7, msg=key)
     assert [m["train_loss"] for m in resumed["metrics"]] == pytest.approx([m["train_loss"] for m in whole["metrics"]][6:], rel=1e-6)
@@ -199,6 +201,7 @@ def test_resume_continues_like_an_uninterrupted_run(schedule, tmp_path):
     state = saved["pipe_async_state"]  # every stage's state in one, keyed by parameter name
     per_parameter = state["previous" if schedule == "pipedream_2bw" else "delta"]
     assert set(per_parameter) == {n for n, _ in TrunkModel().named_parameters()} and state["steps"] == 6
+    assert (state.get("last_update") is not None) == bool(options)
     fresh = TrunkModel()  # the file is an ordinary one-device checkpoint
     fresh.load_state_dict(saved["state_dict"])
     plain = torch.optim.SGD(fresh.parameters(), lr=0.1, momentum=0.9)
@@ -309,4 +312,4 @@ def test_2bw_lookahead_equals_reference(stages, micro, clip):
     for key, value in model.state_dict().items():
         torch.testing.assert_close(got["state"][key], value, rtol=1e-5, atol=1e-6, msg=key)
     plain = emulated("pipedream_2bw", stages, micro, trainer=trainer)["metrics"][-1]["pipe/stage0/weight_copies"]
-    assert got["metrics"][-1]["pipe/stage0/weight_copies"] == plain + 2  # the last update, and W before each STEP
+    assert got["metrics"][-1]["pipe/stage0/weight_copies"] == plain + 1  # the last update

@@ -42,7 +42,7 @@ class DoubleBufferOptions:
             backward of mini-batch ``K`` runs on ``W(K-1) + lookahead * (W(K-1) - W(K-2))`` instead of
             ``W(K-1)``. ``1.0`` predicts ``W(K)`` when two consecutive updates are equal (a weight
             prediction that needs no optimizer formula, so it works with any optimizer); it costs one
-            more weight-sized copy. ``0.0`` (the default) is the paper's rule.
+            more weight-sized copy (the last update). ``0.0`` (the default) is the paper's rule.
     """
 
     lookahead: float = 0.0

@@ -12,7 +12,7 @@ from contextlib import nullcontext
 from typing import Any, ContextManager
 
 import torch
-from torch import Tensor, nn
+from torch import nn
 
 from lightning_pipe.engine.policies.base import Binding, WeightPolicy, detached_copy
 
@@ -118,7 +118,6 @@ class DoubleBufferPolicy(_SnapshotPolicy):
         self.lookahead = self.options.pipedream_2bw.lookahead
         # W(v) - W(v-1) while the parameters hold W(v): what a version's snapshot extrapolates along
         self.last_update = {n: torch.zeros_like(p) for n, p in self.params.items()} if self.lookahead else None
-        self._before: dict[str, Tensor] | None = None
         self.lookahead_norm = 0.0
 
     def _snapshot(self) -> dict[str, nn.Parameter]:
@@ -128,21 +127,21 @@ class DoubleBufferPolicy(_SnapshotPolicy):
             return {n: nn.Parameter(p.detach() + self.lookahead * self.last_update[n]) for n, p in self.params.items()}
 
     def _before_update(self) -> None:
-        if self.last_update is not None:
-            self._before = {n: p.detach().clone() for n, p in self.params.items()}
-            self._track_copies()
+        if self.last_update is not None:  # last_update <- W_new - W_old without a copy of W_old
+            with torch.no_grad():
+                for name, u in self.last_update.items():
+                    torch.neg(self.params[name].detach(), out=u)
 
     def _after_update(self) -> None:
-        if self._before is not None:
+        if self.last_update is not None:
             with torch.no_grad():
-                for name, p in self.params.items():
-                    torch.sub(p.detach(), self._before[name], out=self.last_update[name])
-            self._before = None
+                for name, u in self.last_update.items():
+                    u.add_(self.params[name].detach())
             self.lookahead_norm = self.lookahead * math.sqrt(sum(float(u.pow(2).sum()) for u in self.last_update.values()))
         super()._after_update()
 
     def copies(self) -> int:
-        return super().copies() + (self.last_update is not None) + (self._before is not None)
+        return super().copies() + (self.last_update is not None)
 
     def diagnostics(self) -> dict[str, float]:
         values = super().diagnostics()
