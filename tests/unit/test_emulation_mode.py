@@ -102,7 +102,11 @@ def test_emulation_equals_reference(schedule, stages, micro):
         torch.testing.assert_close(got["state"][key], value, rtol=1e-5, atol=1e-6, msg=key)
     last = got["metrics"][-1]
     assert all(f"pipe/stage{s}/weight_copies" in last for s in range(stages))
-    assert last[f"pipe/stage{stages - 1}/staleness"] == 0.0 and last["pipe/stage0/staleness"] > 0
+    assert last["pipe/stage0/staleness"] > 0
+    if schedule == "pipedream_2bw":  # every stage's gradient is one step stale (0 only for the first mini-batch)
+        assert 0.9 < last[f"pipe/stage{stages - 1}/staleness"] < 1.0
+    else:
+        assert last[f"pipe/stage{stages - 1}/staleness"] == 0.0
 
 
 @pytest.mark.parametrize("schedule", ["pipedream", "pipedream_2bw", "pipemare", "xpipe"])

@@ -81,9 +81,14 @@ class WeightPolicy:
     def backward(self, g: int) -> ContextManager[Any]:
         tau = self.steps - self._steps_at_forward.pop(g)
         self._tau[g] = tau
-        self.staleness_sum += tau
+        self.staleness_sum += self._delay(g, tau)
         self.backwards += 1
         return nullcontext()
+
+    def _delay(self, g: int, tau: int) -> int:
+        """How many STEPs older than the weights it updates the gradient of ``B(g)`` is (the
+        ``staleness`` metric): the STEPs between its forward and its backward, ``tau``, by default."""
+        return tau
 
     def finished(self, g: int) -> None:
         self._tau.pop(g, None)

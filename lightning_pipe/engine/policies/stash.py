@@ -120,6 +120,11 @@ class DoubleBufferPolicy(_SnapshotPolicy):
         self.last_update = {n: torch.zeros_like(p) for n, p in self.params.items()} if self.lookahead else None
         self.lookahead_norm = 0.0
 
+    def _delay(self, g: int, tau: int) -> int:
+        # F and B both run on version K-1 (the same values: tau does not matter), and the gradient
+        # updates the current weights: one STEP stale on every stage, the last one included
+        return self.steps - self.version_of[g]
+
     def _snapshot(self) -> dict[str, nn.Parameter]:
         if self.last_update is None:
             return super()._snapshot()
