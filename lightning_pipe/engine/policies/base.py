@@ -162,6 +162,16 @@ class WeightPolicy:
                           UserWarning, stacklevel=3)
         return {n: tensors[n].to(p.device) for n, p in self.params.items() if n in tensors}
 
+    def _restore(self, into: dict[str, Tensor], saved: dict[str, Tensor] | None, what: str) -> None:
+        """Copy this stage's entries of the name-keyed ``saved`` into the buffers ``into``; a buffer
+        without a saved entry keeps its value (zeros: it starts fresh)."""
+        if saved is None:
+            return
+        own = self._own(saved, what)
+        for name, buffer in into.items():
+            if name in own:
+                buffer.copy_(own[name])
+
     # -- what subclasses change ------------------------------------------------------------------
     def _stepped_tensors(self) -> list[Tensor]:
         return list(self.params.values())

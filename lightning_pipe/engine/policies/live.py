@@ -170,11 +170,8 @@ class PipeMarePolicy(_LivePolicy):
         return {**super().state_dict(), "delta": delta}
 
     def _load(self, state: dict[str, Any]) -> None:
-        if self.delta is not None and state.get("delta") is not None:
-            saved = self._own(state["delta"], "correction velocity")
-            for name, d in self.delta.items():  # a parameter without a saved velocity keeps zeros
-                if name in saved:
-                    d.copy_(saved[name])
+        if self.delta is not None:
+            self._restore(self.delta, state.get("delta"), "correction velocity")
 
 
 def round_half_up(x: float) -> int:

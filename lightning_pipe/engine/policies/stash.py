@@ -181,11 +181,8 @@ class DoubleBufferPolicy(_SnapshotPolicy):
                 "last_update": last_update}
 
     def _load(self, state: dict[str, Any]) -> None:
-        if self.last_update is not None and state.get("last_update") is not None:
-            saved = self._own(state["last_update"], "last update")
-            for name, u in self.last_update.items():  # a parameter without a saved update extrapolates by 0
-                if name in saved:
-                    u.copy_(saved[name])
+        if self.last_update is not None:  # a parameter without a saved update extrapolates by 0
+            self._restore(self.last_update, state.get("last_update"), "last update")
         if state.get("previous") is None or self.steps == 0:
             return
         previous = self._own(state["previous"], "previous weight version")
