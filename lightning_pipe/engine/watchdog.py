@@ -90,6 +90,7 @@ class Watchdog:
         self.store_silent = False  # the store did not answer once: rank 0 is hung or gone, do not wait again
         self.heard: str | None = None  # the first report the listener received
         self._listening = False
+        self._listener: threading.Thread | None = None
         self.world_size = 1  # known once listening
         self.reported = False
 
@@ -120,7 +121,8 @@ class Watchdog:
         except Exception:  # a store that cannot be cloned: reports are read from the store only
             return
         self._listening, self.world_size = True, world_size
-        threading.Thread(target=self._receive, args=(inbox,), daemon=True, name="lightning-pipe-reports").start()
+        self._listener = threading.Thread(target=self._receive, args=(inbox,), daemon=True, name="lightning-pipe-reports")
+        self._listener.start()
 
     def _receive(self, inbox: Any) -> None:
         try:
@@ -132,10 +134,16 @@ class Watchdog:
             pass
 
     def close(self) -> None:
-        """End this rank's listener (at the end of a run; best effort)."""
+        """End this rank's listener (at the end of a run; best effort) and wait until it has returned.
+
+        The wait matters: a listener that wakes up inside the store's C++ call while the interpreter
+        is already shutting down cannot take the GIL back, and the process aborts ("terminate called
+        without an active exception") instead of exiting cleanly."""
         if self._listening:
             self._listening = False
             _bounded(lambda: self.store.queue_push(f"{self.key}/inbox/{self.rank}", _STOP), STORE_PATIENCE)
+            if self._listener is not None:
+                self._listener.join(STORE_PATIENCE)
 
     # ------------------------------------------------------------------ the store, bounded
     def report(self, error: BaseException) -> None:
