@@ -2,8 +2,9 @@
 
 * :class:`ModuleStages` builds the executor's chunk callables. The first virtual stage runs the
   user's step until the trunk call (code before the trunk, e.g. an embedding, runs there) and ships
-  the trunk output of its layers; middle stages only run their layers; the last virtual stage runs
-  the user's step again with the trunk call answered by its layers applied to the received
+  the trunk output of its layers; middle stages only run their layers (a looped ModuleList trunk's
+  run the step, so that its blocks get the arguments the step computes); the last virtual stage
+  runs the user's step again with the trunk answered by its layers applied to the received
   activation, so the code after the trunk and the loss run there.
 * :func:`merge_outputs` combines what a step returned per micro-batch into what it would return
   for the batch; :func:`stage_parameter_names` finds which stage uses each parameter outside the
@@ -24,7 +25,7 @@ from lightning_pipe.engine.outside import reject_shared
 from lightning_pipe.engine.stage import batch_size
 from lightning_pipe.errors import SharedParameterError
 from lightning_pipe.lightning.log_replay import LogCapture
-from lightning_pipe.partition.split import PartitionedTrunk, StageStop
+from lightning_pipe.partition.split import PartitionedTrunk, StagePass, StageStop
 
 
 def step_loss(output: Any, hook: str) -> Tensor:
@@ -70,36 +71,26 @@ class ModuleStages:
     def _callable(self, chunk: int, vs: int) -> Callable[[Any, Any], Any]:
         first, last = vs == 0, vs == self.virtual_stages - 1
         partition = self.partition
+        if not (first or last or partition.middle_runs_step):  # a Sequential's middle stage: its layers only
+            return lambda inputs, _: partition.run_chunk(chunk, inputs)
 
-        def whole(_: Any, micro_batch: Any) -> Any:
-            return self._run_step(micro_batch, lambda x: partition.run_chunk(chunk, x))
-
-        def head(_: Any, micro_batch: Any) -> Any:
-            def stop(x: Any) -> Any:
-                raise StageStop(partition.run_chunk(chunk, x))
-
+        def run(inputs: Any, micro_batch: Any) -> Any:
             try:
-                self._run_step(micro_batch, stop)
+                output = self._run_step(micro_batch, StagePass(chunk, first, inputs, stop=not last))
             except StageStop as done:
                 return done.output
+            if last:
+                return output
             raise RuntimeError(
-                f"the step finished without calling {partition.name}; the first pipeline stage needs the step to "
-                f"call self.{partition.name}(...) exactly once."
+                f"the step finished without running {partition.name}; every pipeline stage but the last needs the step "
+                f"to {'loop over' if partition.looped else 'call'} self.{partition.name} exactly once."
             )
 
-        def middle(inputs: Any, _: Any) -> Any:
-            return partition.run_chunk(chunk, inputs)
+        return run
 
-        def tail(inputs: Any, micro_batch: Any) -> Any:
-            return self._run_step(micro_batch, lambda _ignored: partition.run_chunk(chunk, inputs))
-
-        if first and last:
-            return whole
-        return head if first else tail if last else middle
-
-    def _run_step(self, micro_batch: Any, behaviour: Callable[[Any], Any]) -> Any:
+    def _run_step(self, micro_batch: Any, stage_pass: StagePass) -> Any:
         self.capture.batch_size = batch_size(micro_batch)
-        with self.partition.acting(behaviour):
+        with self.partition.acting(stage_pass):
             return self.output_to_loss(self.step(micro_batch))
 
 

@@ -1,20 +1,33 @@
-"""Cut the trunk of a module in place: keep this rank's layers, stub the rest, swap its forward.
+"""Cut the trunk of a module in place: keep this rank's layers, stub the rest, take over its calls.
 
-Layers owned by other ranks become ``nn.Identity`` so ``state_dict`` keys keep their indices.
-The trunk's ``forward`` is replaced on the instance by a dispatcher whose behaviour the pipeline
-sets around each call of the user's step: run this chunk's layers and stop the step (first
-stage), run this chunk's layers on the received activation (last stage), or run everything
-(one-stage pipeline). Called anywhere else, it raises a clear error instead of silently running
-a model with holes in it.
+Layers owned by other ranks become ``nn.Identity`` so ``state_dict`` keys keep their indices. What
+the trunk does when the user's step reaches it is set by the pipeline around each call of the step
+(:meth:`PartitionedTrunk.acting` with a :class:`StagePass`): run this chunk's layers and stop the
+step (a stage that is not the last), run them on the received activation, or run everything
+(a one-stage pipeline). Outside a pipelined step it raises a clear error instead of silently
+running a model with holes in it.
+
+* An ``nn.Sequential`` trunk is called once (``self.model(x)``): its ``forward`` is replaced on the
+  instance.
+* An ``nn.ModuleList`` trunk is iterated in the user's own loop (``for block in self.blocks:
+  x = block(x, mask, ...)``): the instance becomes a subclass whose iteration yields
+  :class:`BlockCall` stand-ins. Blocks of earlier stages return the received activation (so the
+  code between blocks turns it into the next block's input exactly as it would have), this
+  chunk's blocks run with the arguments the loop passes them, and the last one ends the step.
+  The code before the loop (embeddings, masks, rotary tables) therefore runs on every stage, so
+  extra arguments of the blocks never travel between stages (docs/models.md).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from lightning_pipe.engine.stage import run_layers
 from lightning_pipe.errors import TrunkUsageError
@@ -31,11 +44,28 @@ class StageStop(BaseException):
         self.output = output
 
 
+@dataclass(frozen=True)
+class StagePass:
+    """What the trunk does during one call of the user's step.
+
+    Attributes:
+        chunk: the local chunk whose layers run.
+        first: the chunk is the pipeline's first virtual stage (its input comes from the step).
+        received: the activation from the previous virtual stage (unused when ``first``).
+        stop: end the step with this chunk's output (every virtual stage but the last).
+    """
+
+    chunk: int
+    first: bool
+    received: Any = None
+    stop: bool = False
+
+
 class PartitionedTrunk:
     """This rank's share of the trunk.
 
     Args:
-        trunk: the module's ``nn.Sequential`` (modified in place).
+        trunk: the module's ``nn.Sequential`` or ``nn.ModuleList`` (modified in place).
         name: its attribute path, for messages.
         bounds: ``(start, end)`` layer range of every virtual stage.
         local: the virtual stages this rank holds, in chunk order.
@@ -44,7 +74,7 @@ class PartitionedTrunk:
 
     def __init__(
         self,
-        trunk: nn.Sequential,
+        trunk: nn.Sequential | nn.ModuleList,
         name: str,
         bounds: Sequence[tuple[int, int]],
         local: Sequence[int],
@@ -55,22 +85,82 @@ class PartitionedTrunk:
         self.bounds = list(bounds)
         self.local = list(local)
         self.recompute = recompute
-        owned = {i for vs in self.local for i in range(*self.bounds[vs])}
+        self.looped = isinstance(trunk, nn.ModuleList)
+        self.owned = owned = {i for vs in self.local for i in range(*self.bounds[vs])}
+        # plain attributes of every block (e.g. a Hugging Face layer's ``attention_type``), so that a loop
+        # reading them works on the ranks that hold only a stub of that block
+        self.attributes = [_plain_attributes(block) for block in trunk]
         for index in range(len(trunk)):
             if index not in owned:
                 trunk._modules[str(index)] = nn.Identity()
         self.chunks = [nn.Sequential(*(trunk[i] for i in range(*self.bounds[vs]))) for vs in self.local]
-        self._active: Callable[[Any], Any] | None = None
-        trunk.forward = self._forward  # instance attribute: shadows nn.Sequential.forward
+        self._active: StagePass | None = None
+        self._iterated = False
+        if self.looped:
+            trunk.__class__ = _looped_class(type(trunk))
+            trunk._lightning_pipe = self  # type: ignore[union-attr]
+        else:
+            trunk.forward = self._forward  # instance attribute: shadows nn.Sequential.forward
 
     def describe_chunk(self, chunk: int) -> str:
         start, end = self.bounds[self.local[chunk]]
         return f"virtual stage {self.local[chunk]} ({self.name}[{start}:{end}])"
 
     def run_chunk(self, chunk: int, value: Any) -> Any:
+        """Run an ``nn.Sequential`` chunk's layers on ``value`` (a middle stage needs no step)."""
         return run_layers(self.chunks[chunk], value, self.recompute)
 
+    @property
+    def middle_runs_step(self) -> bool:
+        """Whether a middle stage runs the user's step too: a looped trunk's blocks take the
+        arguments the step computes (masks, position tables), a Sequential's layers only the activation."""
+        return self.looped
+
+    @contextmanager
+    def acting(self, stage_pass: StagePass) -> Iterator[None]:
+        """Within the block, a call (or iteration) of the trunk does ``stage_pass``."""
+        self._active, self._iterated = stage_pass, False
+        try:
+            yield
+        finally:
+            self._active = None
+
+    # ------------------------------------------------------------------ nn.Sequential
     def _forward(self, value: Any) -> Any:
+        stage_pass = self._require_active()
+        output = self.run_chunk(stage_pass.chunk, value if stage_pass.first else stage_pass.received)
+        if stage_pass.stop:
+            raise StageStop(output)
+        return output
+
+    # ------------------------------------------------------------------ nn.ModuleList
+    def iterate(self) -> Iterator[Any]:
+        """The loop over a ModuleList trunk: one :class:`BlockCall` per block."""
+        stage_pass = self._require_active()
+        if self._iterated:
+            raise TrunkUsageError(
+                f"{self.name} was iterated twice in one step; a pipelined nn.ModuleList trunk runs its blocks once per "
+                "step, in one loop. Loop over it once, or keep the second use out of the list."
+            )
+        self._iterated = True
+        start, end = self.bounds[self.local[stage_pass.chunk]]
+        return (BlockCall(self, index, start, end, stage_pass) for index in range(len(self.trunk)))
+
+    def item(self, index: Any) -> Any:
+        """``trunk[index]`` inside a step: the whole-list slice (``self.layers[:n]``) loops as the
+        list does; a partial slice or one block cannot be split into stages."""
+        if self._active is None:
+            return None
+        count = len(self.trunk)
+        if isinstance(index, slice) and range(count)[index] == range(count):
+            return _WholeList(self)
+        raise TrunkUsageError(
+            f"{self.name}[{index!r}] inside a pipelined step: the stages split {self.name} by position, so its blocks "
+            f"must be run in one loop over the whole list (for block in self.{self.name.split('.')[-1]}: ...). "
+            "Move blocks that run on their own out of the list, or name another trunk with PipeStrategy(module=...)."
+        )
+
+    def _require_active(self) -> StagePass:
         if self._active is None:
             held = ", ".join(f"{self.name}[{self.bounds[vs][0]}:{self.bounds[vs][1]}]" for vs in self.local)
             raise TrunkUsageError(
@@ -79,13 +169,84 @@ class PartitionedTrunk:
                 "example_input_array) load the checkpoint into a fresh module with MyModule.load_from_checkpoint(path), "
                 "or turn the graph off (e.g. TensorBoardLogger(log_graph=False))."
             )
-        return self._active(value)
+        return self._active
 
-    @contextmanager
-    def acting(self, behaviour: Callable[[Any], Any]) -> Iterator[None]:
-        """Within the block, a call of the trunk runs ``behaviour(input)``."""
-        self._active = behaviour
+
+class BlockCall:
+    """Stands in for block ``index`` of a looped trunk during one step.
+
+    Called like the block, it returns the received activation (a block of an earlier stage, so the
+    loop derives the chunk's first input from it as it would from that block's output), runs the
+    block (this chunk's blocks) or is never reached
+    (blocks of later stages: the chunk's last block ended the step). Other attribute reads go to the
+    block, or to its saved plain attributes where this rank holds only a stub.
+    """
+
+    def __init__(self, partition: PartitionedTrunk, index: int, start: int, end: int, stage_pass: StagePass) -> None:
+        self._partition, self._index, self._start, self._end, self._pass = partition, index, start, end, stage_pass
+
+    def __call__(self, hidden: Any, *args: Any, **kwargs: Any) -> Any:
+        index, stage_pass = self._index, self._pass
+        if index < self._start:  # the loop turns what the previous stage's last block returned into our input
+            return stage_pass.received
+        block = self._partition.trunk._modules[str(index)]
+        if self._partition.recompute and torch.is_grad_enabled():
+            output = checkpoint(block, hidden, *args, use_reentrant=False, **kwargs)
+        else:
+            output = block(hidden, *args, **kwargs)
+        if index == self._end - 1 and stage_pass.stop:
+            raise StageStop(output)
+        return output
+
+    def __getattr__(self, name: str) -> Any:
+        if self._index in self._partition.owned:
+            return getattr(self._partition.trunk._modules[str(self._index)], name)
         try:
-            yield
-        finally:
-            self._active = None
+            return self._partition.attributes[self._index][name]
+        except KeyError:
+            raise AttributeError(
+                f"{self._partition.name}[{self._index}].{name}: this stage holds only a stub of that block, and "
+                f"{name!r} is not one of its plain attributes"
+            ) from None
+
+
+class _WholeList:
+    """``trunk[:]`` inside a step: loops like the trunk."""
+
+    def __init__(self, partition: PartitionedTrunk) -> None:
+        self._partition = partition
+
+    def __iter__(self) -> Iterator[Any]:
+        return self._partition.iterate()
+
+    def __len__(self) -> int:
+        return len(self._partition.trunk)
+
+
+class _LoopedList:
+    """Mixed into a pipelined ModuleList's class: iteration and indexing inside a step go to its
+    :class:`PartitionedTrunk`; outside a step iteration raises, indexing reads the list."""
+
+    _lightning_pipe: PartitionedTrunk
+
+    def __iter__(self) -> Iterator[Any]:
+        return self._lightning_pipe.iterate()
+
+    def __getitem__(self, index: Any) -> Any:
+        inside = self._lightning_pipe.item(index)
+        return super().__getitem__(index) if inside is None else inside  # type: ignore[misc]
+
+
+_LOOPED_CLASSES: dict[type, type] = {}
+
+
+def _looped_class(cls: type) -> type:
+    if cls not in _LOOPED_CLASSES:
+        _LOOPED_CLASSES[cls] = type(f"Pipelined{cls.__name__}", (_LoopedList, cls), {"__module__": __name__})
+    return _LOOPED_CLASSES[cls]
+
+
+def _plain_attributes(block: nn.Module) -> dict[str, Any]:
+    hidden = {"_parameters", "_buffers", "_modules", "training"}
+    return {k: v for k, v in vars(block).items() if k not in hidden and not k.startswith("_")
+            and not isinstance(v, (torch.Tensor, nn.Module))}

@@ -1,52 +1,114 @@
-"""Finding the trunk: the ``nn.Sequential`` of a LightningModule that the pipeline splits."""
+"""Finding the trunk: the ``nn.Sequential`` or ``nn.ModuleList`` of a LightningModule that the pipeline splits.
+
+Without ``module=...`` every ``nn.Sequential`` and ``nn.ModuleList`` at any depth with at least two
+entries and some parameters is a candidate, and the one holding the most parameters wins. A choice
+that could be wrong is refused with the candidates and their parameter counts instead of trained
+silently (docs/models.md): when the winner holds less than :data:`MIN_SHARE` of the module's
+parameters (the blocks probably live elsewhere), or when another candidate that is neither inside
+nor around it holds at least :data:`CLOSE` times as many (an encoder next to a decoder).
+"""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 from torch import nn
 
 from lightning_pipe.errors import TrunkError
 
+Trunk = nn.Sequential | nn.ModuleList
 
-def find_trunk(module: nn.Module, name: str | None = None) -> tuple[str, nn.Sequential]:
-    """Return ``(attribute_path, sequential)`` of the trunk.
+#: The winner must hold at least this share of the module's parameters.
+MIN_SHARE = 0.3
+#: A candidate outside the winner with at least this fraction of its parameters makes the choice ambiguous.
+CLOSE = 0.5
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A container that could be the trunk."""
+
+    path: str  #: dotted attribute path from the module
+    container: Trunk
+    parameters: int  #: trainable parameters inside it (shared ones once)
+
+    def contains(self, other: Candidate) -> bool:
+        return other.path.startswith(self.path + ".")
+
+    def describe(self) -> str:
+        return f"{self.path} ({type(self.container).__name__} of {len(self.container)}, {self.parameters:,} parameters)"
+
+
+def find_trunk(module: nn.Module, name: str | None = None) -> tuple[str, Trunk]:
+    """Return ``(attribute_path, container)`` of the trunk.
 
     Args:
         module: the (Lightning) module.
-        name: dotted attribute path of the trunk; ``None`` picks the single ``nn.Sequential``
-            attribute of ``module``.
+        name: dotted attribute path of the trunk; ``None`` picks the ``nn.Sequential`` or
+            ``nn.ModuleList`` holding most of the module's parameters (see the module docstring).
+
+    Raises:
+        TrunkError: no candidate, an ambiguous or doubtful choice, or ``name`` is not a container.
     """
     if name is not None:
-        target: object = module
-        for part in name.split("."):
-            if not hasattr(target, part):
-                raise TrunkError(
-                    f"{type(module).__name__} has no attribute {name!r}; set PipeStrategy(module=...) to the name "
-                    f"of its nn.Sequential trunk ({_describe(_candidates(module))})."
-                )
-            target = getattr(target, part)
-        if not isinstance(target, nn.Sequential):
-            raise TrunkError(
-                f"{type(module).__name__}.{name} is a {type(target).__name__}, not an nn.Sequential; "
-                "wrap the pipelined layers in one nn.Sequential."
-            )
-        return name, target
-    candidates = _candidates(module)
-    if len(candidates) == 1:
-        return candidates[0], getattr(module, candidates[0])
+        return name, _named(module, name)
+    candidates = sorted(candidates_of(module), key=lambda c: (-c.parameters, c.path.count("."), c.path))
+    owner = type(module).__name__
     if not candidates:
         raise TrunkError(
-            f"{type(module).__name__} has no nn.Sequential attribute to split into pipeline stages; "
-            "put the layers to pipeline in one nn.Sequential attribute (e.g. self.model = nn.Sequential(...))."
+            f"{owner} has no nn.Sequential or nn.ModuleList with parameters to split into pipeline stages; put the "
+            "layers to pipeline in one (e.g. self.blocks = nn.ModuleList(...) or self.model = nn.Sequential(...))."
         )
-    raise TrunkError(
-        f"{type(module).__name__} has several nn.Sequential attributes ({', '.join(candidates)}); "
-        "name the one to pipeline with PipeStrategy(module=...)."
-    )
+    chosen = candidates[0]
+    rivals = [c for c in candidates[1:] if not chosen.contains(c) and c.parameters >= CLOSE * chosen.parameters]
+    total = _count(module)
+    if rivals:
+        listing = "; ".join(c.describe() for c in [chosen, *rivals])
+        raise TrunkError(
+            f"{owner} has several containers that could be the pipeline's trunk ({listing}); name the one to split "
+            f"with PipeStrategy(module={chosen.path!r}) or module={rivals[0].path!r}."
+        )
+    if total and chosen.parameters < MIN_SHARE * total:
+        outermost = [c for c in candidates if not any(o.contains(c) for o in candidates)]
+        listing = "; ".join(c.describe() for c in outermost[:6])
+        raise TrunkError(
+            f"{owner}'s largest container {chosen.describe()} holds only {chosen.parameters / total:.0%} of its "
+            f"{total:,} parameters, so it is probably not the blocks to pipeline (candidates: {listing}); name the "
+            "trunk with PipeStrategy(module='...') or put the blocks in one nn.ModuleList or nn.Sequential."
+        )
+    return chosen.path, chosen.container
 
 
-def _candidates(module: nn.Module) -> list[str]:
-    return [name for name, child in module.named_children() if isinstance(child, nn.Sequential)]
+def candidates_of(module: nn.Module) -> list[Candidate]:
+    """Every ``nn.Sequential`` and ``nn.ModuleList`` below ``module`` with two or more entries and
+    trainable parameters."""
+    found = []
+    for path, child in module.named_modules():
+        if path and isinstance(child, (nn.Sequential, nn.ModuleList)) and len(child) >= 2:
+            count = _count(child)
+            if count:
+                found.append(Candidate(path, child, count))
+    return found
 
 
-def _describe(candidates: list[str]) -> str:
-    return f"candidates: {', '.join(candidates)}" if candidates else "it has no nn.Sequential attribute"
+def _count(module: nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters() if p.requires_grad)
+
+
+def _named(module: nn.Module, name: str) -> Trunk:
+    target: object = module
+    for part in name.split("."):
+        if not hasattr(target, part):
+            found = candidates_of(module)
+            listing = "; ".join(c.describe() for c in found if not any(o.contains(c) for o in found)) or "none"
+            raise TrunkError(
+                f"{type(module).__name__} has no attribute {name!r}; set PipeStrategy(module=...) to the path of its "
+                f"nn.Sequential or nn.ModuleList trunk (candidates: {listing})."
+            )
+        target = getattr(target, part)
+    if not isinstance(target, (nn.Sequential, nn.ModuleList)):
+        raise TrunkError(
+            f"{type(module).__name__}.{name} is a {type(target).__name__}, not an nn.Sequential or nn.ModuleList; "
+            "name the container of the blocks to pipeline, or wrap them in one."
+        )
+    return target

@@ -182,7 +182,13 @@ def make_data(n: int = 96, seed: int = 0) -> TensorDataset:
 def train(config: dict[str, Any]) -> dict[str, Any]:
     """Train per ``config``; return this rank's record."""
     L.seed_everything(0, verbose=False)
-    model = TrunkModel(**config.get("model", {}))
+    if "hf" in config:  # a tiny Hugging Face model (tests/harness/hf_models.py) on random token windows
+        from tests.harness.hf_models import HFCausalLM, token_windows
+
+        model: L.LightningModule = HFCausalLM(config["hf"])
+        data = token_windows
+    else:
+        model, data = TrunkModel(**config.get("model", {})), make_data
     strategy = config.get("strategy")
     if isinstance(strategy, dict):
         io = SlowCheckpointIO(config["slow_save"], config.get("kill_in_save", False)) if "slow_save" in config else None
@@ -216,13 +222,13 @@ def train(config: dict[str, Any]) -> dict[str, Any]:
         callbacks=callbacks,
     )
     trainer = L.Trainer(**{**options, **config.get("trainer", {})})
-    dataset = make_data(config.get("samples", 96))
+    dataset = data(config.get("samples", 96))
     sampler = None
     pipelines = config.get("pipelines_in_sampler", 1)
     if pipelines > 1:
         sampler = DistributedSampler(dataset, num_replicas=pipelines, rank=trainer.global_rank // config["stages"], shuffle=False)
     loader = DataLoader(dataset, batch_size=config.get("batch_size", 16), shuffle=False, sampler=sampler)
-    eval_loader = DataLoader(make_data(40, seed=1), batch_size=config.get("eval_batch_size", 12))
+    eval_loader = DataLoader(data(40, seed=1), batch_size=config.get("eval_batch_size", 12))
     evaluate = config.get("evaluate", False)
     validate_during_fit = evaluate or bool(config.get("full_callbacks"))
     trainer.fit(model, loader, eval_loader if validate_during_fit else None, ckpt_path=config.get("ckpt_path"))

@@ -18,9 +18,11 @@ def connect(model: L.LightningModule, devices: int = 2, **options) -> None:
 
 
 class TwoTrunks(TrunkModel):
+    """An encoder next to a decoder of the same size: which one to split is the user's call."""
+
     def __init__(self):
         super().__init__()
-        self.other = nn.Sequential(nn.Linear(4, 4))
+        self.other = nn.Sequential(*[m for _ in range(6) for m in (nn.Linear(16, 16), nn.Tanh())])
 
 
 class NoTrunk(L.LightningModule):
@@ -58,8 +60,9 @@ def test_strategy_names_are_registered():
         (TrunkModel, {"balance": [12]}, r"balance has 1 entries but the pipeline has 2 stages"),
         (TrunkModel, {"schedule": "interleaved_1f1b", "micro_batches": 3}, r"multiple of stages; .* micro_batches=4"),
         (Manual, {}, r"manual optimization"),
-        (NoTrunk, {}, r"no nn.Sequential attribute"),
-        (TwoTrunks, {}, r"several nn.Sequential attributes \(model, other\).*PipeStrategy\(module=\.\.\.\)"),
+        (NoTrunk, {}, r"no nn.Sequential or nn.ModuleList with parameters"),
+        (TwoTrunks, {}, r"several containers .*model \(Sequential of 12, 1,632 parameters\); other \(Sequential of 12, "
+                        r"1,632 parameters\).*PipeStrategy\(module='model'\) or module='other'"),
         (TrunkModel, {"module": "head"}, r"head is a Linear, not an nn.Sequential"),
     ],
 )

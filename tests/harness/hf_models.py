@@ -1,0 +1,61 @@
+"""Tiny Hugging Face causal LMs (random weights from a config: nothing downloads) wrapped, unchanged,
+in an ordinary LightningModule that calls ``self.model(input_ids=..., labels=...)``."""
+
+from __future__ import annotations
+
+import lightning as L
+import torch
+from torch.utils.data import TensorDataset
+
+VOCAB, LENGTH = 64, 16
+
+
+def hf_config(kind: str):
+    """A 4-block model of ``kind`` (``"llama"`` or ``"gpt2"``, whose LM head is tied to its input
+    embedding), dropout off so that a pipeline and one device draw no random numbers."""
+    import transformers
+
+    if kind == "llama":
+        return transformers.LlamaConfig(
+            vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=LENGTH, use_cache=False, tie_word_embeddings=False)
+    if kind == "gpt2":
+        return transformers.GPT2Config(
+            vocab_size=VOCAB, n_embd=32, n_layer=4, n_head=4, n_positions=LENGTH, resid_pdrop=0.0, embd_pdrop=0.0,
+            attn_pdrop=0.0, use_cache=False, tie_word_embeddings=True)
+    raise ValueError(f"unknown model kind {kind!r}")
+
+
+def hf_model(kind: str) -> torch.nn.Module:
+    import transformers
+
+    torch.manual_seed(0)
+    model_class = transformers.LlamaForCausalLM if kind == "llama" else transformers.GPT2LMHeadModel
+    return model_class(hf_config(kind)).float()
+
+
+class HFCausalLM(L.LightningModule):
+    """What a user writes around a Hugging Face model: no pipeline-specific code."""
+
+    def __init__(self, kind: str = "llama", lr: float = 3e-3) -> None:
+        super().__init__()
+        self.lr = lr
+        self.model = hf_model(kind)
+
+    def training_step(self, batch, batch_idx):
+        (ids,) = batch
+        loss = self.model(input_ids=ids, labels=ids).loss
+        self.log("train_loss", loss)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        (ids,) = batch
+        self.log("val_loss", self.model(input_ids=ids, labels=ids).loss)
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=self.lr, weight_decay=0.01)
+
+
+def token_windows(n: int = 64, seed: int = 0) -> TensorDataset:
+    g = torch.Generator().manual_seed(seed)
+    return TensorDataset(torch.randint(0, VOCAB, (n, LENGTH), generator=g))

@@ -1,0 +1,173 @@
+"""A ModuleList trunk run in the user's own loop (nanoGPT / Hugging Face style), with extra
+arguments to every block, pipelines exactly: emulated stages equal one device (synchronous
+schedules) and equal the same blocks as an nn.Sequential trunk (every schedule), and what cannot
+work ends in an error that says what to change."""
+
+from __future__ import annotations
+
+import lightning as L
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_pipe import PipeStrategy
+from lightning_pipe.errors import TrunkUsageError
+
+VOCAB, CONTEXT, D_MODEL, BLOCKS, STEPS, BATCH = 24, 12, 16, 4, 4, 8
+
+
+def rotary(length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    angles = torch.arange(length)[:, None] * 0.1 * torch.arange(1, D_MODEL // 2 + 1)[None]
+    return angles.cos(), angles.sin()
+
+
+def causal_mask(length: int) -> torch.Tensor:
+    return torch.triu(torch.ones(length, length, dtype=torch.bool), 1)
+
+
+class Block(nn.Module):
+    """Attention with a mask and a ``(cos, sin)`` table, an MLP, a non-tensor ``scale``; without
+    arguments it computes the same mask and table itself (so the same blocks also fit an nn.Sequential).
+    ``tuple_output`` returns ``(hidden,)`` as Hugging Face blocks of some versions do."""
+
+    def __init__(self, tuple_output: bool = False) -> None:
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(D_MODEL), nn.LayerNorm(D_MODEL)
+        self.attn = nn.MultiheadAttention(D_MODEL, 2, batch_first=True)
+        self.mlp = nn.Sequential(nn.Linear(D_MODEL, 2 * D_MODEL), nn.GELU(), nn.Linear(2 * D_MODEL, D_MODEL))
+        self.tuple_output = tuple_output
+        self.kind = "attention"  # a plain attribute a loop may read (Hugging Face's ``attention_type``)
+
+    def forward(self, x, mask=None, rope=None, *, scale: float = 1.0):
+        mask = causal_mask(x.shape[1]) if mask is None else mask
+        cos, sin = rotary(x.shape[1]) if rope is None else rope
+        half = D_MODEL // 2
+        h = self.ln1(x)
+        h = torch.cat([h[..., :half] * cos - h[..., half:] * sin, h[..., :half] * sin + h[..., half:] * cos], -1)
+        x = x + scale * self.attn(h, h, h, attn_mask=mask, need_weights=False)[0]
+        x = x + self.mlp(self.ln2(x))
+        return (x,) if self.tuple_output else x
+
+
+class LoopLM(L.LightningModule):
+    """Embedding, a trunk of blocks, head. ``trunk="list"`` loops over an nn.ModuleList passing the
+    mask, the rotary table and a constant to every block (``loop`` picks the loop's shape);
+    ``trunk="sequential"`` calls the same blocks as an nn.Sequential."""
+
+    def __init__(self, trunk: str = "list", loop: str = "plain", optimizer: str = "sgd") -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.loop, self.optimizer_kind = loop, optimizer
+        self.embed = nn.Embedding(VOCAB, D_MODEL)
+        blocks = [Block(tuple_output=loop == "tuple") for _ in range(BLOCKS)]
+        self.blocks = nn.ModuleList(blocks) if trunk == "list" else nn.Sequential(*blocks)
+        self.head = nn.Sequential(nn.Dropout(0.0), nn.LayerNorm(D_MODEL), nn.Linear(D_MODEL, VOCAB))
+
+    def forward(self, idx):
+        x = self.embed(idx)
+        if isinstance(self.blocks, nn.Sequential):
+            return self.head(self.blocks(x))
+        mask, rope = causal_mask(idx.shape[1]), rotary(idx.shape[1])
+        if self.loop == "slice":  # Hugging Face Llama: for layer in self.layers[: config.num_hidden_layers]
+            blocks = self.blocks[:BLOCKS]
+        else:
+            blocks = self.blocks
+        for i, block in enumerate(blocks):
+            if self.loop == "tuple":
+                x = block(x, mask, rope=rope, scale=1.0)[0]
+            else:
+                assert block.kind == "attention"
+                x = block(x, mask, rope=rope, scale=1.0)
+        if self.loop == "twice":
+            for block in self.blocks:
+                x = block(x)
+        if self.loop == "index":
+            x = self.blocks[0](x)
+        return self.head(x)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = F.cross_entropy(self(x).flatten(0, 1), y.flatten())
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self):
+        if self.optimizer_kind == "adamw":
+            return torch.optim.AdamW(self.parameters(), lr=3e-3)
+        return torch.optim.SGD(self.parameters(), lr=0.3, momentum=0.9)
+
+
+def windows() -> TensorDataset:
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, VOCAB, (STEPS * BATCH, CONTEXT + 1), generator=g)
+    return TensorDataset(ids[:, :-1], ids[:, 1:])
+
+
+class Losses(L.Callback):
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.losses.append(float(trainer.callback_metrics["train_loss"]))
+
+
+def fit(model: LoopLM, strategy: PipeStrategy | None) -> tuple[list[float], dict]:
+    losses = Losses()
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_epochs=1, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, callbacks=[losses],
+                        use_distributed_sampler=False, **({"strategy": strategy} if strategy else {}))
+    trainer.fit(model, DataLoader(windows(), batch_size=BATCH))
+    return losses.losses, model.state_dict()
+
+
+def assert_same(got: tuple[list[float], dict], want: tuple[list[float], dict], tol: float = 1e-5) -> None:
+    assert got[0] == pytest.approx(want[0], rel=tol)
+    assert got[1].keys() == want[1].keys()
+    for key, value in want[1].items():
+        torch.testing.assert_close(got[1][key], value, rtol=tol, atol=tol / 10, msg=key)
+
+
+@pytest.mark.parametrize("schedule,stages,extra,loop", [
+    ("gpipe", 4, {}, "plain"), ("1f1b", 2, {}, "plain"), ("1f1b", 4, {"checkpoint_activations": True}, "plain"),
+    ("interleaved_1f1b", 2, {"chunks_per_stage": 2}, "plain"), ("1f1b", 4, {}, "slice"), ("1f1b", 4, {}, "tuple"),
+])
+def test_a_looped_module_list_trunk_equals_one_device(schedule, stages, extra, loop):
+    one_device = fit(LoopLM(loop=loop), None)
+    pipelined = fit(LoopLM(loop=loop), PipeStrategy(schedule=schedule, stages=stages, micro_batches=4, **extra))
+    assert_same(pipelined, one_device)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "pipemare", "pipedream_2bw", "xpipe"])
+def test_a_module_list_trunk_trains_exactly_like_the_same_blocks_in_a_sequential(schedule):
+    """The Sequential trunk is checked against one device and the literal references elsewhere
+    (tests/unit/test_emulation_mode.py); the ModuleList trunk must give identical weights."""
+    strategy = {"schedule": schedule, "stages": 4, "micro_batches": 4}
+    as_list = fit(LoopLM("list", optimizer="adamw"), PipeStrategy(**strategy))
+    as_sequential = fit(LoopLM("sequential", optimizer="adamw"), PipeStrategy(**strategy))
+    assert_same(as_list, as_sequential)
+
+
+@pytest.mark.parametrize("loop,match", [
+    ("twice", r"blocks was iterated twice in one step.*Loop over it once"),
+    ("index", r"blocks\[0\] inside a pipelined step.*one loop over the whole list"),
+])
+def test_a_loop_that_cannot_be_split_says_what_to_change(loop, match):
+    with pytest.raises(TrunkUsageError, match=match):
+        fit(LoopLM(loop=loop), PipeStrategy(schedule="1f1b", stages=2, micro_batches=2))
+
+
+def test_a_partial_slice_is_refused():
+    model = LoopLM()
+    strategy = PipeStrategy(schedule="gpipe", stages=2, micro_batches=2)
+
+    def forward(idx):
+        x = model.embed(idx)
+        for block in model.blocks[:2]:
+            x = block(x)
+        return model.head(x)
+
+    model.forward = forward
+    with pytest.raises(TrunkUsageError, match=r"blocks\[slice\(None, 2, None\)\] inside a pipelined step"):
+        fit(model, strategy)

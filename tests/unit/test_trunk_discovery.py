@@ -1,0 +1,89 @@
+"""Trunk discovery: nn.Sequential and nn.ModuleList at any depth, the one holding most parameters;
+a doubtful or ambiguous choice is an error listing the candidates, never a silent wrong split."""
+
+from __future__ import annotations
+
+import pytest
+from torch import nn
+
+from lightning_pipe.errors import TrunkError
+from lightning_pipe.partition import find_trunk
+
+
+def block() -> nn.Module:
+    return nn.Sequential(nn.Linear(32, 32), nn.GELU(), nn.Linear(32, 32))
+
+
+class ListBlocksSequentialHead(nn.Module):
+    """The case that used to pipeline the head: blocks in a ModuleList, a small Sequential head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(10, 32)
+        self.blocks = nn.ModuleList(block() for _ in range(6))
+        self.head = nn.Sequential(nn.Dropout(0.1), nn.Linear(32, 10))
+
+
+class NestedEncoder(nn.Module):
+    """Blocks one level down (``encoder.layers``) next to a top-level Sequential head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.encoder = nn.Module()
+        self.encoder.layers = nn.Sequential(*(block() for _ in range(6)))
+        self.head = nn.Sequential(nn.Dropout(0.1), nn.Linear(32, 10))
+
+
+class EncoderDecoder(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.encoder = nn.ModuleList(block() for _ in range(4))
+        self.decoder = nn.ModuleList(block() for _ in range(4))
+
+
+class BigEmbedding(nn.Module):
+    """The only container holds a small share: the real blocks are probably not in it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(5000, 32)
+        self.blocks = nn.ModuleList(block() for _ in range(2))
+
+
+class Plain(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = nn.Sequential(nn.Flatten(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4))
+
+
+@pytest.mark.parametrize("make,path", [
+    (ListBlocksSequentialHead, "blocks"), (NestedEncoder, "encoder.layers"), (Plain, "model"),
+])
+def test_the_container_holding_the_blocks_is_chosen(make, path):
+    model = make()
+    name, trunk = find_trunk(model)
+    assert name == path and trunk is model.get_submodule(path)
+
+
+def test_close_candidates_are_listed_with_the_option_to_pass():
+    with pytest.raises(TrunkError, match=r"several containers that could be the pipeline's trunk \(decoder \(ModuleList of 4, "
+                                         r"8,448 parameters\); encoder \(ModuleList of 4, 8,448 parameters\)\); name the one "
+                                         r"to split with PipeStrategy\(module='decoder'\) or module='encoder'\.$"):
+        find_trunk(EncoderDecoder())
+
+
+def test_a_container_with_a_small_share_is_not_trusted():
+    with pytest.raises(TrunkError, match=r"largest container blocks \(ModuleList of 2, 4,224 parameters\) holds only 3% "
+                                         r"of its 164,224 parameters.*PipeStrategy\(module='...'\)"):
+        find_trunk(BigEmbedding())
+
+
+def test_module_names_any_container_at_any_depth():
+    model = EncoderDecoder()
+    assert find_trunk(model, "decoder") == ("decoder", model.decoder)
+    assert find_trunk(NestedEncoder(), "encoder.layers")[0] == "encoder.layers"
+    with pytest.raises(TrunkError, match=r"encoder.layers is a Sequential|has no attribute 'encoder.blocks'.*candidates: "
+                                         r"encoder.layers \(Sequential of 6"):
+        find_trunk(NestedEncoder(), "encoder.blocks")
+    with pytest.raises(TrunkError, match=r"ListBlocksSequentialHead.embed is a Embedding, not an nn.Sequential or nn.ModuleList"):
+        find_trunk(ListBlocksSequentialHead(), "embed")
