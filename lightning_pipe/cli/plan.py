@@ -170,7 +170,7 @@ def plan(
         latency_us: link latency per transfer in microseconds.
         kappa: bytes of weights + gradient + optimizer state per parameter byte (4 for fp32 Adam).
         checkpoint_activations: predict with activation recomputation (less memory, one more forward).
-        module: attribute path of the trunk ``nn.Sequential`` (default: the only one).
+        module: dotted path of the trunk (``nn.Sequential`` or ``nn.ModuleList``; default: as the strategy finds it).
         device: where to profile (``cpu``, ``cuda:0``...).
         cache: JSON file caching the profiles.
         timeline: PNG path for the chosen plan's simulated timeline; ``None`` to skip.

@@ -93,9 +93,13 @@ def balance(strategy: PipeStrategy, trainer: Trainer, module: LightningModule) -
 
     with strategy.watchdog.guard("rank 0's balance='auto' plan"):
         auto = auto_balance.agreed(strategy.global_rank == 0, strategy.world_size, work)
+    _, trunk = find_trunk(module, options.module)
+    if isinstance(trunk, torch.nn.ModuleList) and options.auto_balance.refine and strategy.topology.stages > 1:
+        rank_zero_info("lightning_pipe: balance='auto' keeps the profiled split of an nn.ModuleList trunk: the "
+                       "refinement runs stage copies as nn.Sequential, which a looped trunk's blocks are not.")
+        return auto.plan, None
     if not options.auto_balance.refine or strategy.topology.stages == 1 or options.chunks_per_stage > 1:
         return auto.plan, None  # nothing to measure in one process; interleaved splits are searched locally already
-    _, trunk = find_trunk(module, options.module)
     transport = strategy.transport()
     with strategy.precision_plugin.train_step_context():
         return auto_balance.refine(auto, options.auto_balance, trunk, strategy.topology, transport, strategy.watchdog,
@@ -146,6 +150,11 @@ def tune_avgpipe(strategy: PipeStrategy, trainer: Trainer, module: LightningModu
         rank_zero_info(f"lightning_pipe: avgpipe adopts the tuned values of the checkpoint: {stored}")
         return stored
     options, stages = strategy.options, strategy.num_stages
+    if isinstance(find_trunk(module, options.module)[1], torch.nn.ModuleList):
+        raise PipeConfigError(
+            "avgpipe's tuner measures its candidates on copies of each stage run as an nn.Sequential, which the blocks "
+            "of an nn.ModuleList trunk are not; set avgpipe's parallel_pipelines, micro_batches and advance_forward "
+            "to numbers (e.g. avgpipe={'parallel_pipelines': 2, 'advance_forward': 1}, micro_batches=4).")
     memory = memory_limit(options.auto_balance, strategy.root_device)
     memory = [memory] * stages if isinstance(memory, float) else memory
     values = AutoValues(options.avgpipe.parallel_pipelines, options.micro_batches, options.avgpipe.advance_forward)

@@ -76,7 +76,7 @@ class _NamesItsOptions(type(DDPStrategy)):  # type: ignore[misc]
 class PipeStrategy(DDPStrategy, metaclass=_NamesItsOptions):
     """Pipeline-parallel training of an ordinary LightningModule.
 
-    The module's trunk (one ``nn.Sequential`` attribute) is split into contiguous stages, one
+    The module's trunk (an ``nn.Sequential`` or a looped ``nn.ModuleList``, docs/models.md) is split into contiguous stages, one
     process per stage; each batch is split into micro-batches that flow through the stages in the
     order of the chosen schedule. Code in ``training_step`` before the trunk call runs on the first
     stage, code after it (and the loss) on the last.
@@ -112,8 +112,9 @@ class PipeStrategy(DDPStrategy, metaclass=_NamesItsOptions):
             and picks the split that minimises the slowest stage's predicted time under the memory limits,
             for the given schedule and ``micro_batches``; then every rank measures it for a few steps and
             layers move off the measured bottleneck; see ``auto_balance`` and docs/planning.md).
-        module: attribute path of the trunk ``nn.Sequential``; default: the module's only
-            ``nn.Sequential`` attribute.
+        module: dotted path of the trunk, an ``nn.Sequential`` (called once in the step) or an
+            ``nn.ModuleList`` (looped over once); default: the one holding most of the module's
+            parameters (an error lists the candidates when that is doubtful; docs/models.md).
         chunks_per_stage: chunks (virtual stages) per device for ``"interleaved_1f1b"`` (default 2);
             must stay 1 for the other schedules.
         checkpoint_activations: recompute each stage's activations during backward instead of keeping

@@ -16,7 +16,10 @@ on one device:
 The sample trunk input comes from the module's own code (:func:`capture_trunk_input`): a forward
 pre-hook on the trunk stops the user's step (or ``forward``) at the trunk call, the same stop-early
 pattern as :class:`~lightning_pipe.partition.split.StageStop`, so code before the trunk (embeddings,
-reshapes) runs as in training and the profile sees the real trunk input.
+reshapes) runs as in training and the profile sees the real trunk input. An ``nn.ModuleList``
+trunk is never called as a whole, so its capture records every block's own call instead
+(:class:`BlockInputs`: the hidden state and the extra arguments the user's loop passes, masks and
+position tables included) and each block is profiled on its own recorded call.
 
 Profiles are cached in a JSON file keyed by the module class, the trunk's layer structure and
 parameter shapes, the input's shapes and dtypes and the device; a cache hit returns without
@@ -131,15 +134,33 @@ def interpolate(profiles: Sequence[Profile], micro_batch: float) -> Profile:
     return Profile(round(micro_batch) or 1, lo.device, layers, round(line(lo.input_bytes, hi.input_bytes)))
 
 
+@dataclass(frozen=True)
+class RecordedCall:
+    """One recorded call of a block: ``block(*args, **kwargs)`` (``args[0]`` is the hidden state)."""
+
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class BlockInputs:
+    """What every block of a looped ``nn.ModuleList`` trunk was called with in one step."""
+
+    calls: tuple[RecordedCall, ...]
+
+
 def capture_trunk_input(
     module: nn.Module, trunk: nn.Module, run: Callable[[], Any], what: str = "the step"
 ) -> Any:
-    """The value ``trunk`` is called with when ``run()`` executes the module's own code.
+    """The value ``trunk`` is called with when ``run()`` executes the module's own code
+    (:class:`BlockInputs` for an ``nn.ModuleList`` trunk).
 
     A forward pre-hook on the trunk raises :class:`StageStop` with the trunk's input, so nothing
     after the trunk call runs. ``run`` is e.g. ``lambda: module.training_step(micro_batch, 0)`` or
     ``lambda: module(x)``; it runs under ``torch.no_grad``. The captured input is detached.
     """
+    if isinstance(trunk, nn.ModuleList):
+        return _capture_block_calls(module, trunk, run, what)
 
     def stop(_module: nn.Module, args: tuple[Any, ...]) -> None:
         raise StageStop(args[0] if len(args) == 1 else args)
@@ -158,9 +179,44 @@ def capture_trunk_input(
     )
 
 
-def profile_key(module: nn.Module, trunk: nn.Sequential, sample: Any, device: torch.device | str) -> str:
+def _capture_block_calls(module: nn.Module, trunk: nn.ModuleList, run: Callable[[], Any], what: str) -> BlockInputs:
+    calls: dict[int, RecordedCall] = {}
+
+    def hook(index: int) -> Callable[..., None]:
+        def record(_module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+            if index in calls:
+                raise StageStop(None)  # the trunk's second use (e.g. generation): one pass is all we need
+            calls[index] = RecordedCall(*_detached((args, kwargs)))
+        return record
+
+    handles = [block.register_forward_pre_hook(hook(i), with_kwargs=True) for i, block in enumerate(trunk)]
+    try:
+        with torch.no_grad():
+            run()
+    except StageStop:
+        pass
+    finally:
+        for handle in handles:
+            handle.remove()
+    if len(calls) != len(trunk):
+        raise RuntimeError(
+            f"{what} of {type(module).__name__} ran {len(calls)} of the {len(trunk)} blocks of its nn.ModuleList trunk; "
+            "profiling needs the step (or forward) to run every block once, in one loop."
+        )
+    return BlockInputs(tuple(calls[i] for i in range(len(trunk))))
+
+
+def _on_device(value: Any, device: torch.device) -> Any:
+    return tree_map(lambda t: t.to(device) if isinstance(t, Tensor) else t, value)
+
+
+def _detached(value: Any) -> Any:
+    return tree_map(lambda t: t.detach() if isinstance(t, Tensor) else t, value)
+
+
+def profile_key(module: nn.Module, trunk: nn.Module, sample: Any, device: torch.device | str) -> str:
     """Cache key: module class, each layer's repr and parameter shapes/dtypes, input shapes/dtypes, device."""
-    leaves, _ = tree_flatten(sample)
+    leaves, _ = tree_flatten(_as_tree(sample))
     parts = [
         f"{type(module).__module__}.{type(module).__qualname__}",
         *(f"{layer!r}|{[(tuple(p.shape), str(p.dtype), p.requires_grad) for p in layer.parameters()]}" for layer in trunk),
@@ -191,7 +247,7 @@ def store_cached(path: str | os.PathLike | None, profile: Profile) -> None:
 
 
 def profile_trunk(
-    trunk: nn.Sequential,
+    trunk: nn.Sequential | nn.ModuleList,
     sample: Any,
     device: torch.device | str = "cpu",
     repeats: int = 9,
@@ -213,9 +269,10 @@ def profile_trunk(
     layer's copy exists at a time). The result's ``spread`` says how much the timed rounds disagreed.
 
     Args:
-        trunk: the ``nn.Sequential`` to profile (unchanged: layers that are not already on
-            ``device`` are profiled as copies moved there one at a time).
-        sample: a trunk input for one micro-batch (its dim 0 is the micro-batch size).
+        trunk: the ``nn.Sequential`` or ``nn.ModuleList`` to profile (unchanged: layers that are not
+            already on ``device`` are profiled as copies moved there one at a time).
+        sample: a trunk input for one micro-batch (its dim 0 is the micro-batch size), or the
+            :class:`BlockInputs` of a looped ``nn.ModuleList`` (each block runs on its own call).
         device: where to measure (the device the stage will run on).
         repeats: timed runs per layer; the fastest is kept.
         warmup: untimed rounds at least.
@@ -231,17 +288,20 @@ def profile_trunk(
     cached = load_cached(cache, key)
     if cached is not None:
         return cached
-    value = tree_map(lambda t: t.to(device) if isinstance(t, Tensor) else t, sample)
+    looped = isinstance(sample, BlockInputs)
+    calls = [RecordedCall(*_on_device((c.args, c.kwargs), device)) for c in sample.calls] if looped else []
+    value = calls[0].args[0] if looped else _on_device(sample, device)
     leaves, _ = tree_flatten(value)
     micro_batch = next((t.shape[0] for t in leaves if isinstance(t, Tensor) and t.dim()), 1)
     input_bytes = _bytes(value)
     round_robin = all(_on(layer, device) for layer in trunk)
     runners, timings, static, warmups = [], [], [], []
-    for layer in trunk:
-        runner = _LayerRunner(layer if _on(layer, device) else copy.deepcopy(layer).to(device), value, device)
+    for index, layer in enumerate(trunk):
+        call = calls[index] if looped else RecordedCall((value,), {})
+        runner = _LayerRunner(layer if _on(layer, device) else copy.deepcopy(layer).to(device), call, device)
         _, _, saved, output = runner.run(measure_saved=True)
         static.append((type(layer).__name__, sum(p.numel() * p.element_size() for p in layer.parameters()), saved, _bytes(output)))
-        value = tree_map(lambda t: t.detach() if isinstance(t, Tensor) else t, output)
+        value = _detached(output)
         if round_robin:
             runners.append(runner)
         else:  # warm and time this copy before the next layer's copy exists
@@ -284,6 +344,13 @@ def _relative_spread(values: Sequence[float]) -> float:
     return (q3 - q1) / middle if middle > 0 else 0.0
 
 
+def _as_tree(sample: Any) -> Any:
+    """A pytree of a sample (a looped trunk's calls as tuples and dicts)."""
+    if isinstance(sample, BlockInputs):
+        return [(c.args, c.kwargs) for c in sample.calls]
+    return sample
+
+
 def _on(layer: nn.Module, device: torch.device) -> bool:
     tensors = [*layer.parameters(), *layer.buffers()]
     return all(t.device.type == device.type and (device.index is None or t.device == device) for t in tensors)
@@ -300,17 +367,18 @@ def _sync(device: torch.device) -> None:
 
 
 class _LayerRunner:
-    """Runs one layer's forward and backward on a fixed input, timing both."""
+    """Runs one layer's forward and backward on a fixed call, timing both (gradients flow to the
+    call's first argument, the activation; the others are constants of the step, e.g. masks)."""
 
-    def __init__(self, layer: nn.Module, value: Any, device: torch.device) -> None:
-        self.layer, self.value, self.device = layer, value, device
+    def __init__(self, layer: nn.Module, call: RecordedCall, device: torch.device) -> None:
+        self.layer, self.call, self.device = layer, call, device
         self.params = [p for p in layer.parameters() if p.requires_grad]
         self.param_ptrs = {p.untyped_storage().data_ptr() for p in layer.parameters()}
 
     def run(self, measure_saved: bool = False) -> tuple[float, float, int, Any]:
         """``(forward seconds, backward seconds, bytes saved for backward, output)``."""
         inputs = tree_map(
-            lambda t: t.detach().requires_grad_(t.is_floating_point()) if isinstance(t, Tensor) else t, self.value
+            lambda t: t.detach().requires_grad_(t.is_floating_point()) if isinstance(t, Tensor) else t, self.call.args[0]
         )
         grad_inputs = [t for t in tree_flatten(inputs)[0] if isinstance(t, Tensor) and t.requires_grad]
         saved: dict[int, int] = {}
@@ -326,7 +394,7 @@ class _LayerRunner:
         _sync(device)
         start = time.perf_counter()
         with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            output = self.layer(inputs)
+            output = self.layer(inputs, *self.call.args[1:], **self.call.kwargs)
         _sync(device)
         forward = time.perf_counter() - start
         outs = [t for t in tree_flatten(output)[0] if isinstance(t, Tensor) and t.requires_grad]

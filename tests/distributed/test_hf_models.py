@@ -18,7 +18,7 @@ from tests.harness.lightning_run import train
 from tests.reference.async_reference import AsyncEmulator
 
 transformers = pytest.importorskip("transformers", reason="the [hf] extra is not installed")
-from tests.harness.hf_models import LENGTH, hf_model, token_windows  # noqa: E402
+from tests.harness.hf_models import hf_model, token_windows  # noqa: E402
 
 STEPS, BATCH, MICRO = 3, 16, 4
 TOL = 1e-5

@@ -77,6 +77,8 @@ class LoopLM(L.LightningModule):
         for i, block in enumerate(blocks):
             if self.loop == "tuple":
                 x = block(x, mask, rope=rope, scale=1.0)[0]
+            elif self.loop == "per_block":  # arguments that differ per block are computed on every stage
+                x = block(x, mask, rope=rope, scale=(i + 1) / BLOCKS)
             else:
                 assert block.kind == "attention"
                 x = block(x, mask, rope=rope, scale=1.0)
@@ -132,6 +134,7 @@ def assert_same(got: tuple[list[float], dict], want: tuple[list[float], dict], t
 @pytest.mark.parametrize("schedule,stages,extra,loop", [
     ("gpipe", 4, {}, "plain"), ("1f1b", 2, {}, "plain"), ("1f1b", 4, {"checkpoint_activations": True}, "plain"),
     ("interleaved_1f1b", 2, {"chunks_per_stage": 2}, "plain"), ("1f1b", 4, {}, "slice"), ("1f1b", 4, {}, "tuple"),
+    ("gpipe", 2, {}, "per_block"),
 ])
 def test_a_looped_module_list_trunk_equals_one_device(schedule, stages, extra, loop):
     one_device = fit(LoopLM(loop=loop), None)
@@ -158,6 +161,32 @@ def test_a_loop_that_cannot_be_split_says_what_to_change(loop, match):
         fit(LoopLM(loop=loop), PipeStrategy(schedule="1f1b", stages=2, micro_batches=2))
 
 
+def test_a_stage_holding_a_stub_still_answers_the_blocks_plain_attributes():
+    """On a process that holds only a stub of a block, a loop reading ``block.kind`` (Hugging Face's
+    ``attention_type``) gets the block's own value, and skipped blocks return the received activation."""
+    from lightning_pipe.partition.split import PartitionedTrunk, StagePass, StageStop
+
+    blocks = nn.ModuleList(Block() for _ in range(BLOCKS))
+    for i, block in enumerate(blocks):
+        block.kind = f"kind{i}"
+    partition = PartitionedTrunk(blocks, "blocks", [(0, 2), (2, 4)], local=[1])
+    assert isinstance(blocks[0], nn.Identity) and isinstance(blocks[3], Block)
+    received = torch.randn(2, CONTEXT, D_MODEL)
+    seen, x = [], None
+    with partition.acting(StagePass(0, first=False, received=received, stop=False)):
+        for block in blocks:
+            seen.append(block.kind)
+            x = block(received if x is None else x, causal_mask(CONTEXT))
+            if len(seen) <= 2:
+                assert x is received
+    assert seen == ["kind0", "kind1", "kind2", "kind3"] and x.shape == received.shape
+    with partition.acting(StagePass(0, first=False, received=received, stop=True)), pytest.raises(StageStop):
+        for block in blocks:
+            block(received)
+    with pytest.raises(TrunkUsageError, match="runs only inside a pipelined step"):
+        iter(blocks)
+
+
 def test_a_partial_slice_is_refused():
     model = LoopLM()
     strategy = PipeStrategy(schedule="gpipe", stages=2, micro_batches=2)
@@ -171,3 +200,35 @@ def test_a_partial_slice_is_refused():
     model.forward = forward
     with pytest.raises(TrunkUsageError, match=r"blocks\[slice\(None, 2, None\)\] inside a pipelined step"):
         fit(model, strategy)
+
+
+class Windows(L.LightningDataModule):
+    def train_dataloader(self):
+        return DataLoader(windows(), batch_size=BATCH)
+
+
+def test_plan_profiles_every_block_on_its_own_recorded_call():
+    """The profiler times each block with the mask, rotary table and constant the loop passes it."""
+    from lightning_pipe.cli.plan import plan
+
+    calls = []
+    model = LoopLM()
+    original = Block.forward
+    Block.forward = lambda self, x, *a, **k: (calls.append((len(a), sorted(k))), original(self, x, *a, **k))[1]
+    try:
+        report = plan(model, stages=2, datamodule=Windows(), schedules=["1f1b"], micro_batches=[2, 4], timeline=None,
+                      repeats=1)
+    finally:
+        Block.forward = original
+    assert [p.micro_batch for p in report.profiles] == [2, 4]
+    assert [layer.name for layer in report.profiles[0].layers] == ["Block"] * BLOCKS
+    assert all(layer.forward > 0 and layer.backward > 0 for layer in report.profiles[0].layers)
+    assert report.profiles[0].input_bytes == 2 * CONTEXT * D_MODEL * 4  # the hidden state, not the arguments
+    assert calls and all(call == (1, ["rope", "scale"]) for call in calls)  # every profiled call had the loop's arguments
+    assert report.best.balance == [2, 2]
+
+
+def test_balance_auto_splits_a_looped_trunk_and_trains_like_one_device():
+    one_device = fit(LoopLM(), None)
+    pipelined = fit(LoopLM(), PipeStrategy(schedule="1f1b", stages=2, micro_batches=4, balance="auto"))
+    assert_same(pipelined, one_device)
