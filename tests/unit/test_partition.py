@@ -13,7 +13,7 @@ from torch import nn
 
 from lightning_pipe.errors import BalanceError, TrunkUsageError
 from lightning_pipe.partition import min_max_split, resolve_balance, stage_bounds
-from lightning_pipe.partition.split import PartitionedTrunk, StageStop
+from lightning_pipe.partition.split import PartitionedTrunk, StagePass, StageStop
 
 
 def trunk(n: int = 6) -> nn.Sequential:
@@ -30,7 +30,7 @@ def test_split_keeps_state_dict_keys_and_runs_only_inside_a_step():
     assert isinstance(seq[0], nn.Identity) and isinstance(seq[2], nn.Linear)
     with pytest.raises(TrunkUsageError, match=r"only holds model\[2:6\].*load_from_checkpoint"):
         seq(torch.ones(2, 4))
-    with part.acting(lambda x: part.run_chunk(0, x)):
+    with part.acting(StagePass(0, first=True)):
         hidden = trunk()[:2](torch.ones(2, 4))
         torch.testing.assert_close(seq(hidden), full)
     with pytest.raises(TrunkUsageError):
