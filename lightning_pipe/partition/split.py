@@ -135,8 +135,12 @@ class PartitionedTrunk:
 
     # ------------------------------------------------------------------ nn.ModuleList
     def iterate(self) -> Iterator[Any]:
-        """The loop over a ModuleList trunk: one :class:`BlockCall` per block."""
-        stage_pass = self._require_active()
+        """The loop over a ModuleList trunk: one :class:`BlockCall` per block inside a step; outside
+        one, the blocks this process holds and, for the others, stand-ins that raise when called
+        (so ``print(model)`` and attribute reads work, running a model with holes does not)."""
+        if self._active is None:
+            return (self.trunk._modules[str(i)] if i in self.owned else _MissingBlock(self, i) for i in range(len(self.trunk)))
+        stage_pass = self._active
         if self._iterated:
             raise TrunkUsageError(
                 f"{self.name} was iterated twice in one step; a pipelined nn.ModuleList trunk runs its blocks once per "
@@ -210,6 +214,25 @@ class BlockCall:
             ) from None
 
 
+class _MissingBlock:
+    """Outside a step, a block another process holds: its plain attributes read, a call raises."""
+
+    def __init__(self, partition: PartitionedTrunk, index: int) -> None:
+        self._partition, self._index = partition, index
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self._partition._require_active()
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return self._partition.attributes[self._index][name]
+        except KeyError:
+            raise AttributeError(f"{self._partition.name}[{self._index}] is held by another process") from None
+
+    def __repr__(self) -> str:
+        return f"{self._partition.name}[{self._index}] (held by another process)"
+
+
 class _WholeList:
     """``trunk[:]`` inside a step: loops like the trunk."""
 
@@ -224,17 +247,25 @@ class _WholeList:
 
 
 class _LoopedList:
-    """Mixed into a pipelined ModuleList's class: iteration and indexing inside a step go to its
-    :class:`PartitionedTrunk`; outside a step iteration raises, indexing reads the list."""
+    """Mixed into a pipelined ModuleList's class: iteration and indexing go to its
+    :class:`PartitionedTrunk` inside a step; outside one, indexing reads the list and iteration
+    yields what :meth:`PartitionedTrunk.iterate` says."""
 
     _lightning_pipe: PartitionedTrunk
 
     def __iter__(self) -> Iterator[Any]:
         return self._lightning_pipe.iterate()
 
+    def __repr__(self) -> str:
+        return nn.Module.__repr__(self)  # type: ignore[arg-type]  # ModuleList's own repr iterates
+
     def __getitem__(self, index: Any) -> Any:
         inside = self._lightning_pipe.item(index)
-        return super().__getitem__(index) if inside is None else inside  # type: ignore[misc]
+        if inside is not None:
+            return inside
+        if isinstance(index, slice):  # a plain list of the entries (ModuleList would build this class again)
+            return nn.ModuleList(list(self._modules.values())[index])  # type: ignore[attr-defined]
+        return super().__getitem__(index)  # type: ignore[misc]
 
 
 _LOOPED_CLASSES: dict[type, type] = {}

@@ -90,7 +90,8 @@ def test_auto_options_are_tried_on_both_processes_and_agreed():
     assert code == 0, output[-3000:]
     # Lightning's ModelSummary counts the whole module, not rank 0's stage (which holds 960 of 1844)
     whole = sum(p.numel() for p in TrunkModel().parameters())
-    assert whole == 1844 and re.search(r"1\.8 K\s+Total params", output), output[-3000:]
+    # the plain table, or the rich one when rich is installed (transformers brings it)
+    assert whole == 1844 and re.search(r"1\.8 K\s+Total params|Total params: 1\.8 K", output), output[-3000:]
     assert "measured ms/round" in output and output.count("<- chosen") == 1 and "avgpipe trial 6/6" in output
     (n, m, a), other = records[0]["avgpipe"], records[1]["avgpipe"]
     assert other == (n, m, a) and BATCH % n == 0 and (BATCH // n) % m == 0 and 0 <= a <= 2

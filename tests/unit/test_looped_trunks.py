@@ -183,8 +183,10 @@ def test_a_stage_holding_a_stub_still_answers_the_blocks_plain_attributes():
     with partition.acting(StagePass(0, first=False, received=received, stop=True)), pytest.raises(StageStop):
         for block in blocks:
             block(received)
+    outside = list(blocks)  # outside a step: introspection works, running a block held elsewhere does not
+    assert outside[3] is blocks[3] and outside[0].kind == "kind0" and "(0): Identity()" in repr(blocks)
     with pytest.raises(TrunkUsageError, match="runs only inside a pipelined step"):
-        iter(blocks)
+        outside[0](received)
 
 
 def test_a_partial_slice_is_refused():
