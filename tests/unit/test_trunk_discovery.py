@@ -34,6 +34,18 @@ class NestedEncoder(nn.Module):
         self.head = nn.Sequential(nn.Dropout(0.1), nn.Linear(32, 10))
 
 
+class NanoGPTLike(nn.Module):
+    """nanoGPT's layout: blocks in ``transformer.h`` inside an ``nn.ModuleDict``, LM head tied to ``wte``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.transformer = nn.ModuleDict(dict(
+            wte=nn.Embedding(50, 32), wpe=nn.Embedding(16, 32), h=nn.ModuleList(block() for _ in range(4)),
+            ln_f=nn.LayerNorm(32)))
+        self.lm_head = nn.Linear(32, 50, bias=False)
+        self.lm_head.weight = self.transformer.wte.weight
+
+
 class EncoderDecoder(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -58,6 +70,7 @@ class Plain(nn.Module):
 
 @pytest.mark.parametrize("make,path", [
     (ListBlocksSequentialHead, "blocks"), (NestedEncoder, "encoder.layers"), (Plain, "model"),
+    (NanoGPTLike, "transformer.h"),
 ])
 def test_the_container_holding_the_blocks_is_chosen(make, path):
     model = make()
