@@ -35,7 +35,7 @@ class LoggedValue:
     """
 
     name: str
-    value: float | None
+    value: float | Tensor | None  #: a 0-d tensor while captured (no host sync per micro-batch), a float once combined
     batch_size: int
     options: dict[str, Any] = field(default_factory=dict)
     metric_state: dict[str, Any] | None = None
@@ -88,16 +88,20 @@ class LogCapture:
         if isinstance(value, Tensor):
             if value.numel() != 1:
                 raise ValueError(f"self.log({name!r}, ...) needs a scalar, got a tensor of shape {tuple(value.shape)}.")
-            value = value.detach().float().item()
-        elif not isinstance(value, (int, float, bool)):
+            value = value.detach().reshape(())  # stays on its device until the step's values are combined
+        elif isinstance(value, (int, float, bool)):
+            value = float(value)
+        else:
             raise TypeError(f"self.log({name!r}, {type(value).__name__}) needs a tensor, a number or a torchmetrics Metric.")
-        self.records.append(LoggedValue(name, float(value), int(batch_size), options))
+        self.records.append(LoggedValue(name, value, int(batch_size), options))
 
 
 def combine(records: list[LoggedValue], module: LightningModule) -> list[LoggedValue]:
     """Reduce the micro-batch records of each name to one record, as one full-batch call would log.
 
-    Metric records carry a snapshot of the metric's state after the last micro-batch.
+    Values logged as tensors are reduced on their device and read back together, once per step
+    (one host synchronisation instead of one per ``self.log`` call and micro-batch). Metric records
+    carry a snapshot of the metric's state after the last micro-batch.
     """
     by_name: dict[str, list[LoggedValue]] = {}
     for record in records:
@@ -111,13 +115,27 @@ def combine(records: list[LoggedValue], module: LightningModule) -> list[LoggedV
             combined.append(LoggedValue(name, None, total, options, _metric_state(metric)))
             continue
         how = _reduction(options.get("reduce_fx", "mean"))
-        values = [r.value for r in group]
+        # float64, as the Python floats these values used to be combined in
+        values = torch.stack([torch.as_tensor(r.value, dtype=torch.float64) for r in group])
         if how == "mean":
-            value = sum(r.value * r.batch_size for r in group) / total
+            sizes = torch.tensor([r.batch_size for r in group], dtype=torch.float64, device=values.device)
+            value = (values * sizes).sum() / total
         else:
-            value = {"sum": sum, "max": max, "min": min}[how](values)
+            value = {"sum": values.sum, "max": values.max, "min": values.min}[how]()
         combined.append(LoggedValue(name, value, total, options))
+    _read_back(combined)
     return combined
+
+
+def _read_back(records: list[LoggedValue]) -> None:
+    """Turn the records' tensor values into floats with one transfer per device."""
+    by_device: dict[torch.device, list[LoggedValue]] = {}
+    for record in records:
+        if isinstance(record.value, Tensor):
+            by_device.setdefault(record.value.device, []).append(record)
+    for group in by_device.values():
+        for record, value in zip(group, torch.stack([r.value for r in group]).tolist()):  # type: ignore[misc]
+            record.value = float(value)
 
 
 def replay(module: LightningModule, records: list[LoggedValue], owner: bool) -> None:

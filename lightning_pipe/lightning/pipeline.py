@@ -210,7 +210,11 @@ class StagePipeline:
         """The batch loss (micro-batch losses weighted by their sizes) on every rank of the pipeline,
         after replaying the last stage's ``self.log`` calls on each of them."""
         module = self.strategy.lightning_module
-        loss = sum(s / ran.size * float(l) for s, l in zip(ran.sizes, ran.outputs)) if ran.outputs else 0.0
+        loss = 0.0
+        if ran.outputs:  # one host synchronisation per step, not one per micro-batch
+            losses = torch.stack([l.detach().reshape(()).double() for l in ran.outputs])
+            weights = torch.tensor([s / ran.size for s in ran.sizes], dtype=torch.float64, device=losses.device)
+            loss = float((losses * weights).sum())
         loss, records = self.from_last_stage((loss, combine(ran.capture.records, module)))
         replay(module, records, owner=self.topology.is_last_stage)
         return torch.tensor(loss, device=self.strategy.root_device)

@@ -23,6 +23,13 @@ from lightning_pipe.engine.policies.options import AsyncOptions
 Clip = Callable[[Sequence[Tensor]], None]
 
 
+def norm_of(tensors: Iterable[Tensor], scale: float = 1.0) -> Tensor | float:
+    """``scale * ||tensors||`` as a 0-d tensor on their device (no host synchronisation: a
+    diagnostic is read back only when it is logged, :meth:`WeightPolicy.diagnostics`)."""
+    squares = [t.detach().pow(2).sum() for t in tensors]
+    return torch.stack(squares).sum().sqrt() * scale if squares else 0.0
+
+
 class WeightPolicy:
     """Base: one optimizer STEP per ``micro_batches`` backwards, stage-local clipping.
 

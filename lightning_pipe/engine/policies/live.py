@@ -21,7 +21,7 @@ import torch
 from torch import Tensor, nn
 from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz
 
-from lightning_pipe.engine.policies.base import WeightPolicy
+from lightning_pipe.engine.policies.base import WeightPolicy, norm_of
 
 
 def _exchangeable(a: Tensor, b: Tensor) -> bool:
@@ -92,7 +92,7 @@ class PipeMarePolicy(_LivePolicy):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.delta = {n: torch.zeros_like(m) for n, m in self.masters.items()} if self.options.pipemare.correction else None
-        self.correction_norm = 0.0
+        self.correction_norm: Tensor | float = 0.0
         # the parameters share the masters' storage: they hold W_s at all times, with no copies
         self.aliased = self.exchange_values and all(_exchangeable(m, torch.empty_like(m)) for m in self.masters.values())
         if self.aliased:
@@ -115,13 +115,13 @@ class PipeMarePolicy(_LivePolicy):
             self.load_masters()
             return context
         if self.aliased:
-            self.correction_norm = tau * math.sqrt(sum(float(d.pow(2).sum()) for d in self.delta.values()))
+            self.correction_norm = norm_of(self.delta.values(), tau)
             return self._corrected(tau)
         with torch.no_grad():
             for name, p in self.params.items():
                 p.data.copy_(self.masters[name]).sub_(self.delta[name], alpha=tau)
         self._holding = None
-        self.correction_norm = tau * math.sqrt(sum(float(d.pow(2).sum()) for d in self.delta.values()))
+        self.correction_norm = norm_of(self.delta.values(), tau)
         return context
 
     @contextmanager
@@ -162,7 +162,7 @@ class PipeMarePolicy(_LivePolicy):
     def diagnostics(self) -> dict[str, float]:
         values = super().diagnostics()
         if self.delta is not None:
-            values["correction_norm"] = self.correction_norm
+            values["correction_norm"] = float(self.correction_norm)
         return values
 
     def state_dict(self) -> dict[str, Any]:
@@ -189,7 +189,7 @@ class XPipePolicy(_LivePolicy):
         self.rules = self._rules(self.options.xpipe.prediction)
         self._last_grad: dict[str, Tensor] = {}
         self._cache: dict[str, tuple[int, dict[str, Tensor]] | None] = {"F": None, "B": None}
-        self.prediction_norm = 0.0
+        self.prediction_norm: Tensor | float = 0.0
         # which tensors hold each cached prediction's values (an exchange moves the values around)
         self._slots: dict[tuple[Any, ...], dict[str, Tensor]] = {}
 
@@ -235,7 +235,7 @@ class XPipePolicy(_LivePolicy):
 
     def predict(self, distance: int) -> dict[str, Tensor]:
         name_of = {id(m): n for n, m in self.masters.items()}
-        predicted, squares = {}, 0.0
+        predicted, steps = {}, []
         with torch.no_grad():
             for group, rule in zip(self.optimizer.param_groups, self.rules):
                 for master in group["params"]:
@@ -247,9 +247,9 @@ class XPipePolicy(_LivePolicy):
                         predicted[name] = master.detach().clone()  # frozen at the bellwether, like a prediction
                         continue
                     step = direction * (group["lr"] * distance)
-                    squares += float(step.pow(2).sum())
+                    steps.append(step)
                     predicted[name] = master.detach() - step
-        self.prediction_norm = math.sqrt(squares)
+            self.prediction_norm = norm_of(steps)
         return predicted
 
     def _use(self, which: str, g: int, distance: int) -> None:
@@ -303,7 +303,7 @@ class XPipePolicy(_LivePolicy):
         return 1 + sum(c is not None for c in self._cache.values())
 
     def diagnostics(self) -> dict[str, float]:
-        return {**super().diagnostics(), "prediction_norm": self.prediction_norm}
+        return {**super().diagnostics(), "prediction_norm": float(self.prediction_norm)}
 
     def state_dict(self) -> dict[str, Any]:
         return {**super().state_dict(), "last_grad": {n: g.cpu() for n, g in self._last_grad.items()}}

@@ -7,14 +7,13 @@ updates the real parameters in place. Snapshot gradients land in the real parame
 
 from __future__ import annotations
 
-import math
 from contextlib import nullcontext
 from typing import Any, ContextManager
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
-from lightning_pipe.engine.policies.base import Binding, WeightPolicy, detached_copy
+from lightning_pipe.engine.policies.base import Binding, WeightPolicy, detached_copy, norm_of
 
 
 class _SnapshotPolicy(WeightPolicy):
@@ -118,7 +117,7 @@ class DoubleBufferPolicy(_SnapshotPolicy):
         self.lookahead = self.options.pipedream_2bw.lookahead
         # W(v) - W(v-1) while the parameters hold W(v): what a version's snapshot extrapolates along
         self.last_update = {n: torch.zeros_like(p) for n, p in self.params.items()} if self.lookahead else None
-        self.lookahead_norm = 0.0
+        self.lookahead_norm: Tensor | float = 0.0
 
     def _delay(self, g: int, tau: int) -> int:
         # F and B both run on version K-1 (the same values: tau does not matter), and the gradient
@@ -142,7 +141,7 @@ class DoubleBufferPolicy(_SnapshotPolicy):
             with torch.no_grad():
                 for name, u in self.last_update.items():
                     u.add_(self.params[name].detach())
-            self.lookahead_norm = self.lookahead * math.sqrt(sum(float(u.pow(2).sum()) for u in self.last_update.values()))
+            self.lookahead_norm = norm_of(self.last_update.values(), self.lookahead)
         super()._after_update()
 
     def copies(self) -> int:
@@ -151,7 +150,7 @@ class DoubleBufferPolicy(_SnapshotPolicy):
     def diagnostics(self) -> dict[str, float]:
         values = super().diagnostics()
         if self.last_update is not None:
-            values["lookahead_norm"] = self.lookahead_norm
+            values["lookahead_norm"] = float(self.lookahead_norm)
         return values
 
     def _version(self, g: int) -> int:
