@@ -317,3 +317,12 @@ def test_2bw_lookahead_equals_reference(stages, micro, clip):
         torch.testing.assert_close(got["state"][key], value, rtol=1e-5, atol=1e-6, msg=key)
     plain = emulated("pipedream_2bw", stages, micro, trainer=trainer)["metrics"][-1]["pipe/stage0/weight_copies"]
     assert got["metrics"][-1]["pipe/stage0/weight_copies"] == plain + 1  # the last update
+
+
+@pytest.mark.parametrize("prediction,optimizer", [("adam", "sgd"), ("muon", "sgd"), ("momentum", "adam")])
+def test_an_explicit_xpipe_prediction_must_fit_the_optimizer(prediction, optimizer):
+    """A direction read from state the optimizer does not keep would silently predict nothing."""
+    owner = "SGD" if optimizer == "sgd" else "Adam"
+    with pytest.raises(ValueError, match=rf"xpipe prediction='{prediction}' does not fit stage 0's {owner} param group; "
+                                         r"use xpipe=XPipeOptions\(prediction='auto'\)"):
+        emulated("xpipe", 2, 4, model={"optimizer": optimizer}, strategy={"xpipe": {"prediction": prediction}})

@@ -195,12 +195,35 @@ class XPipePolicy(_LivePolicy):
 
     def _rules(self, rule: str) -> list[str]:
         """The prediction rule of each param group: ``rule``, or by the optimizer that owns the group
-        when ``"auto"`` (a :class:`~lightning_pipe.optim.CombinedOptimizer` has groups of several kinds)."""
-        return [rule if rule != "auto" else self._auto_rule(group) for group in self.optimizer.param_groups]
+        when ``"auto"`` (a :class:`~lightning_pipe.optim.CombinedOptimizer` has groups of several kinds).
+        An explicit rule must fit every group's optimizer: a direction read from state the optimizer
+        does not keep would silently predict nothing."""
+        if rule == "auto":
+            return [self._auto_rule(group) for group in self.optimizer.param_groups]
+        for group in self.optimizer.param_groups:
+            self._check_rule(rule, group)
+        return [rule] * len(self.optimizer.param_groups)
+
+    def _owner(self, group: dict[str, Any]) -> type:
+        return next((type(member) for member in getattr(self.optimizer, "optimizers", ())
+                     if any(group is g for g in member.param_groups)), type(self.optimizer))
+
+    def _check_rule(self, rule: str, group: dict[str, Any]) -> None:
+        owner = self._owner(group)
+        fits = {
+            "adam": "betas" in group and "eps" in group,  # Adam-like state (exp_avg, exp_avg_sq)
+            "momentum": group.get("momentum", 0) > 0 and not issubclass(owner, torch.optim.Muon),
+            "muon": issubclass(owner, torch.optim.Muon),
+            "sgd": True,  # the last gradient exists under any optimizer
+        }[rule]
+        if not fits:
+            raise ValueError(
+                f"xpipe prediction={rule!r} does not fit stage {self.stage}'s {owner.__name__} param group; use "
+                "xpipe=XPipeOptions(prediction='auto') (each group's rule from its optimizer) or the rule of that optimizer."
+            )
 
     def _auto_rule(self, group: dict[str, Any]) -> str:
-        owner = next((type(member) for member in getattr(self.optimizer, "optimizers", ())
-                      if any(group is g for g in member.param_groups)), type(self.optimizer))
+        owner = self._owner(group)
         if issubclass(owner, torch.optim.Muon):
             return "muon"
         if issubclass(owner, (torch.optim.Adam, torch.optim.AdamW)):
