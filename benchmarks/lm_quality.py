@@ -862,6 +862,8 @@ def _mean_curve(runs: dict[int, dict[str, Any]]) -> tuple[list[int], list[float]
 
 
 def plot(panels: dict, protocols: list[str], path: Path) -> None:
+    """One panel per depth (row) and optimizer (column); runs at several ``M`` share their panel (the
+    label says which ``M``), with one synchronous baseline (1f1b computes the same for every ``M``)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -869,42 +871,49 @@ def plot(panels: dict, protocols: list[str], path: Path) -> None:
 
     differing = _differing(protocols)
     rows_keys = sorted({(k[0], k[1]) for k in panels}, key=lambda x: (protocols.index(x[0]), x[1]))
-    col_keys = sorted({(k[2], k[3]) for k in panels})
-    fig, axes = plt.subplots(len(rows_keys), len(col_keys), figsize=(4.2 * len(col_keys) + 3.6, 3.3 * len(rows_keys)),
+    col_keys = sorted({k[3] for k in panels})
+    fig, axes = plt.subplots(len(rows_keys), len(col_keys), figsize=(5.6 * len(col_keys), 4.2 * len(rows_keys)),
                              squeeze=False)
     labels = sorted({label for rows in panels.values() for label in rows}, key=_schedule_order)
     colors = {label: plt.cm.tab10(i % 10) for i, label in enumerate(labels)}
     for i, (protocol, stages) in enumerate(rows_keys):
-        for j, (m, optimizer) in enumerate(col_keys):
+        for j, optimizer in enumerate(col_keys):
             ax = axes[i][j]
-            key = (protocol, stages, m, optimizer)
-            if key not in panels:
+            keys = sorted(k for k in panels if (k[0], k[1], k[3]) == (protocol, stages, optimizer))
+            if not keys:
                 ax.set_visible(False)
                 continue
-            lows, highs = [], []
-            for label in sorted(panels[key], key=_schedule_order):
-                steps, losses = _mean_curve(panels[key][label])
-                if not steps:
-                    continue
-                base = label == BASELINE
-                ax.plot(steps, losses, color="black" if base else colors[label], lw=2.0 if base else 1.3,
-                        ls="--" if base else "-", label=f"{label} (n={len(panels[key][label])})")
-                tail = [v for s, v in zip(steps, losses) if s >= 0.25 * steps[-1]] or losses
-                lows.append(min(losses))
-                highs.append(max(tail))
+            several = len({k[2] for k in keys}) > 1
+            lows, highs, drawn_baseline = [], [], False
+            for key in keys:
+                for label in sorted(panels[key], key=_schedule_order):
+                    base = label == BASELINE
+                    if base and drawn_baseline:
+                        continue
+                    steps, losses = _mean_curve(panels[key][label])
+                    if not steps:
+                        continue
+                    drawn_baseline |= base
+                    shown = label if base or not several else f"{label} M={key[2]}"
+                    ax.plot(steps, losses, color="black" if base else colors[label], lw=2.0 if base else 1.3,
+                            ls="--" if base else "-", label=f"{shown} (n={len(panels[key][label])})")
+                    tail = [v for s, v in zip(steps, losses) if s >= 0.25 * steps[-1]] or losses
+                    lows.append(min(losses))
+                    highs.append(max(tail))
             if lows:
                 span = max(highs) - min(lows)
                 ax.set_ylim(min(lows) - 0.05 * span - 1e-3, max(highs) + 0.05 * span + 1e-3)
             extra = "".join(f", {k}={json.loads(protocol).get(k)}" for k in differing)
-            ax.set_title(f"P={stages}, M={m}, {optimizer}{extra}", fontsize=10)
+            ms = "/".join(str(m) for m in sorted({k[2] for k in keys}))
+            ax.set_title(f"P={stages}, M={ms}, {optimizer}{extra}", fontsize=10)
             ax.set_xlabel("step")
             ax.set_ylabel("val loss (nats/char)")
             ax.grid(alpha=0.3)
-            ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1.0))  # outside: the curves stay visible
-    fig.suptitle("Char-level LM on the Brown corpus:\nvalidation loss, mean over seeds", fontsize=10)
+            ax.legend(fontsize=6, loc="upper right", framealpha=0.8)
+    fig.suptitle("Char-level LM on the Brown corpus: validation loss, mean over seeds", fontsize=11)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=100)
     plt.close(fig)
 
 
