@@ -10,15 +10,15 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 
-def run_layers(layers: nn.Module, value: Any, recompute: bool = False) -> Any:
-    """Run ``layers`` on ``value``; with ``recompute`` keep only the input for backward.
+def run_layers(layers: nn.Module, value: Any, recompute: bool = False, *args: Any, **kwargs: Any) -> Any:
+    """Run ``layers(value, *args, **kwargs)``; with ``recompute`` keep only the inputs for backward.
 
     Activation recomputation (``torch.utils.checkpoint``, non-reentrant) trades one extra forward
     for not storing the stage's intermediate activations.
     """
     if recompute and torch.is_grad_enabled():
-        return checkpoint(layers, value, use_reentrant=False)
-    return layers(value)
+        return checkpoint(layers, value, *args, use_reentrant=False, **kwargs)
+    return layers(value, *args, **kwargs)
 
 
 class SequentialStage:

@@ -27,7 +27,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from lightning_pipe.engine.stage import run_layers
 from lightning_pipe.errors import TrunkUsageError
@@ -164,6 +163,19 @@ class PartitionedTrunk:
             "Move blocks that run on their own out of the list, or name another trunk with PipeStrategy(module=...)."
         )
 
+    def block_attribute(self, index: int, name: str) -> Any:
+        """Attribute ``name`` of block ``index``: the block's own where this process holds it, else the
+        plain attribute saved at the cut (a stub has no other)."""
+        if index in self.owned:
+            return getattr(self.trunk._modules[str(index)], name)
+        try:
+            return self.attributes[index][name]
+        except KeyError:
+            raise AttributeError(
+                f"{self.name}[{index}].{name}: this process holds only a stub of that block, and {name!r} is not one "
+                "of its plain attributes"
+            ) from None
+
     def _require_active(self) -> StagePass:
         if self._active is None:
             held = ", ".join(f"{self.name}[{self.bounds[vs][0]}:{self.bounds[vs][1]}]" for vs in self.local)
@@ -193,25 +205,14 @@ class BlockCall:
         index, stage_pass = self._index, self._pass
         if index < self._start:  # the loop turns what the previous stage's last block returned into our input
             return stage_pass.received
-        block = self._partition.trunk._modules[str(index)]
-        if self._partition.recompute and torch.is_grad_enabled():
-            output = checkpoint(block, hidden, *args, use_reentrant=False, **kwargs)
-        else:
-            output = block(hidden, *args, **kwargs)
+        partition = self._partition
+        output = run_layers(partition.trunk._modules[str(index)], hidden, partition.recompute, *args, **kwargs)
         if index == self._end - 1 and stage_pass.stop:
             raise StageStop(output)
         return output
 
     def __getattr__(self, name: str) -> Any:
-        if self._index in self._partition.owned:
-            return getattr(self._partition.trunk._modules[str(self._index)], name)
-        try:
-            return self._partition.attributes[self._index][name]
-        except KeyError:
-            raise AttributeError(
-                f"{self._partition.name}[{self._index}].{name}: this stage holds only a stub of that block, and "
-                f"{name!r} is not one of its plain attributes"
-            ) from None
+        return self._partition.block_attribute(self._index, name)
 
 
 class _MissingBlock:
@@ -224,10 +225,7 @@ class _MissingBlock:
         self._partition._require_active()
 
     def __getattr__(self, name: str) -> Any:
-        try:
-            return self._partition.attributes[self._index][name]
-        except KeyError:
-            raise AttributeError(f"{self._partition.name}[{self._index}] is held by another process") from None
+        return self._partition.block_attribute(self._index, name)
 
     def __repr__(self) -> str:
         return f"{self._partition.name}[{self._index}] (held by another process)"

@@ -69,8 +69,7 @@ def find_trunk(module: nn.Module, name: str | None = None) -> tuple[str, Trunk]:
             f"with PipeStrategy(module={chosen.path!r}) or module={rivals[0].path!r}."
         )
     if total and chosen.parameters < MIN_SHARE * total:
-        outermost = [c for c in candidates if not any(o.contains(c) for o in candidates)]
-        listing = "; ".join(c.describe() for c in outermost[:6])
+        listing = "; ".join(c.describe() for c in _outermost(candidates)[:6])
         raise TrunkError(
             f"{owner}'s largest container {chosen.describe()} holds only {chosen.parameters / total:.0%} of its "
             f"{total:,} parameters, so it is probably not the blocks to pipeline (candidates: {listing}); name the "
@@ -91,6 +90,11 @@ def candidates_of(module: nn.Module) -> list[Candidate]:
     return found
 
 
+def _outermost(candidates: list[Candidate]) -> list[Candidate]:
+    """The candidates not inside another one (what an error lists)."""
+    return [c for c in candidates if not any(o.contains(c) for o in candidates)]
+
+
 def _count(module: nn.Module) -> int:
     return sum(p.numel() for p in module.parameters() if p.requires_grad)
 
@@ -99,8 +103,7 @@ def _named(module: nn.Module, name: str) -> Trunk:
     target: object = module
     for part in name.split("."):
         if not hasattr(target, part):
-            found = candidates_of(module)
-            listing = "; ".join(c.describe() for c in found if not any(o.contains(c) for o in found)) or "none"
+            listing = "; ".join(c.describe() for c in _outermost(candidates_of(module))) or "none"
             raise TrunkError(
                 f"{type(module).__name__} has no attribute {name!r}; set PipeStrategy(module=...) to the path of its "
                 f"nn.Sequential or nn.ModuleList trunk (candidates: {listing})."

@@ -44,6 +44,7 @@ from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten, tree_map
 
 from lightning_pipe.partition.split import StageStop
+from lightning_pipe.planning.trials import on_device
 
 
 @dataclass(frozen=True)
@@ -170,7 +171,7 @@ def capture_trunk_input(
         with torch.no_grad():
             run()
     except StageStop as done:
-        return tree_map(lambda t: t.detach() if isinstance(t, Tensor) else t, done.output)
+        return _detached(done.output)
     finally:
         handle.remove()
     raise RuntimeError(
@@ -204,10 +205,6 @@ def _capture_block_calls(module: nn.Module, trunk: nn.ModuleList, run: Callable[
             "profiling needs the step (or forward) to run every block once, in one loop."
         )
     return BlockInputs(tuple(calls[i] for i in range(len(trunk))))
-
-
-def _on_device(value: Any, device: torch.device) -> Any:
-    return tree_map(lambda t: t.to(device) if isinstance(t, Tensor) else t, value)
 
 
 def _detached(value: Any) -> Any:
@@ -289,8 +286,8 @@ def profile_trunk(
     if cached is not None:
         return cached
     looped = isinstance(sample, BlockInputs)
-    calls = [RecordedCall(*_on_device((c.args, c.kwargs), device)) for c in sample.calls] if looped else []
-    value = calls[0].args[0] if looped else _on_device(sample, device)
+    calls = [RecordedCall(*on_device((c.args, c.kwargs), device)) for c in sample.calls] if looped else []
+    value = calls[0].args[0] if looped else on_device(sample, device)
     leaves, _ = tree_flatten(value)
     micro_batch = next((t.shape[0] for t in leaves if isinstance(t, Tensor) and t.dim()), 1)
     input_bytes = _bytes(value)
