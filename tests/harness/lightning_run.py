@@ -152,6 +152,16 @@ class Recorder(L.Callback):
         self.returned.append(float(outputs["loss"]))
 
 
+class Losses(L.Callback):
+    """The logged ``train_loss`` of every step."""
+
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.losses.append(float(trainer.callback_metrics["train_loss"]))
+
+
 class SlowCheckpointIO(TorchCheckpointIO):
     """A filesystem that takes ``seconds`` to write a checkpoint; with ``kill``, the writing process is
     killed (SIGKILL) half-way through the file."""

@@ -14,7 +14,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_pipe import PipeStrategy
 from lightning_pipe.engine import split_micro_batches
 from lightning_pipe.engine.policies import AsyncOptions, DoubleBufferOptions
-from tests.harness.lightning_run import muon_with_adam
+from tests.harness.lightning_run import Losses, muon_with_adam
 from tests.reference.async_reference import AsyncEmulator
 
 TEXT = (
@@ -85,14 +85,6 @@ def windows() -> TensorDataset:
     ids = torch.tensor([VOCAB.index(c) for c in TEXT])
     starts = torch.randint(0, len(ids) - CONTEXT - 1, (STEPS * BATCH,), generator=torch.Generator().manual_seed(1))
     return TensorDataset(torch.stack([ids[s:s + CONTEXT] for s in starts]), torch.stack([ids[s + 1:s + CONTEXT + 1] for s in starts]))
-
-
-class Losses(L.Callback):
-    def __init__(self) -> None:
-        self.losses: list[float] = []
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        self.losses.append(float(trainer.callback_metrics["train_loss"]))
 
 
 def emulated(schedule: str, optimizer: str, **strategy) -> tuple[list[float], dict]:

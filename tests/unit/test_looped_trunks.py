@@ -14,6 +14,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_pipe import PipeStrategy
 from lightning_pipe.errors import TrunkUsageError
+from tests.harness.lightning_run import Losses
 
 VOCAB, CONTEXT, D_MODEL, BLOCKS, STEPS, BATCH = 24, 12, 16, 4, 4, 8
 
@@ -105,14 +106,6 @@ def windows() -> TensorDataset:
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, VOCAB, (STEPS * BATCH, CONTEXT + 1), generator=g)
     return TensorDataset(ids[:, :-1], ids[:, 1:])
-
-
-class Losses(L.Callback):
-    def __init__(self) -> None:
-        self.losses: list[float] = []
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        self.losses.append(float(trainer.callback_metrics["train_loss"]))
 
 
 def fit(model: LoopLM, strategy: PipeStrategy | None) -> tuple[list[float], dict]:
