@@ -1,0 +1,29 @@
+"""Logged values are captured per micro-batch without a host synchronisation (the tensor stays where
+it was logged) and combined once per step into what one full-batch call would log."""
+
+from __future__ import annotations
+
+import lightning as L
+import pytest
+import torch
+
+from lightning_pipe.lightning.log_replay import LogCapture, combine
+
+
+class Logs(L.LightningModule):
+    pass
+
+
+def test_values_stay_tensors_until_the_step_is_combined():
+    module = Logs()
+    with LogCapture(module) as capture:
+        for size, loss in ((3, 1.0), (1, 5.0)):
+            capture.batch_size = size
+            module.log("loss", torch.tensor(loss))
+            module.log("biggest", torch.tensor(loss), reduce_fx="max")
+            module.log("seen", float(size), reduce_fx="sum")
+    assert all(isinstance(r.value, torch.Tensor) for r in capture.records if r.name != "seen")
+    combined = {r.name: r for r in combine(capture.records, module)}
+    assert combined["loss"].value == pytest.approx((3 * 1.0 + 1 * 5.0) / 4) and combined["loss"].batch_size == 4
+    assert combined["biggest"].value == 5.0 and combined["seen"].value == 4.0
+    assert all(type(r.value) is float for r in combined.values())  # picklable, device-free for the broadcast
