@@ -32,6 +32,7 @@ from throughput import (  # noqa: E402  (a sibling script)
 )
 
 from lightning_pipe.engine import Executor, SequentialStage, Transport, Watchdog, split_micro_batches  # noqa: E402
+from lightning_pipe.engine.policies.options import AsyncOptions, DoubleBufferOptions  # noqa: E402
 from lightning_pipe.registry import SCHEDULES  # noqa: E402
 from lightning_pipe.registry import names  # noqa: E402
 from lightning_pipe.schedules import async_schedule  # noqa: E402
@@ -43,8 +44,10 @@ class AsyncEngine(Variant):
     """One window of an asynchronous schedule per step (the stream never drains while timed)."""
 
     def __init__(self, schedule: str, workload: Workload, micro_batches: int, rank: int, group: Any,
-                 copy_loads: bool = False) -> None:
+                 copy_loads: bool = False, lookahead: float | None = None) -> None:
         self.name = f"ours {schedule}" + (" (copy loads)" if copy_loads else "")
+        if lookahead is not None:
+            self.name += f" (lookahead {lookahead:g})"
         self.schedule = schedule
         self.samples_per_step = workload.batch
         self.micro_batches = micro_batches
@@ -52,7 +55,8 @@ class AsyncEngine(Variant):
         policy_class = SCHEDULES[schedule].policy
         if copy_loads:  # the live policies as they were before loads became storage exchanges
             policy_class = type(f"Copying{policy_class.__name__}", (policy_class,), {"exchange_values": False})
-        policy = policy_class(layers, sgd(layers.parameters()), rank, STAGES, micro_batches)
+        options = AsyncOptions() if lookahead is None else AsyncOptions(pipedream_2bw=DoubleBufferOptions(lookahead))
+        policy = policy_class(layers, sgd(layers.parameters()), rank, STAGES, micro_batches, options)
         loss = workload.loss
         stage = SequentialStage(
             layers,
@@ -83,6 +87,9 @@ def worker(rank: int, workload_name: str, micro_batches: int, args: dict[str, An
         variants.append(AsyncEngine(schedule, workload, micro_batches, rank, dist.new_group(backend="gloo")))
     for schedule in args["copy_loads"]:
         variants.append(AsyncEngine(schedule, workload, micro_batches, rank, dist.new_group(backend="gloo"), True))
+    for lookahead in args["lookahead"]:
+        variants.append(AsyncEngine("pipedream_2bw", workload, micro_batches, rank, dist.new_group(backend="gloo"),
+                                    lookahead=lookahead))
     clocks = timed_windows(variants, args["windows"], args["steps_per_window"], args["warmup_steps"], dist.barrier, {})
     return {"workload": workload_name, "micro_batches": micro_batches, "windows": gather_windows(clocks)}
 
@@ -124,12 +131,14 @@ def main() -> None:
     parser.add_argument("--schedules", nargs="+", default=list(ASYNC_SCHEDULES), choices=ASYNC_SCHEDULES)
     parser.add_argument("--copy-loads", nargs="*", default=[], choices=("pipemare", "xpipe"),
                         help="also time these live policies with copied instead of exchanged loads")
+    parser.add_argument("--lookahead", type=float, nargs="*", default=[],
+                        help="also time pipedream_2bw with these look-ahead values (its `lookahead` option)")
     parser.add_argument("--windows", type=int, default=5, help="timed windows per variant")
     parser.add_argument("--steps-per-window", type=int, default=4)
     parser.add_argument("--warmup-steps", type=int, default=3)
     parser.add_argument("--timeout", type=float, default=1200.0, help="seconds per job before its processes are killed")
     args = parser.parse_args()
-    options = {k: getattr(args, k) for k in ("schedules", "copy_loads", "windows", "steps_per_window", "warmup_steps")}
+    options = {k: getattr(args, k) for k in ("schedules", "copy_loads", "lookahead", "windows", "steps_per_window", "warmup_steps")}
     jobs = []
     for workload in args.workloads:
         for m in args.micro_batches:

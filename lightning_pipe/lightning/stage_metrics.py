@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import resource
 import sys
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -70,19 +71,20 @@ class StageMetrics:
         if self.strategy.root_device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.strategy.root_device)
 
-    def end(self, diagnostics: list[dict[str, float]], batch_size: int) -> None:
+    def end(self, diagnostics: Callable[[], list[dict[str, float]]], batch_size: int) -> None:
         """After the step: gather every stage's values in the pipeline and log them on every rank.
 
         Args:
-            diagnostics: the weight policies' values of every stage this process runs (one dict per
-                stage; empty dicts for schedules without a policy).
+            diagnostics: returns the weight policies' values of every stage this process runs (one
+                dict per stage; empty dicts for schedules without a policy); called only on logged
+                steps, since some values cost a pass over the weights.
             batch_size: the batch's size, for ``self.log``.
         """
         self.timer.enabled = False
         if not self.measuring:
             return
         strategy = self.strategy
-        stages = [dict(values) for values in diagnostics] or [{}]
+        stages = [dict(values) for values in diagnostics()] or [{}]
         if not strategy.emulating:
             times = self.timer.totals()
             stages[0].update(

@@ -423,7 +423,7 @@ class PipeStrategy(DDPStrategy, metaclass=_NamesItsOptions):
         finally:
             if self._tracer is not None:
                 self._tracer.end_step()
-        self._metrics.end(self._runtime.stage_diagnostics(), batch_size(args[0]))
+        self._metrics.end(self._runtime.stage_diagnostics, batch_size(args[0]))
         return loss
 
     def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:

@@ -26,8 +26,11 @@ Clip = Callable[[Sequence[Tensor]], None]
 def norm_of(tensors: Iterable[Tensor], scale: float = 1.0) -> Tensor | float:
     """``scale * ||tensors||`` as a 0-d tensor on their device (no host synchronisation: a
     diagnostic is read back only when it is logged, :meth:`WeightPolicy.diagnostics`)."""
-    squares = [t.detach().pow(2).sum() for t in tensors]
-    return torch.stack(squares).sum().sqrt() * scale if squares else 0.0
+    tensors = [t.detach() for t in tensors]
+    if not tensors:
+        return 0.0
+    norms = torch._foreach_norm(tensors)  # no temporary the size of the tensors
+    return torch.linalg.vector_norm(torch.stack([n.float() for n in norms])) * scale
 
 
 class WeightPolicy:

@@ -25,9 +25,22 @@ class _SnapshotPolicy(WeightPolicy):
         self.snapshots: dict[int, dict[str, nn.Parameter]] = {}
         self.users: dict[int, int] = {}
         self.version_of: dict[int, int] = {}
+        # a released snapshot's storage, filled by the next one: a weight-sized allocation per STEP
+        # costs page faults on every step (the allocator returns large blocks to the system)
+        self._spare: dict[str, nn.Parameter] | None = None
+
+    def _buffers(self) -> dict[str, nn.Parameter]:
+        """Storage for a new snapshot: the spare one if there is one, else newly allocated."""
+        if self._spare is not None:
+            buffers, self._spare = self._spare, None
+            return buffers
+        return {n: nn.Parameter(torch.empty_like(p, requires_grad=False)) for n, p in self.params.items()}
 
     def _snapshot(self) -> dict[str, nn.Parameter]:
-        return {n: detached_copy(p) for n, p in self.params.items()}
+        buffers = self._buffers()
+        with torch.no_grad():
+            torch._foreach_copy_(list(buffers.values()), [p.detach() for p in self.params.values()])
+        return buffers
 
     def _version(self, g: int) -> int:
         raise NotImplementedError
@@ -71,8 +84,10 @@ class _SnapshotPolicy(WeightPolicy):
 
     def _release(self) -> None:
         for version in [v for v in self.snapshots if not self._keep(v)]:
-            del self.snapshots[version]
+            released = self.snapshots.pop(version)
             self.users.pop(version, None)
+            if self._spare is None:
+                self._spare = released
 
     def _after_update(self) -> None:
         self._release()
@@ -82,7 +97,8 @@ class _SnapshotPolicy(WeightPolicy):
         self._release()
 
     def copies(self) -> int:
-        return len(self.snapshots)
+        # the spare is held only after a release, so counting it never raises the peak
+        return len(self.snapshots) + (self._spare is not None)
 
 
 class StashPolicy(_SnapshotPolicy):
@@ -115,9 +131,9 @@ class DoubleBufferPolicy(_SnapshotPolicy):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.lookahead = self.options.pipedream_2bw.lookahead
-        # W(v) - W(v-1) while the parameters hold W(v): what a version's snapshot extrapolates along
-        self.last_update = {n: torch.zeros_like(p) for n, p in self.params.items()} if self.lookahead else None
-        self.lookahead_norm: Tensor | float = 0.0
+        # W(v-1) while the parameters hold W(v), what a snapshot extrapolates from; None until the
+        # first update (or a resumed last update): extrapolate by 0
+        self.previous: dict[str, Tensor] | None = None
 
     def _delay(self, g: int, tau: int) -> int:
         # F and B both run on version K-1 (the same values: tau does not matter), and the gradient
@@ -125,32 +141,37 @@ class DoubleBufferPolicy(_SnapshotPolicy):
         return self.steps - self.version_of[g]
 
     def _snapshot(self) -> dict[str, nn.Parameter]:
-        if self.last_update is None:
+        if self.previous is None:
             return super()._snapshot()
-        with torch.no_grad():
-            return {n: nn.Parameter(p.detach() + self.lookahead * self.last_update[n]) for n, p in self.params.items()}
+        buffers = self._buffers()
+        with torch.no_grad():  # W(v) + lookahead * (W(v) - W(v-1)) in one pass into reused storage
+            for name, p in self.params.items():
+                torch.lerp(self.previous[name], p.detach(), 1.0 + self.lookahead, out=buffers[name].data)
+        return buffers
 
     def _before_update(self) -> None:
-        if self.last_update is not None:  # last_update <- W_new - W_old without a copy of W_old
-            with torch.no_grad():
-                for name, u in self.last_update.items():
-                    torch.neg(self.params[name].detach(), out=u)
+        if not self.lookahead:
+            return
+        with torch.no_grad():
+            if self.previous is None:
+                self.previous = {n: torch.empty_like(p, requires_grad=False) for n, p in self.params.items()}
+            torch._foreach_copy_(list(self.previous.values()), [p.detach() for p in self.params.values()])
 
-    def _after_update(self) -> None:
-        if self.last_update is not None:
-            with torch.no_grad():
-                for name, u in self.last_update.items():
-                    u.add_(self.params[name].detach())
-            self.lookahead_norm = norm_of(self.last_update.values(), self.lookahead)
-        super()._after_update()
+    def last_update(self) -> dict[str, Tensor] | None:
+        """``W(v) - W(v-1)``, what the look-ahead extrapolates along (``None`` before the first update
+        or without look-ahead). Computed when asked: only checkpoints and logged steps need it."""
+        if self.previous is None:
+            return None
+        return {n: p.detach() - self.previous[n] for n, p in self.params.items()}
 
     def copies(self) -> int:
-        return super().copies() + (self.last_update is not None)
+        return super().copies() + (self.previous is not None)
 
     def diagnostics(self) -> dict[str, float]:
         values = super().diagnostics()
-        if self.last_update is not None:
-            values["lookahead_norm"] = float(self.lookahead_norm)
+        if self.lookahead:
+            update = self.last_update()
+            values["lookahead_norm"] = float(norm_of(update.values(), self.lookahead)) if update else 0.0
         return values
 
     def _version(self, g: int) -> int:
@@ -175,13 +196,18 @@ class DoubleBufferPolicy(_SnapshotPolicy):
 
     def state_dict(self) -> dict[str, Any]:
         previous = self.snapshots.get(self.steps - 1)  # the next mini-batch's forwards need it
-        last_update = None if self.last_update is None else {n: u.cpu() for n, u in self.last_update.items()}
-        return {**super().state_dict(), "previous": None if previous is None else {n: t.detach().cpu() for n, t in previous.items()},
+        update = self.last_update()
+        last_update = None if update is None else {n: u.cpu() for n, u in update.items()}
+        # copies even on CPU: a snapshot's storage is reused by a later one
+        return {**super().state_dict(), "previous": None if previous is None else {n: t.detach().to("cpu", copy=True) for n, t in previous.items()},
                 "last_update": last_update}
 
     def _load(self, state: dict[str, Any]) -> None:
-        if self.last_update is not None:  # a parameter without a saved update extrapolates by 0
-            self._restore(self.last_update, state.get("last_update"), "last update")
+        if self.lookahead and state.get("last_update") is not None:  # the weights are restored by now
+            update = self._own(state["last_update"], "last update")
+            with torch.no_grad():  # a parameter without a saved update extrapolates by 0
+                self.previous = {n: p.detach() - update[n] if n in update else p.detach().clone()
+                                 for n, p in self.params.items()}
         if state.get("previous") is None or self.steps == 0:
             return
         previous = self._own(state["previous"], "previous weight version")
