@@ -198,9 +198,9 @@ class DoubleBufferPolicy(_SnapshotPolicy):
         previous = self.snapshots.get(self.steps - 1)  # the next mini-batch's forwards need it
         update = self.last_update()
         last_update = None if update is None else {n: u.cpu() for n, u in update.items()}
-        # copies even on CPU: a snapshot's storage is reused by a later one
-        return {**super().state_dict(), "previous": None if previous is None else {n: t.detach().to("cpu", copy=True) for n, t in previous.items()},
-                "last_update": last_update}
+        if previous is not None:  # copied even on CPU: a snapshot's storage is reused by a later one
+            previous = {n: t.detach().to("cpu", copy=True) for n, t in previous.items()}
+        return {**super().state_dict(), "previous": previous, "last_update": last_update}
 
     def _load(self, state: dict[str, Any]) -> None:
         if self.lookahead and state.get("last_update") is not None:  # the weights are restored by now
