@@ -149,7 +149,8 @@ SCHEDULES: dict[str, ScheduleSpec] = {spec.name: spec for spec in (
                  policy=StashPolicy, flush_with=DEFAULT, weight_copies=lambda s, p, m, n: _tau_bar(s, p, m) + 2),
     ScheduleSpec("pipedream_2bw", "asynchronous",
                  "asynchronous PipeDream-2BW pipeline: double-buffered 1-stale weights (no flush)",
-                 policy=DoubleBufferPolicy, flush_with=DEFAULT, weight_copies=lambda s, p, m, n: 3,
+                 # the weights, two versions, and the look-ahead's W(v-1) (one less with lookahead=0)
+                 policy=DoubleBufferPolicy, flush_with=DEFAULT, weight_copies=lambda s, p, m, n: 4,
                  requirement=_double_buffer_requirement),
     ScheduleSpec("pipemare", "asynchronous",
                  "asynchronous PipeMare pipeline: lr rescheduling and discrepancy correction, no stash",

@@ -174,7 +174,7 @@ def check(options: PipeOptions) -> None:
     lookahead = o.pipedream_2bw.lookahead
     if not (isinstance(lookahead, (int, float)) and math.isfinite(lookahead) and lookahead >= 0):
         raise PipeConfigError(f"pipedream_2bw lookahead={lookahead!r} must be a number >= 0 (0: the paper's rule, "
-                              "1: extrapolate the stale version by one whole last update).")
+                              "1, the default: extrapolate the stale version by one whole last update).")
     _check_avgpipe(o)
     _check_trace(o.trace_dir, o.trace_steps)
 

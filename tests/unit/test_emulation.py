@@ -469,7 +469,8 @@ def test_2bw_scalar_trace_across_a_drain():
 
     stages = [Square(1.2), Scale(0.7)]
     emu = AsyncEmulator(
-        "pipedream_2bw", stages, [torch.optim.SGD(s.parameters(), lr=LR) for s in stages], M, input_fn, scalar_loss
+        "pipedream_2bw", stages, [torch.optim.SGD(s.parameters(), lr=LR) for s in stages], M, input_fn, scalar_loss,
+        options=AsyncOptions(pipedream_2bw=DoubleBufferOptions(lookahead=0.0)),  # the paper's rule, traced by hand
     )
     losses, K = [], 0
     for T in segments:

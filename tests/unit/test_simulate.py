@@ -96,7 +96,7 @@ def test_async_uniform_is_bubble_free_and_counts_weight_copies() -> None:
     assert sim.bubble_fraction == pytest.approx(0.0, abs=1e-12)
     assert sim.weight_copies == [4, 3, 3, 2]  # tau_bar = ceil((P-1-s)/M) stashes + 1, plus the master
     # as held with the default options (docs/memory.md counts the same beyond the module's own weights)
-    assert weight_copies("pipedream_2bw", 4, 4) == [3, 3, 3, 3]  # two versions besides the stepped weights
+    assert weight_copies("pipedream_2bw", 4, 4) == [4, 4, 4, 4]  # two versions and W(v-1) besides the stepped weights
     assert weight_copies("pipemare", 2, 4) == [3, 3] and weight_copies("xpipe", 2, 4) == [4, 4]
     assert weight_copies("gpipe", 2, 4) == [1, 1]
     assert weight_copies("avgpipe", 2, 4, replicas=3) == [4, 4]
