@@ -7,7 +7,9 @@ the receiver already knows the shapes, they are those of the activations it sent
 
 gloo matches messages by (source, tag), so headers and payloads use different tags and receives can
 be posted ahead of time. NCCL ignores tags; there the receiver posts the payload only after reading
-the header, and everything stays in one order per channel (the schedule validator guarantees it).
+the header, everything stays in one order per direction of a pair (the schedule validator proves it),
+and each direction has its own process group (``downward_group``) so that NCCL's rendezvous sends
+cannot deadlock (:mod:`lightning_pipe.schedules.rendezvous`).
 """
 
 from __future__ import annotations
@@ -100,21 +102,34 @@ class Transport:
         device: where received tensors are allocated.
         group: the process group (``None``: the default group).
         tagged: whether the backend matches messages by tag (gloo) so receives can be posted early.
+        downward_group: a second process group of the same ranks, for messages to a lower rank
+            (``None``: ``group`` carries both directions). On NCCL each process group has one
+            communicator, and one stream, per pair of ranks, and a send completes only when its
+            receive runs: with one group, a send queued in front of a receive from the same peer can
+            wait forever for a peer doing the same (1F1B's steady state does). With one group per
+            direction, a direction's messages only queue behind each other, in the order both sides
+            agree on (proven for every schedule: :mod:`lightning_pipe.schedules.rendezvous`).
     """
 
-    def __init__(self, device: torch.device, group: dist.ProcessGroup | None = None, tagged: bool = True) -> None:
+    def __init__(self, device: torch.device, group: dist.ProcessGroup | None = None, tagged: bool = True,
+                 downward_group: dist.ProcessGroup | None = None) -> None:
         self.device = device
         self.group = group
         self.tagged = tagged
+        self.downward_group = downward_group
+        self.rank = dist.get_rank() if downward_group is not None else -1
 
     def _tag(self, tag: int) -> int:
         return tag if self.tagged else 0
 
+    def _group(self, src: int, dst: int) -> dist.ProcessGroup | None:
+        return self.downward_group if self.downward_group is not None and dst < src else self.group
+
     def isend(self, tensor: Tensor, dst: int, tag: int) -> dist.Work:
-        return dist.isend(tensor, dst, group=self.group, tag=self._tag(tag))
+        return dist.isend(tensor, dst, group=self._group(self.rank, dst), tag=self._tag(tag))
 
     def irecv(self, tensor: Tensor, src: int, tag: int) -> dist.Work:
-        return dist.irecv(tensor, src, group=self.group, tag=self._tag(tag))
+        return dist.irecv(tensor, src, group=self._group(src, self.rank), tag=self._tag(tag))
 
     def send_activation(
         self, value: Tensor | tuple[Tensor, ...], dst: int, replica: int = 0

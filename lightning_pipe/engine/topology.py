@@ -2,7 +2,8 @@
 
 Consecutive global ranks form one pipeline (``rank = pipeline * stages + stage``), so a pipeline's
 neighbours share a node. Two kinds of groups: a pipeline group (all stages of one pipeline: metric
-broadcast) and a stage group (the same stage across pipelines: gradient all-reduce).
+broadcast) and a stage group (the same stage across pipelines: gradient all-reduce); on NCCL also a
+group for point-to-point messages to a lower rank (one stream per direction of a pair).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ class Topology:
     rank: int
     pipeline_group: Any = field(default=None, repr=False)
     stage_group: Any = field(default=None, repr=False)
+    downward_group: Any = field(default=None, repr=False)
 
     @property
     def world_size(self) -> int:
@@ -59,10 +61,17 @@ class Topology:
     def last_stage_rank(self) -> int:
         return self.pipeline_ranks[-1]
 
-    def create_groups(self) -> None:
-        """Create the pipeline and stage groups (every rank must call this, in the same order)."""
+    def create_groups(self, directional: bool = False) -> None:
+        """Create the pipeline and stage groups (every rank must call this, in the same order).
+
+        Args:
+            directional: also create :attr:`downward_group`, a second group of every rank for
+                point-to-point messages to a lower rank (see :class:`~lightning_pipe.engine.p2p.Transport`;
+                untagged backends, i.e. NCCL)."""
         if self.world_size == 1 or not dist.is_initialized():
             return
+        if directional and self.stages > 1:
+            self.downward_group = dist.new_group()
         for p in range(self.pipelines):
             ranks = [p * self.stages + s for s in range(self.stages)]
             group = dist.new_group(ranks) if self.pipelines > 1 else dist.group.WORLD

@@ -123,9 +123,7 @@ class StagePipeline:
 
     def transport(self) -> Transport | None:
         """This rank's point-to-point layer (``None`` for a one-process pipeline)."""
-        if self.topology.stages == 1:
-            return None
-        return Transport(self.strategy.root_device, tagged=self.strategy.tagged)
+        return self.strategy.transport()
 
     # ------------------------------------------------------------------ one batch
     def micro_batch_count(self, n: int, training: bool) -> int:

@@ -303,7 +303,7 @@ class PipeStrategy(DDPStrategy, metaclass=_NamesItsOptions):
         """This rank's point-to-point layer (``None`` for a one-process pipeline)."""
         if self.topology.stages == 1:
             return None
-        return Transport(self.root_device, tagged=self.tagged)
+        return Transport(self.root_device, tagged=self.tagged, downward_group=self.topology.downward_group)
 
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
@@ -335,7 +335,7 @@ class PipeStrategy(DDPStrategy, metaclass=_NamesItsOptions):
         stages = 1 if self.emulating else self.num_stages
         self._topology = Topology(stages, self.num_pipelines, self.global_rank)
         with self._watchdog.guard("the other ranks to create the pipeline's process groups"):
-            self._topology.create_groups()
+            self._topology.create_groups(directional=not self.tagged)
 
     def setup(self, trainer: Trainer) -> None:
         assert self.accelerator is not None and self.model is not None

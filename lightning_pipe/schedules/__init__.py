@@ -18,6 +18,7 @@ from lightning_pipe.schedules.gpipe import gpipe
 from lightning_pipe.schedules.interleaved import interleaved_1f1b
 from lightning_pipe.schedules.ir import STEP, Action, B, F, Kind, Schedule, TimedAction
 from lightning_pipe.schedules.one_f_one_b import one_f_one_b
+from lightning_pipe.schedules.rendezvous import rendezvous_dry_run
 from lightning_pipe.schedules.validate import dry_run, validate
 
 #: ``generator(device, stages, micro_batches, chunks)``: a device's compute actions for one flushed step.
@@ -72,12 +73,14 @@ def validate_async(name: str, stages: int, micro_batches: int, windows: int = 3,
     actions = tuple(tuple(a for part in parts for a in part.actions[d]) for d in range(stages))
     segment = Schedule(name, stages, sum(sizes), 1, actions, step_every=micro_batches)
     validate(segment)
+    for headers in (True, False):  # window by window, as the executor runs them
+        rendezvous_dry_run(parts, headers=headers)
     return segment
 
 
 __all__ = [
     "STEP", "Action", "B", "F", "Generator", "Kind", "MergeCosts", "Schedule", "ScheduleError", "TimedAction",
     "async_drain", "async_schedule", "async_window", "averaging_order", "avgpipe_replica", "build_avgpipe", "dry_run",
-    "flush_schedule", "forward_only_actions", "gpipe", "interleaved_1f1b", "merge_replicas", "one_f_one_b", "validate",
-    "validate_async", "with_communication",
+    "flush_schedule", "forward_only_actions", "gpipe", "interleaved_1f1b", "merge_replicas", "one_f_one_b",
+    "rendezvous_dry_run", "validate", "validate_async", "with_communication",
 ]

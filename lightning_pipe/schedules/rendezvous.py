@@ -1,25 +1,30 @@
 """Dry run under NCCL's point-to-point rules: prove a schedule cannot deadlock on GPUs.
 
 The validator's first dry run (:func:`~lightning_pipe.schedules.validate.dry_run`) models gloo: a
-send never blocks and each message kind has its own tag. NCCL is stricter (docs/how-it-works.md,
-"Transport"):
+send never blocks, and each message kind has its own tag. NCCL is stricter:
 
 * **rendezvous**: a send completes only when the peer runs the matching receive, and vice versa;
-* **one order per pair**: the operations between two ranks run in the order they were issued, in
-  both directions (one stream per pair), so a receive queued behind an unmatched send waits for it;
-  the operations of one fused group (``batch_isend_irecv``) run together, in any order;
-* tags are ignored: messages between two ranks in one direction match in issue order.
+* **one order per stream**: the operations a rank issues on one stream run in issue order, so an
+  operation queued behind an unmatched one waits for it. PyTorch gives every process group one NCCL
+  communicator, and one stream, per pair of ranks; the operations of one fused group
+  (``batch_isend_irecv``) run together, in any order;
+* tags are ignored: on one stream, messages match in issue order.
 
-This module replays the executor's NCCL path (:class:`~lightning_pipe.engine.executor.Executor`):
-every run of consecutive communication actions is issued as one fused group per peer, its payloads'
-sends and receives together. An activation whose shapes the receiver cannot know yet needs a shape
-header first: the run's headers travel in their own group per peer on a second communicator (their
-own order per pair, apart from the payloads), and the host reads them before it issues the run's
-payload group, since a payload receive can only be posted once its size is known. (Headers on the
-payloads' communicator deadlock: a header queued behind a group the peer cannot finish before it
-reads that header.) A compute action waits for the receives it needs; at the start of part ``t`` the
-sends of part ``t - 2`` are waited for (an asynchronous window's rule). Both header modes are
-checked: every activation with a header, and none (shapes known).
+This module replays an executor's issue order under those rules. ``streams`` says how operations map
+to streams: ``"direction"`` (what :class:`~lightning_pipe.engine.p2p.Transport` does on NCCL: one
+process group for messages to a higher rank and one for messages to a lower rank, so each direction of
+a pair has its own stream) or ``"pair"`` (one stream per pair, a single process group). ``fused``
+issues every run of consecutive communication actions as one group per peer (Megatron-LM's and
+``torch.distributed.pipelining``'s answer to the pair stream); otherwise sends are issued at their
+action and receives at the compute that needs them, as :class:`~lightning_pipe.engine.executor.Executor`
+does on NCCL. ``headers``: every activation is preceded by a shape header the receiver reads on the
+host before it posts the payload's receive (``False``: shapes known).
+
+On the pair stream, unfused 1F1B deadlocks (in the steady state each neighbour issues a send before
+its receive); fused runs repair 1F1B and the asynchronous schedules but not interleaved 1F1B or
+avgpipe, whose runs do not pair up. Direction streams are deadlock-free for every schedule
+(tests/unit/test_rendezvous.py proves it with hypothesis), and a send never waits for an unrelated
+message travelling the other way.
 """
 
 from __future__ import annotations
@@ -27,17 +32,19 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Literal
 
 from lightning_pipe.errors import ScheduleError
 from lightning_pipe.schedules.communication import peer
 from lightning_pipe.schedules.ir import Action, Kind, Schedule
 
+Streams = Literal["direction", "pair"]
 Message = tuple[str, int, int, int, str]  # (activation|gradient, replica, sender's virtual stage, micro-batch, part)
 
 
 @dataclass(eq=False)
 class _Op:
-    """One send or receive of one message part between ``src`` and ``dst``."""
+    """One send or receive of one message part from ``src`` to ``dst``."""
 
     src: int
     dst: int
@@ -48,7 +55,7 @@ class _Op:
 
 @dataclass(eq=False)
 class _Group:
-    """Operations issued together to one peer (one ``batch_isend_irecv`` group, or one operation)."""
+    """Operations issued together (one ``batch_isend_irecv`` group, or a single operation)."""
 
     ops: list[_Op]
 
@@ -62,31 +69,70 @@ class _Device:
     actions: list[tuple[int, Action]]  # (part, action) in issue order
     position: int = 0
     begun: int = -1  # the last part whose start was handled
-    computing: bool = False  # the action at ``position`` is a compute waiting for its receives
-    waiting: list[_Op] = field(default_factory=list)  # host blocked until these are matched
-    then: list[tuple[int, _Group]] = field(default_factory=list)  # payload groups to issue once unblocked
-    receives: dict[tuple[Kind, int, int, int], _Op] = field(default_factory=dict)  # payload receives posted
+    waiting: list[_Op] = field(default_factory=list)  # the host is blocked until these are matched
+    then: list[_Op] = field(default_factory=list)  # a payload receive to post once the header is read
+    computing: bool = False  # the compute at ``position`` waits for its receive
+    posted: dict[tuple[Kind, int, int, int], _Op] = field(default_factory=dict)  # fused: receives in flight
     sends_of_part: dict[int, list[_Op]] = field(default_factory=dict)
 
 
-def rendezvous_dry_run(parts: Sequence[Schedule], headers: bool = True) -> list[tuple[int, Action]]:
-    """Execute ``parts`` (run one after the other, e.g. an asynchronous segment's windows and drain)
-    under NCCL's rules; return the global order ``[(device, action), ...]`` or raise
-    :class:`ScheduleError` naming where every stuck device waits.
+def _message(device: int, action: Action, schedule: Schedule, part: str) -> tuple[int, int, Message]:
+    """``(src, dst, message)`` of a communication action of ``device``."""
+    other, _ = peer(action.kind, device, action.chunk, schedule.stages)
+    vs = schedule.virtual_stage(device, action.chunk)
+    activation = action.kind in (Kind.SEND_ACTIVATION, Kind.RECV_ACTIVATION)
+    kind = "activation" if activation else "gradient"
+    if action.kind.is_send:
+        return device, other, (kind, action.replica, vs, action.micro_batch, part)
+    return other, device, (kind, action.replica, vs - 1 if activation else vs + 1, action.micro_batch, part)
+
+
+def rendezvous_dry_run(
+    parts: Sequence[Schedule], streams: Streams = "direction", fused: bool = False, headers: bool = True
+) -> list[tuple[int, Action]]:
+    """Execute ``parts`` (run one after the other, e.g. an asynchronous segment's windows and its
+    drain, each a separate :meth:`Executor.run <lightning_pipe.engine.executor.Executor.run>`) under
+    NCCL's rules; return the global order ``[(device, action), ...]``, or raise
+    :class:`ScheduleError` saying where each stuck device waits.
 
     Args:
-        parts: schedules of the same pipeline, in the order the executor runs them.
-        headers: whether every activation carries a shape header the receiver must read first
-            (``False``: shapes cached, the payload's receive is posted with the group).
+        parts: schedules of one pipeline, in the order they run.
+        streams: ``"direction"`` or ``"pair"`` (module docstring).
+        fused: issue each run of communication actions as one group per peer (with ``headers=False``
+            only: a fused group cannot wait for a header in the middle).
+        headers: every activation carries a shape header first.
     """
-    first = parts[0]
-    P = first.stages
+    if fused and headers:
+        raise ValueError("a fused run cannot read shape headers in the middle; use headers=False with fused=True.")
+    name, P = parts[0].name, parts[0].stages
+    if P == 1:  # one device: its chunks' messages never leave the process
+        return [(0, action) for part in parts for action in part.actions[0]]
     devices = [_Device([(t, a) for t, part in enumerate(parts) for a in part.actions[d]]) for d in range(P)]
-    queues: dict[tuple[str, int, int], deque[_Group]] = {}  # (communicator, rank, peer): groups in issue order
+    queues: dict[tuple[tuple[int, int], int], deque[_Group]] = {}  # (stream, issuing rank): groups
     order: list[tuple[int, Action]] = []
 
-    def issue(device: int, other: int, group: _Group, communicator: str = "payloads") -> None:
-        queues.setdefault((communicator, device, other), deque()).append(group)
+    def stream(op: _Op) -> tuple[int, int]:
+        return (op.src, op.dst) if streams == "direction" else (min(op.src, op.dst), max(op.src, op.dst))
+
+    def issue(device: int, ops: list[_Op]) -> None:
+        """Issue ``ops`` together: one group per stream."""
+        by_stream: dict[tuple[int, int], list[_Op]] = {}
+        for op in ops:
+            by_stream.setdefault(stream(op), []).append(op)
+        for key, group in by_stream.items():
+            queues.setdefault((key, device), deque()).append(_Group(group))
+
+    def receive(d: int, action: Action, schedule: Schedule) -> None:
+        """Block the host on the receive ``action`` (a header first, if any)."""
+        src, dst, message = _message(d, action, schedule, "payload")
+        payload = _Op(src, dst, message, send=False)
+        if headers and action.kind is Kind.RECV_ACTIVATION:
+            header = _Op(src, dst, message[:4] + ("header",), send=False)
+            issue(d, [header])
+            devices[d].waiting, devices[d].then = [header], [payload]
+        else:
+            issue(d, [payload])
+            devices[d].waiting = [payload]
 
     def advance(d: int) -> bool:
         """Run device ``d`` until its host blocks; whether it moved."""
@@ -96,59 +142,79 @@ def rendezvous_dry_run(parts: Sequence[Schedule], headers: bool = True) -> list[
                 if not all(op.matched for op in state.waiting):
                     return moved
                 state.waiting, moved = [], True
-            for other, group in state.then:  # the headers are read: the run's payloads follow
-                issue(d, other, group)
-            state.then = []
+                if state.then:  # the header is read: post the payload's receive and wait for it
+                    issue(d, state.then)
+                    state.waiting, state.then = state.then, []
+                    continue
+                if state.computing:  # the compute that waited runs
+                    state.computing = False
+                    order.append((d, state.actions[state.position][1]))
+                    state.position += 1
+                continue
             if state.position >= len(state.actions):
                 return moved
             part, action = state.actions[state.position]
-            if state.begun < part:  # a part begins: the sends of two parts ago must be received
+            schedule = parts[part]
+            if state.begun < part:  # a part begins: the sends of two parts ago must have been received
                 state.begun = part
                 state.waiting = [op for t, ops in state.sends_of_part.items() if t <= part - 2 for op in ops]
                 continue
-            if action.kind.is_send or action.kind.is_recv:
-                end = state.position
-                while (end < len(state.actions) and state.actions[end][0] == part
-                       and (state.actions[end][1].kind.is_send or state.actions[end][1].kind.is_recv)):
-                    end += 1
-                run = [a for _, a in state.actions[state.position:end]]
-                headers_first, payloads = _groups(d, run, parts[part], headers, state, part)
-                if headers_first:
-                    for other, group in headers_first:
-                        issue(d, other, group, "headers")
-                    state.waiting = [op for _, group in headers_first for op in group.ops if not op.send]
-                    state.then = payloads
-                else:
-                    for other, group in payloads:
-                        issue(d, other, group)
-                order.extend((d, a) for a in run)
-                state.position, moved = end, True
-                continue
-            if action.kind.is_compute and not state.computing:
+            moved = True
+            if action.kind.is_compute and (needed := _needed(d, action, schedule)) is not None:
                 state.computing = True
-                state.waiting = _needs(d, action, parts[part], state)
+                if fused:
+                    state.waiting = [state.posted.pop(needed)]
+                else:
+                    receive(d, Action(needed[0], needed[3], needed[2], needed[1]), schedule)
                 continue
-            state.computing = False
+            if fused and (action.kind.is_send or action.kind.is_recv):
+                end = state.position
+                while end < len(state.actions) and state.actions[end][0] == part and (
+                        state.actions[end][1].kind.is_send or state.actions[end][1].kind.is_recv):
+                    end += 1
+                ops = []
+                for _, a in state.actions[state.position:end]:
+                    src, dst, message = _message(d, a, schedule, "payload")
+                    op = _Op(src, dst, message, send=a.kind.is_send)
+                    if a.kind.is_recv:
+                        state.posted[(a.kind, a.replica, a.chunk, a.micro_batch)] = op
+                    else:
+                        state.sends_of_part.setdefault(part, []).append(op)
+                    ops.append(op)
+                    order.append((d, a))
+                issue(d, ops)
+                state.position = end
+                continue
+            if action.kind.is_send:
+                src, dst, message = _message(d, action, schedule, "payload")
+                if headers and action.kind is Kind.SEND_ACTIVATION:
+                    header = _Op(src, dst, message[:4] + ("header",), send=True)
+                    issue(d, [header])
+                    state.sends_of_part.setdefault(part, []).append(header)
+                payload = _Op(src, dst, message, send=True)
+                issue(d, [payload])
+                state.sends_of_part.setdefault(part, []).append(payload)
+            # unfused receives are posted by the compute that needs them
             order.append((d, action))
-            state.position, moved = state.position + 1, True
+            state.position += 1
 
-    def match(communicator: str, a: int, b: int) -> bool:
-        """Match what the head groups of the pair's two queues can; pop finished groups."""
-        qa, qb = queues.get((communicator, a, b)), queues.get((communicator, b, a))
+    def match(key: tuple[int, int], a: int, b: int) -> bool:
+        """Match what the two ranks' head groups on one stream can; pop finished groups."""
+        qa, qb = queues.get((key, a)), queues.get((key, b))
         if not qa or not qb:
             return False
         moved = False
         for sending, receiving in ((qa[0], qb[0]), (qb[0], qa[0])):
             sends = [op for op in sending.ops if op.send and not op.matched]
             receives = [op for op in receiving.ops if not op.send and not op.matched]
-            for send, receive in zip(sends, receives):
-                if send.message != receive.message:
+            for send, recv in zip(sends, receives):
+                if send.message != recv.message:
                     raise ScheduleError(
-                        f"schedule {first.name!r} under NCCL's rules: stage {receive.dst} would receive "
-                        f"{_describe(send.message)} where it expects {_describe(receive.message)}; messages "
-                        "between two ranks must be received in the order they are sent."
+                        f"schedule {name!r} under NCCL's rules: stage {recv.dst} would receive {_describe(send.message)} "
+                        f"where it expects {_describe(recv.message)}; NCCL ignores tags, so the messages one rank "
+                        "sends another must be received in the order they are sent."
                     )
-                send.matched = receive.matched = True
+                send.matched = recv.matched = True
                 moved = True
         for queue in (qa, qb):
             while queue and queue[0].done:
@@ -156,65 +222,30 @@ def rendezvous_dry_run(parts: Sequence[Schedule], headers: bool = True) -> list[
                 moved = True
         return moved
 
-    pairs = {(a, b) for a in range(P) for b in range(a + 1, P)}
     progress = True
     while progress:
         progress = any([advance(d) for d in range(P)])
-        progress = any([match(c, a, b) for c in ("headers", "payloads") for a, b in sorted(pairs)]) or progress
+        keys = {key for key, _ in queues}
+        progress = any([match(key, min(key), max(key)) for key in sorted(keys)]) or progress
     stuck = [d for d in range(P) if devices[d].position < len(devices[d].actions) or devices[d].waiting]
-    unmatched = [op for queue in queues.values() for group in queue for op in group.ops if not op.matched]
-    if stuck or unmatched:
-        where = "; ".join(_stuck(d, devices[d], queues) for d in stuck) or "every device finished"
+    if stuck or any(group for queue in queues.values() for group in queue):
+        where = "; ".join(_stuck(d, devices[d], queues) for d in stuck) or "sends left unreceived"
         raise ScheduleError(
-            f"schedule {first.name!r} deadlocks under NCCL's rules (a send completes only when its receive "
-            f"runs; between two ranks, operations run in issue order): {where}. Fuse the sends and "
-            "receives each pair of neighbours issue at the same time, or reorder them."
+            f"schedule {name!r} deadlocks under NCCL's rules (a send completes only when its receive runs; "
+            f"operations on one stream run in issue order; streams: {streams}{', fused runs' if fused else ''}): "
+            f"{where}."
         )
     return order
 
 
-def _groups(device: int, run: list[Action], schedule: Schedule, headers: bool, state: _Device,
-            part: int) -> tuple[list[tuple[int, _Group]], list[tuple[int, _Group]]]:
-    """The groups of a run of communication actions, one per peer in order of first appearance:
-    ``(header groups, payload groups)``; no header groups when no activation carries one."""
-    P = schedule.stages
-    header_ops: dict[int, list[_Op]] = {}
-    payload_ops: dict[int, list[_Op]] = {}
-    for action in run:
-        other, _ = peer(action.kind, device, action.chunk, P)
-        vs = schedule.virtual_stage(device, action.chunk)
-        header_ops.setdefault(other, [])
-        payloads = payload_ops.setdefault(other, [])
-        activation = action.kind in (Kind.SEND_ACTIVATION, Kind.RECV_ACTIVATION)
-        kind = "activation" if activation else "gradient"
-        if action.kind.is_send:
-            sent = [_Op(device, other, (kind, action.replica, vs, action.micro_batch, "payload"), True)]
-            if activation and headers:
-                sent.insert(0, _Op(device, other, (kind, action.replica, vs, action.micro_batch, "header"), True))
-                header_ops[other].append(sent[0])
-                payloads.append(sent[1])
-            else:
-                payloads += sent
-            state.sends_of_part.setdefault(part, []).extend(sent)
-        else:
-            sender = vs - 1 if activation else vs + 1
-            payload = _Op(other, device, (kind, action.replica, sender, action.micro_batch, "payload"), False)
-            if activation and headers:
-                header_ops[other].append(_Op(other, device, (kind, action.replica, sender, action.micro_batch, "header"), False))
-            payloads.append(payload)
-            state.receives[(action.kind, action.replica, action.chunk, action.micro_batch)] = payload
-    first = [(other, _Group(ops)) for other, ops in header_ops.items() if ops]
-    return first, [(other, _Group(ops)) for other, ops in payload_ops.items() if ops]
-
-
-def _needs(device: int, action: Action, schedule: Schedule, state: _Device) -> list[_Op]:
-    """The receives a compute action waits for."""
+def _needed(device: int, action: Action, schedule: Schedule) -> tuple[Kind, int, int, int] | None:
+    """The receive a compute action needs, as ``(kind, replica, chunk, micro-batch)``."""
     vs = schedule.virtual_stage(device, action.chunk)
     if action.kind is Kind.FORWARD and vs > 0:
-        return [state.receives.pop((Kind.RECV_ACTIVATION, action.replica, action.chunk, action.micro_batch))]
+        return Kind.RECV_ACTIVATION, action.replica, action.chunk, action.micro_batch
     if action.kind is Kind.BACKWARD and vs < schedule.virtual_stages - 1:
-        return [state.receives.pop((Kind.RECV_GRADIENT, action.replica, action.chunk, action.micro_batch))]
-    return []
+        return Kind.RECV_GRADIENT, action.replica, action.chunk, action.micro_batch
+    return None
 
 
 def _describe(message: Message) -> str:
@@ -223,11 +254,9 @@ def _describe(message: Message) -> str:
     return f"the {part} of the {kind} of micro-batch {micro_batch}{of} from virtual stage {sender}"
 
 
-def _stuck(device: int, state: _Device, queues: dict[tuple[str, int, int], deque[_Group]]) -> str:
-    if state.position < len(state.actions):
-        at = f"stage {device} at {state.actions[state.position][1]}"
-    else:
-        at = f"stage {device} at its end"
-    heads = [f"with stage {other}: {_describe(next(op for op in q[0].ops if not op.matched).message)}"
-             for (_, rank, other), q in sorted(queues.items()) if rank == device and q]
-    return at + (f" (first unfinished transfer {', '.join(heads)})" if heads else "")
+def _stuck(device: int, state: _Device, queues: dict[tuple[tuple[int, int], int], deque[_Group]]) -> str:
+    at = f"stage {device} at {state.actions[state.position][1]}" if state.position < len(state.actions) else \
+        f"stage {device} at its end"
+    heads = [_describe(next(op for op in queue[0].ops if not op.matched).message)
+             for (_, rank), queue in sorted(queues.items(), key=lambda item: item[0]) if rank == device and queue]
+    return at + (f" (first unfinished: {'; '.join(heads)})" if heads else "")

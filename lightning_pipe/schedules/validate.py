@@ -8,7 +8,10 @@ Checks, with one sentence per failure:
 * compute actions are bracketed by the communication they need;
 * every send has its receive, in the same order on every channel (so NCCL, which ignores tags,
   matches messages correctly);
-* a dry run, where sends never block and receives wait for their message, finishes: no deadlock.
+* a dry run, where sends never block and receives wait for their message, finishes: no deadlock
+  on gloo;
+* a second dry run under NCCL's rules (rendezvous sends, one order per stream, tags ignored;
+  :mod:`~lightning_pipe.schedules.rendezvous`) finishes too, with and without shape headers.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from collections import Counter, deque
 from lightning_pipe.errors import ScheduleError
 from lightning_pipe.schedules.communication import peer
 from lightning_pipe.schedules.ir import Action, Kind, Schedule
+from lightning_pipe.schedules.rendezvous import rendezvous_dry_run
 
 
 def _check_steps(schedule: Schedule) -> None:
@@ -140,14 +144,19 @@ def dry_run(schedule: Schedule, replica_channels: bool = True) -> list[tuple[int
 def validate(schedule: Schedule, replica_channels: bool = True) -> list[tuple[int, Action]]:
     """Raise :class:`ScheduleError` unless ``schedule`` is sound; return the dry-run order.
 
-    ``replica_channels``: see :func:`dry_run` (``False`` for untagged backends)."""
+    ``replica_channels``: see :func:`dry_run` (``False`` for untagged backends). A schedule an untagged
+    backend could run (one replica, or ``replica_channels=False``) must also pass the NCCL dry run."""
     if len(schedule.actions) != schedule.stages:
         raise ScheduleError(f"expected {schedule.stages} action lists, got {len(schedule.actions)}.")
     _check_compute(schedule)
     _check_steps(schedule)
     for device, actions in enumerate(schedule.actions):
         _check_brackets(schedule, device, actions)
-    return dry_run(schedule, replica_channels)
+    order = dry_run(schedule, replica_channels)
+    if schedule.replicas == 1 or not replica_channels:  # what NCCL can run (it has no replica channels)
+        for headers in (True, False):
+            rendezvous_dry_run([schedule], headers=headers)
+    return order
 
 
 def _check_brackets(schedule: Schedule, device: int, actions: tuple[Action, ...]) -> None:

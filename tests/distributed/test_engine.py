@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from lightning_pipe.engine import Executor, SequentialStage, Transport, Watchdog, split_micro_batches
@@ -63,8 +64,10 @@ def reference(steps: int, batches: list, lr: float = 0.1):
     return losses, {k: v.clone() for k, v in trunk.state_dict().items()}
 
 
-def pipeline_worker(rank: int, world: int, name: str, micro_batches: int, chunks: int, batches: list):
-    """One pipeline of ``world`` devices; returns losses (last device) and local weights."""
+def pipeline_worker(rank: int, world: int, name: str, micro_batches: int, chunks: int, batches: list,
+                    nccl_rules: bool = False):
+    """One pipeline of ``world`` devices; returns losses (last device) and local weights. ``nccl_rules``:
+    the transport NCCL gets (no tags, one process group per direction), on gloo."""
     trunk = make_trunk()
     parts = world * chunks
     bounds = stage_bounds(resolve_balance("uniform", trunk, parts))
@@ -81,7 +84,8 @@ def pipeline_worker(rank: int, world: int, name: str, micro_batches: int, chunks
             loss_fn=loss_fn if vs == parts - 1 else None,
         ))
     opt = torch.optim.SGD(params, lr=0.1, momentum=0.9)
-    executor = Executor(rank, list(range(world)), stages, Transport(torch.device("cpu")), Watchdog.from_process_group(60.0))
+    transport = Transport(torch.device("cpu"), tagged=not nccl_rules, downward_group=dist.new_group() if nccl_rules else None)
+    executor = Executor(rank, list(range(world)), stages, transport, Watchdog.from_process_group(60.0))
     losses = []
     for batch in batches:
         mbs = split_micro_batches(batch, micro_batches)
@@ -97,13 +101,14 @@ def pipeline_worker(rank: int, world: int, name: str, micro_batches: int, chunks
 
 
 @pytest.mark.parametrize(
-    "name,world,micro_batches,chunks",
-    [("gpipe", 2, 4, 1), ("1f1b", 2, 3, 1), ("interleaved_1f1b", 2, 4, 2), ("1f1b", 4, 6, 1), ("interleaved_1f1b", 4, 4, 2)],
+    "name,world,micro_batches,chunks,nccl_rules",
+    [("gpipe", 2, 4, 1, False), ("1f1b", 2, 3, 1, False), ("interleaved_1f1b", 2, 4, 2, False), ("1f1b", 4, 6, 1, False),
+     ("interleaved_1f1b", 4, 4, 2, False), ("interleaved_1f1b", 2, 4, 2, True), ("1f1b", 4, 6, 1, True)],
 )
-def test_pipeline_equals_single_device(name, world, micro_batches, chunks):
+def test_pipeline_equals_single_device(name, world, micro_batches, chunks, nccl_rules):
     batches = [make_batch(seed=s) for s in range(3)]
     ref_losses, ref_state = reference(3, batches)
-    results = values(run_workers(pipeline_worker, world, name, micro_batches, chunks, batches, timeout=120))
+    results = values(run_workers(pipeline_worker, world, name, micro_batches, chunks, batches, nccl_rules, timeout=120))
     losses = [r[0] for r in results if r[0]]
     assert len(losses) == 1
     torch.testing.assert_close(torch.tensor(losses[0]), torch.tensor(ref_losses), rtol=1e-5, atol=1e-7)

@@ -1,0 +1,102 @@
+"""The NCCL transport model: every schedule is deadlock-free under NCCL's rules with one stream per
+direction, and the model catches what the gloo dry run cannot (pure Python, no processes)."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from lightning_pipe.registry import SCHEDULES, build_schedule, names
+from lightning_pipe.schedules import Kind, Schedule, ScheduleError, build_avgpipe, dry_run, validate_async
+from lightning_pipe.schedules.rendezvous import rendezvous_dry_run
+
+FAST = settings(max_examples=80, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+@st.composite
+def synchronous_cases(draw):
+    name = draw(st.sampled_from(names("synchronous")))
+    P = draw(st.integers(1, 8))
+    M = draw(st.integers(1, 32))
+    chunks = 1
+    if SCHEDULES[name].default_chunks > 1:
+        M = P * max(1, M // P)
+        chunks = draw(st.integers(1, 4))
+    return build_schedule(name, P, M, chunks)
+
+
+@FAST
+@given(schedule=synchronous_cases(), headers=st.booleans())
+def test_every_synchronous_schedule_runs_under_nccl_rules(schedule: Schedule, headers: bool):
+    order = rendezvous_dry_run([schedule], headers=headers)
+    assert sorted(map(str, (a for _, a in order))) == sorted(str(a) for actions in schedule.actions for a in actions)
+
+
+@FAST
+@given(name=st.sampled_from(names("asynchronous")), P=st.integers(1, 8), M=st.integers(1, 32),
+       windows=st.integers(1, 4), short=st.integers(0, 31), headers=st.booleans())
+def test_every_asynchronous_segment_runs_window_by_window(name, P, M, windows, short, headers):
+    """Windows and the drain run as separate executor runs; a short last window too."""
+    if SCHEDULES[name].requirement(P, M):
+        return
+    last = None if short == 0 or short >= M else short
+    validate_async.cache_clear()
+    validate_async(name, P, M, windows, last)  # runs the model on the windows one by one
+
+
+@FAST
+@given(P=st.integers(2, 6), M=st.integers(1, 12), replicas=st.integers(1, 4), advance=st.integers(0, 2))
+def test_avgpipe_rounds_that_keep_one_fifo_order_run_under_nccl_rules(P, M, replicas, advance):
+    """What the avgpipe runtime accepts on NCCL (one FIFO order across replicas) also cannot deadlock."""
+    schedule = build_avgpipe(P, M, replicas, advance)
+    try:
+        dry_run(schedule, replica_channels=False)
+    except ScheduleError:
+        return  # refused on NCCL before anything runs (engine/avgpipe_rounds.py)
+    rendezvous_dry_run([schedule], headers=True)
+    rendezvous_dry_run([schedule], headers=False)
+
+
+def test_one_stream_per_pair_deadlocks_1f1b():
+    """The classic: in 1F1B's steady state stage 0 sends an activation before it receives a gradient,
+    stage 1 sends that gradient before it receives the activation; on one stream both wait forever."""
+    schedule = build_schedule("1f1b", 2, 4)
+    dry_run(schedule)  # gloo: fine
+    with pytest.raises(ScheduleError, match=r"deadlocks under NCCL's rules .*streams: pair\)"):
+        rendezvous_dry_run([schedule], streams="pair", headers=False)
+    rendezvous_dry_run([schedule], streams="direction", headers=False)
+
+
+def test_fused_runs_repair_1f1b_but_not_interleaved_on_one_stream_per_pair():
+    """Why the transport splits directions instead of fusing runs (Megatron's way): interleaved 1F1B's
+    runs do not pair up, so fused groups still wait on each other."""
+    rendezvous_dry_run([build_schedule("1f1b", 4, 8)], streams="pair", fused=True, headers=False)
+    with pytest.raises(ScheduleError, match="deadlocks"):
+        rendezvous_dry_run([build_schedule("interleaved_1f1b", 2, 4, 2)], streams="pair", fused=True, headers=False)
+    rendezvous_dry_run([build_schedule("interleaved_1f1b", 2, 4, 2)], streams="direction", fused=True, headers=False)
+
+
+def test_reordering_two_kinds_of_message_on_one_direction_is_caught():
+    """Interleaved 1F1B on 2 devices sends both activations and gradients from device 0 to device 1.
+    gloo tells them apart by tag; NCCL ignores tags, so sending one later than the receiver expects
+    is a mix-up the NCCL model reports (and the gloo dry run accepts)."""
+    schedule = build_schedule("interleaved_1f1b", 2, 4, 2)
+    actions = list(schedule.actions[0])
+    first_act = next(i for i, a in enumerate(actions) if a.kind is Kind.SEND_ACTIVATION and a.chunk == 0 and a.micro_batch == 2)
+    next_grad = next(i for i in range(first_act, len(actions)) if actions[i].kind is Kind.SEND_GRADIENT and actions[i].chunk == 1)
+    mutated_actions = actions[:first_act] + actions[first_act + 1:next_grad + 1] + [actions[first_act]] + actions[next_grad + 1:]
+    mutated = Schedule(schedule.name, 2, 4, 2, (tuple(mutated_actions), schedule.actions[1]))
+    dry_run(mutated)  # gloo: each kind keeps its own order
+    with pytest.raises(ScheduleError, match="in the order they are sent"):
+        rendezvous_dry_run([mutated], headers=False)
+
+
+def test_a_single_device_sends_nothing_across_processes():
+    schedule = build_schedule("interleaved_1f1b", 1, 2, 2)
+    assert len(rendezvous_dry_run([schedule])) == len(schedule.actions[0])
+
+
+def test_fused_runs_cannot_wait_for_headers():
+    with pytest.raises(ValueError, match="headers=False"):
+        rendezvous_dry_run([build_schedule("1f1b", 2, 2)], fused=True, headers=True)
