@@ -8,6 +8,11 @@ in a valid global order, the same rule as the validator's dry run
 action is a receive whose message has not been sent yet. A device's state changes only through its
 own actions, so the numbers do not depend on which valid order is used; they are those of the
 distributed run, computed by the very same executor code.
+
+The transport keeps NCCL's rules (:mod:`lightning_pipe.schedules.rendezvous`), so every emulated run
+also runs the schedule as a GPU job would: no tags (one queue per direction of a pair, activations and
+gradients alike, received strictly in the order they were sent) and rendezvous sends (a send's request
+is complete only once its receive ran; the executor's wait on it fails otherwise).
 """
 
 from __future__ import annotations
@@ -23,24 +28,39 @@ from lightning_pipe.engine.executor import Executor
 from lightning_pipe.engine.p2p import ACTIVATION_TAG, GRADIENT_TAG, Header, TensorMeta
 from lightning_pipe.engine.watchdog import Watchdog
 from lightning_pipe.schedules.communication import peer
-from lightning_pipe.schedules.ir import Kind, Schedule
+from lightning_pipe.schedules.ir import Schedule
 
-Channel = tuple[int, int, str]  # (source device, destination device, "activation" | "gradient")
+Channel = tuple[int, int]  # (source device, destination device): one queue per direction, as NCCL has
+
+
+class _Sent:
+    """A send's request: complete once the receiver took the message (NCCL's rendezvous)."""
+
+    def __init__(self, what: str, src: int, dst: int) -> None:
+        self.what, self.src, self.dst = what, src, dst
+        self.received = False
+
+    def wait(self, timeout: object = None) -> None:
+        if not self.received:
+            raise RuntimeError(
+                f"device {self.src} waits for device {self.dst} to take its {self.what}, which it has not taken: on "
+                "NCCL a send completes only when its receive runs, so this order would hang a GPU job."
+            )
 
 
 class _Done:
-    """A completed request: local messages are delivered when sent."""
+    """A completed request: a local message is there when its receive runs."""
 
     def wait(self, timeout: object = None) -> None:
         return None
 
 
 class LocalTransport:
-    """The :class:`~.p2p.Transport` interface over in-process queues, for device ``rank``.
+    """The :class:`~.p2p.Transport` interface over in-process queues, for device ``rank``, with NCCL's rules.
 
-    It is untagged (the executor receives at the compute action, in channel order), and a receive
-    takes the oldest message of its channel, so it must only run after the send (the pipeline's
-    order guarantees it).
+    It is untagged: the executor receives at the compute action, and a receive takes the oldest message
+    of its direction, which must be of the kind it expects (an activation or a gradient), as NCCL, which
+    ignores tags, would deliver it. It must only run after the send (the pipeline's order guarantees it).
 
     Args:
         rank: this device's index in the pipeline.
@@ -56,27 +76,36 @@ class LocalTransport:
         self.sent = sent
         self._payload: dict[int, tuple[Tensor, ...]] = {}
 
-    def _put(self, dst: int, what: str, message: Any) -> None:
-        channel = (self.rank, dst, what)
-        self.queues.setdefault(channel, deque()).append(message)
+    def _put(self, dst: int, what: str, message: Any) -> _Sent:
+        channel = (self.rank, dst)
+        request = _Sent(what, self.rank, dst)
+        self.queues.setdefault(channel, deque()).append((what, message, request))
         self.sent[channel] = self.sent.get(channel, 0) + 1
+        return request
 
     def _take(self, src: int, what: str) -> Any:
-        queue = self.queues.get((src, self.rank, what))
+        queue = self.queues.get((src, self.rank))
         if not queue:
             raise RuntimeError(f"device {self.rank} receives a {what} from device {src} before it was sent.")
-        return queue.popleft()
+        kind, message, request = queue[0]
+        if kind != what:
+            raise RuntimeError(
+                f"device {self.rank} receives a {what} from device {src}, but the oldest message from there is "
+                f"{'an' if kind == 'activation' else 'a'} {kind}: NCCL ignores tags, so it would deliver the wrong message."
+            )
+        queue.popleft()
+        request.received = True
+        return message
 
     # ``replica`` (avgpipe) is accepted for the Transport interface; emulation runs one replica (0)
     def send_activation(self, value: Tensor | tuple[Tensor, ...], dst: int, replica: int = 0) -> list[tuple[Any, Tensor]]:
         tensors = value if isinstance(value, tuple) else (value,)
         header = Header.of(value).encode(tensors[0].device)
-        self._put(dst, "activation", (header, tuple(t.detach() for t in tensors)))
-        return []
+        return [(self._put(dst, "activation", (header, tuple(t.detach() for t in tensors))), header)]
 
     def send_gradients(self, grads: Sequence[Tensor], dst: int, replica: int = 0) -> list[tuple[Any, Tensor]]:
-        self._put(dst, "gradient", tuple(g.detach() for g in grads))
-        return []
+        grads = tuple(g.detach() for g in grads)
+        return [(self._put(dst, "gradient", grads), grads[0] if grads else None)]
 
     def post_header(self, src: int, replica: int = 0) -> tuple[Any, Tensor]:
         header, tensors = self._take(src, "activation")
@@ -189,7 +218,7 @@ class LocalPipeline:
         if not action.kind.is_recv:
             return True
         other, _ = peer(action.kind, device, action.chunk, schedule.stages)
-        channel = (other, device, "activation" if action.kind is Kind.RECV_ACTIVATION else "gradient")
+        channel = (other, device)
         claimed = self._claimed.get(channel, 0)
         if self.sent.get(channel, 0) <= claimed:
             return False
@@ -200,7 +229,7 @@ class LocalPipeline:
         """End of a segment: every message was received and nothing is in flight."""
         for executor in self.executors:
             executor.finish()
-        leftover = {channel: len(q) for channel, q in self.queues.items() if q}
+        leftover = {f"{src}->{dst}": len(q) for (src, dst), q in self.queues.items() if q}
         if leftover:
             raise RuntimeError(f"the emulated pipeline ended a segment with messages nobody received: {leftover}.")
 

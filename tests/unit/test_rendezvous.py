@@ -100,3 +100,24 @@ def test_a_single_device_sends_nothing_across_processes():
 def test_fused_runs_cannot_wait_for_headers():
     with pytest.raises(ValueError, match="headers=False"):
         rendezvous_dry_run([build_schedule("1f1b", 2, 2)], fused=True, headers=True)
+
+
+def test_the_emulation_transport_delivers_in_direction_order_without_tags():
+    """The one-device emulation's transport keeps NCCL's rules: one queue per direction, whatever the
+    kind, and a send's request is complete only once its receive ran."""
+    import torch
+
+    from lightning_pipe.engine.local import LocalTransport
+    from lightning_pipe.engine.p2p import GRADIENT_TAG
+
+    queues, sent = {}, {}
+    first, second = LocalTransport(0, queues, sent), LocalTransport(1, queues, sent)
+    (request, _), = first.send_activation(torch.ones(2), dst=1)
+    first.send_gradients([torch.zeros(2)], dst=1)
+    with pytest.raises(RuntimeError, match="has not taken"):
+        request.wait()
+    with pytest.raises(RuntimeError, match="oldest message from there is an activation"):
+        second.post_payload([], 0, GRADIENT_TAG)  # a gradient expected first: NCCL would mix them up
+    second.post_header(0)
+    request.wait()
+    assert sent == {(0, 1): 2}
