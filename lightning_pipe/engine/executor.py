@@ -32,7 +32,7 @@ from lightning_pipe.engine.p2p import (
     ACTIVATION_TAG,
     GRADIENT_TAG,
     Header,
-    TensorMeta,
+    ShapeCache,
     Transport,
     is_differentiable,
     replica_tag,
@@ -54,7 +54,7 @@ class _InFlight:
     inputs: tuple[Tensor, ...] = ()
     output: Any = None
     weight: float = 1.0
-    output_metas: tuple[TensorMeta, ...] = ()
+    header: Header | None = None  # what the output's message announces
     input_grads: list[Tensor] = field(default_factory=list)
 
 
@@ -63,6 +63,7 @@ class _PendingReceive:
     kind: Kind
     src: int
     replica: int = 0
+    channel: tuple[int, int] | None = None  # an activation's (replica, sending virtual stage)
     header: tuple[Any, Tensor] | None = None
     decoded: Header | None = None
     payload: list[tuple[Any, Tensor]] | None = None
@@ -97,6 +98,9 @@ class Executor:
             STEP calls the ``step`` given to :meth:`run`).
         recorder: while ``recorder.enabled``, every action's start and end are recorded (a receive
             when its compute waits for it); ``None``: nothing is timed.
+        shape_headers: ``"on_change"``: an activation carries its shapes only when its micro-batch's
+            shapes differ from the previous one's on the same link (:class:`~.p2p.ShapeCache`), so most
+            receives are posted at once, with no header to read; ``"always"``: every activation does.
     """
 
     def __init__(
@@ -109,6 +113,7 @@ class Executor:
         names: Sequence[str] | None = None,
         policy: WeightPolicy | None = None,
         recorder: ActionRecorder | None = None,
+        shape_headers: str = "on_change",
     ) -> None:
         self.device_index = schedule_device
         self.ranks = list(ranks)
@@ -122,6 +127,9 @@ class Executor:
         self._started = 0.0
         self._in_flight: dict[tuple[int, int, int], _InFlight] = {}  # (replica, chunk, micro-batch)
         self._send_windows: deque[list[tuple[Any, Tensor]]] = deque()
+        if shape_headers not in ("on_change", "always"):
+            raise ValueError(f"shape_headers={shape_headers!r}: use 'on_change' or 'always'.")
+        self._shapes = ShapeCache(always=shape_headers == "always")
         if len(self.ranks) > 1 and transport is None:
             raise ValueError("a pipeline with more than one device needs a Transport.")
 
@@ -197,10 +205,13 @@ class Executor:
         self._schedule = schedule
         self._micro_batches = micro_batches
         self._first = first_micro_batch
+        if not carry_over:  # a flushed run: every link starts empty on both sides
+            self._shapes.reset()
         count = max(len(micro_batches) // schedule.replicas, 1)  # each replica's gradient is its mini-batch mean
         self._weights = list(loss_weights) if loss_weights is not None else [1.0 / count] * max(len(micro_batches), 1)
         self._scale_loss = scale_loss
         self._received: dict[tuple[Kind, int, int], _PendingReceive] = {}
+        self._header_decisions: dict[tuple[Kind, int, int, int], bool] = {}  # receives that could not be posted yet
         self._outputs: dict[tuple[int, int], Any] = {}  # (replica, micro-batch)
         self._posted = 0
         # a send is received at the latest in the peer's next window, so older ones are complete
@@ -234,12 +245,14 @@ class Executor:
         """Forget everything in flight after a failure."""
         self._in_flight.clear()
         self._send_windows.clear()
+        self._shapes.reset()
 
     def finish(self) -> None:
         """Wait for every pending send and forget the micro-batches in flight (end of a segment)."""
         while self._send_windows:
             self._wait_sends(self._send_windows.popleft())
         self._in_flight.clear()
+        self._shapes.reset()
 
     def _wait_sends(self, sends: list[tuple[Any, Tensor]]) -> None:
         for work, _ in sends:
@@ -258,9 +271,15 @@ class Executor:
             key = (action.replica, action.chunk, action.micro_batch)
             # a forward-only schedule has no backward to keep the activation for
             flight = self._in_flight.pop(key) if self._schedule.forward_only else self._in_flight[key]
+            channel = (action.replica, self._virtual_stage(action.chunk))
+            header = self._shapes.needs_header(channel, self._micro_batches[self._slot(action)])
+            if header:
+                self._shapes.remember(channel, flight.header)
+            else:
+                self._shapes.check(self._shapes.header(channel), flight.header, self._name(action.chunk))
             peer = self._peer_rank(action)
             with self.watchdog.guard(f"rank {peer} to take {action}", peer):  # gloo may fail at the post itself
-                self._sends += self.transport.send_activation(flight.output, self._peer_rank(action), action.replica)
+                self._sends += self.transport.send_activation(flight.output, peer, action.replica, header=header)
         elif kind is Kind.SEND_GRADIENT:
             flight = self._in_flight.pop((action.replica, action.chunk, action.micro_batch))
             peer = self._peer_rank(action)
@@ -309,7 +328,7 @@ class Executor:
             self._outputs[(action.replica, mb)] = output.detach()
         else:
             output = _check_output(output, self._name(chunk))
-            flight.output_metas = Header.of(output).metas
+            flight.header = Header.of(output)
         flight.output = output
         self._in_flight[(action.replica, chunk, mb)] = flight
 
@@ -326,7 +345,7 @@ class Executor:
                 if loss.requires_grad:
                     loss.backward()
             else:
-                outputs = [t for t, m in zip(_as_tensors(flight.output), flight.output_metas) if is_differentiable(m)]
+                outputs = [t for t, m in zip(_as_tensors(flight.output), flight.header.metas) if is_differentiable(m)]
                 if outputs:
                     torch.autograd.backward(outputs, grads)
         if self.policy is not None:
@@ -363,13 +382,25 @@ class Executor:
         src = self._peer_rank(action)
         pending = _PendingReceive(action.kind, src, action.replica)
         if action.kind is Kind.RECV_ACTIVATION:
+            pending.channel = (action.replica, self._virtual_stage(action.chunk) - 1)
+            header = self._header_decisions.pop(key, None)
+            if header is None:  # decided once per message, in the link's order, as the sender does
+                header = self._shapes.needs_header(pending.channel, self._micro_batches[self._slot(action)])
+            known = None if header else self._shapes.header(pending.channel)
+            if not header and known is None:  # the previous activation's header is not read yet
+                self._header_decisions[key] = header
+                return False
             with self.watchdog.guard(f"{action} from rank {src}", src):
-                pending.header = self.transport.post_header(src, action.replica)
+                if header:
+                    pending.header = self.transport.post_header(src, action.replica)
+                else:
+                    pending.decoded = known
+                    pending.payload = self.transport.post_payload(known.metas, src, replica_tag(ACTIVATION_TAG, action.replica))
         else:
             flight = self._in_flight.get((action.replica, action.chunk, action.micro_batch))
             if flight is None:
                 return False
-            metas = [m for m in flight.output_metas if is_differentiable(m)]
+            metas = [m for m in flight.header.metas if is_differentiable(m)]
             with self.watchdog.guard(f"{action} from rank {src}", src):
                 pending.payload = self.transport.post_payload(metas, src, replica_tag(GRADIENT_TAG, action.replica))
         self._received[key] = pending
@@ -377,6 +408,7 @@ class Executor:
 
     def _post_payload(self, pending: _PendingReceive) -> None:
         pending.decoded = Header.decode(pending.header[1])
+        self._shapes.remember(pending.channel, pending.decoded)
         with self.watchdog.guard(f"an activation from rank {pending.src}", pending.src):
             pending.payload = self.transport.post_payload(
                 pending.decoded.metas, pending.src, replica_tag(ACTIVATION_TAG, pending.replica)

@@ -98,10 +98,11 @@ class LocalTransport:
         return message
 
     # ``replica`` (avgpipe) is accepted for the Transport interface; emulation runs one replica (0)
-    def send_activation(self, value: Tensor | tuple[Tensor, ...], dst: int, replica: int = 0) -> list[tuple[Any, Tensor]]:
-        tensors = value if isinstance(value, tuple) else (value,)
-        header = Header.of(value).encode(tensors[0].device)
-        return [(self._put(dst, "activation", (header, tuple(t.detach() for t in tensors))), header)]
+    def send_activation(self, value: Tensor | tuple[Tensor, ...], dst: int, replica: int = 0,
+                        header: bool = True) -> list[tuple[Any, Tensor]]:
+        tensors = tuple(t.detach() for t in (value if isinstance(value, tuple) else (value,)))
+        encoded = Header.of(value).encode(tensors[0].device) if header else None
+        return [(self._put(dst, "activation", (encoded, tensors)), tensors[0])]
 
     def send_gradients(self, grads: Sequence[Tensor], dst: int, replica: int = 0) -> list[tuple[Any, Tensor]]:
         grads = tuple(g.detach() for g in grads)
@@ -109,12 +110,20 @@ class LocalTransport:
 
     def post_header(self, src: int, replica: int = 0) -> tuple[Any, Tensor]:
         header, tensors = self._take(src, "activation")
+        if header is None:
+            raise RuntimeError(f"device {self.rank} reads a shape header device {src} did not send: the two disagree "
+                               "on which activations carry one.")
         self._payload[src] = tensors
         return _Done(), header
 
     def post_payload(self, metas: Sequence[TensorMeta], src: int, tag: int) -> list[tuple[Any, Tensor]]:
-        if tag == ACTIVATION_TAG:
+        if tag == ACTIVATION_TAG and src in self._payload:  # its header was read
             tensors = self._payload.pop(src)
+        elif tag == ACTIVATION_TAG:
+            header, tensors = self._take(src, "activation")
+            if header is not None:
+                raise RuntimeError(f"device {self.rank} skips a shape header device {src} sent: the two disagree on "
+                                   "which activations carry one.")
         elif tag == GRADIENT_TAG:
             tensors = self._take(src, "gradient")
         else:  # pragma: no cover - the executor only receives these two
@@ -132,10 +141,12 @@ class LocalPipeline:
         chunks_per_stage: chunks each device holds (``interleaved_1f1b``).
         watchdog: passed to every executor (local waits never block).
         names: human names of the virtual stages, indexed by virtual stage.
+        shape_headers: passed to every executor (:class:`~.executor.Executor`).
     """
 
     def __init__(
-        self, stages: int, chunks_per_stage: int = 1, watchdog: Watchdog | None = None, names: Sequence[str] | None = None
+        self, stages: int, chunks_per_stage: int = 1, watchdog: Watchdog | None = None, names: Sequence[str] | None = None,
+        shape_headers: str = "on_change",
     ) -> None:
         self.stages, self.chunks_per_stage = stages, chunks_per_stage
         self.queues: dict[Channel, deque[Any]] = {}
@@ -146,6 +157,7 @@ class LocalPipeline:
             Executor(
                 d, ranks, [], LocalTransport(d, self.queues, self.sent), watchdog,
                 names=[names[c * stages + d] for c in range(chunks_per_stage)] if names else None,
+                shape_headers=shape_headers,
             )
             for d in range(stages)
         ]

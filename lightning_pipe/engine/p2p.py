@@ -2,8 +2,9 @@
 
 An activation message is a fixed-size ``int64`` header followed by one message per tensor, so a
 stage may output any tensor or tuple of tensors and shapes and dtypes may change from one
-micro-batch to the next (a short last batch, variable sequence length). Gradients need no header:
-the receiver already knows the shapes, they are those of the activations it sent.
+micro-batch to the next (a short last batch, variable sequence length). The header is left out when
+the receiver knows the shapes already (:class:`ShapeCache`). Gradients need no header: the receiver
+already knows the shapes, they are those of the activations it sent.
 
 gloo matches messages by (source, tag), so headers and payloads use different tags and receives can
 be posted ahead of time. NCCL ignores tags; there the receiver posts the payload only after reading
@@ -16,10 +17,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.utils._pytree import tree_leaves
+
+from lightning_pipe.errors import StageOutputError
 
 HEADER_SLOTS = 256
 
@@ -90,6 +95,73 @@ class Header:
         return cls(tuple(metas), is_tuple)
 
 
+def signature(micro_batch: Any) -> tuple[Any, ...]:
+    """What a micro-batch's activations' shapes are assumed to depend on: every tensor's shape and
+    dtype, and the value of every other plain leaf (an int sequence length, a flag)."""
+    out: list[Any] = []
+    for leaf in tree_leaves(micro_batch):
+        if isinstance(leaf, Tensor):
+            out.append((tuple(leaf.shape), leaf.dtype))
+        elif leaf is None or isinstance(leaf, (bool, int, float, str)):
+            out.append(leaf)
+        else:
+            out.append(type(leaf).__name__)
+    return tuple(out)
+
+
+class ShapeCache:
+    """Which activations need a shape header, decided alike by sender and receiver with no message.
+
+    A channel (one pair of neighbouring virtual stages of one replica) carries a header with its first
+    activation after :meth:`reset` and whenever the micro-batch's :func:`signature` differs from that
+    of the channel's previous activation: sender and receiver both hold every micro-batch and decide
+    in the channel's order, so they agree. A short last batch or a new sequence length changes the
+    signature; a stage whose output shapes change although its inputs' did not (data-dependent
+    shapes) is caught on the sender (:meth:`check`), which asks for ``shape_headers="always"``.
+
+    Args:
+        always: every activation carries its header (``PipeStrategy(shape_headers="always")``).
+    """
+
+    def __init__(self, always: bool = False) -> None:
+        self.always = always
+        self._signatures: dict[Any, tuple[Any, ...]] = {}
+        self._headers: dict[Any, Header | None] = {}  # None: announced, not yet read (receiver)
+
+    def reset(self) -> None:
+        """Forget every channel (where sender and receiver both are between messages: a flush)."""
+        self._signatures.clear()
+        self._headers.clear()
+
+    def needs_header(self, channel: Any, micro_batch: Any) -> bool:
+        """Decide for the channel's next activation (call once per message, in the channel's order)."""
+        key = signature(micro_batch)
+        needed = self.always or self._signatures.get(channel) != key
+        self._signatures[channel] = key
+        if needed:
+            self._headers[channel] = None
+        return needed
+
+    def header(self, channel: Any) -> Header | None:
+        """The shapes the channel's activations without a header have (``None``: not read yet)."""
+        return self._headers.get(channel)
+
+    def remember(self, channel: Any, header: Header) -> None:
+        """After a header was sent or read on ``channel``."""
+        self._headers[channel] = header
+
+    @staticmethod
+    def check(known: Header | None, actual: Header, where: str) -> None:
+        """The sender's check that the shapes it does not announce are those the receiver assumes."""
+        if known != actual:
+            before = [m.shape for m in known.metas] if known is not None else "unknown shapes"
+            raise StageOutputError(
+                f"{where} returned shapes {[m.shape for m in actual.metas]} after {before} for micro-batches "
+                "whose inputs have the same shapes, so its next stage would assume the old ones. If its output "
+                "shapes depend on the data, use PipeStrategy(shape_headers=\"always\")."
+            )
+
+
 def is_differentiable(meta: TensorMeta) -> bool:
     """Whether a gradient flows back for this tensor (floating point and tracked)."""
     return meta.requires_grad and (meta.dtype.is_floating_point or meta.dtype.is_complex)
@@ -132,12 +204,15 @@ class Transport:
         return dist.irecv(tensor, src, group=self._group(src, self.rank), tag=self._tag(tag))
 
     def send_activation(
-        self, value: Tensor | tuple[Tensor, ...], dst: int, replica: int = 0
+        self, value: Tensor | tuple[Tensor, ...], dst: int, replica: int = 0, header: bool = True
     ) -> list[tuple[dist.Work, Tensor]]:
-        """Post the header and every tensor of ``value``; return requests with the buffers they use."""
-        header = Header.of(value).encode(self.device)
+        """Post the header (unless the receiver knows the shapes: ``header=False``) and every tensor of
+        ``value``; return requests with the buffers they use."""
         tensors = value if isinstance(value, tuple) else (value,)
-        out = [(self.isend(header, dst, replica_tag(ACTIVATION_HEADER_TAG, replica)), header)]
+        out = []
+        if header:
+            encoded = Header.of(value).encode(self.device)
+            out.append((self.isend(encoded, dst, replica_tag(ACTIVATION_HEADER_TAG, replica)), encoded))
         for tensor in tensors:
             buffer = tensor.detach().contiguous()
             out.append((self.isend(buffer, dst, replica_tag(ACTIVATION_TAG, replica)), buffer))

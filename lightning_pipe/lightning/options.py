@@ -70,6 +70,7 @@ class PipeOptions:
     stage_metrics: bool = True
     sync_warmup_steps: int = 0
     pipedream_2bw: DoubleBufferOptions = field(default_factory=DoubleBufferOptions)
+    shape_headers: Literal["on_change", "always"] = "on_change"
 
     @property
     def spec(self) -> ScheduleSpec:
@@ -127,7 +128,7 @@ def resolve(
     schedule: str, micro_batches: int | str, stages: int | None, pipelines: int, balance: str | list[int], module: str | None,
     chunks_per_stage: int | None, checkpoint_activations: bool, timeouts: tuple[float, float, float], sync_warmup_epochs: int,
     groups: Mapping[str, Any], trace_dir: str | None, trace_steps: int, deprecated: Mapping[str, Any],
-    stage_metrics: bool = True, sync_warmup_steps: int = 0,
+    stage_metrics: bool = True, sync_warmup_steps: int = 0, shape_headers: str = "on_change",
 ) -> PipeOptions:
     """Check the arguments of ``PipeStrategy`` and return them as :class:`PipeOptions`."""
     row = spec(schedule)
@@ -139,7 +140,7 @@ def resolve(
         schedule, micro_batches, stages, pipelines, list(balance) if not isinstance(balance, str) else balance, module,  # type: ignore[arg-type]
         chunks_per_stage, checkpoint_activations, *map(float, timeouts), sync_warmup_epochs, resolved["pipemare"],
         resolved["xpipe"], resolved["avgpipe"], resolved["auto_balance"], trace_dir, trace_steps, stage_metrics,
-        sync_warmup_steps, resolved["pipedream_2bw"],
+        sync_warmup_steps, resolved["pipedream_2bw"], shape_headers,  # type: ignore[arg-type]
     )
     check(options)
     return options
@@ -177,6 +178,9 @@ def check(options: PipeOptions) -> None:
                               "1, the default: extrapolate the stale version by one whole last update).")
     _check_avgpipe(o)
     _check_trace(o.trace_dir, o.trace_steps)
+    if o.shape_headers not in ("on_change", "always"):
+        raise PipeConfigError(f"shape_headers={o.shape_headers!r} is not known; use 'on_change' (send an activation's "
+                              "shapes only when its micro-batch's differ from the previous one's) or 'always'.")
 
 
 def _check_avgpipe(o: PipeOptions) -> None:

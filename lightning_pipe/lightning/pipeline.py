@@ -113,11 +113,12 @@ class StagePipeline:
         """A fresh executor for this setup (``recorder`` times a traced fit's actions)."""
         names = [self.partition.describe_chunk(c) for c in range(len(self.partition.local))]
         if self.strategy.emulating:
-            self.executor = LocalPipeline(self.strategy.num_stages, self.strategy.options.chunks_per_stage, self.watchdog, names)
+            self.executor = LocalPipeline(self.strategy.num_stages, self.strategy.options.chunks_per_stage, self.watchdog, names,
+                                          shape_headers=self.strategy.options.shape_headers)
         else:
             self.executor = Executor(
                 self.topology.stage, self.topology.pipeline_ranks, [], self.transport(), self.watchdog, names=names,
-                recorder=recorder,
+                recorder=recorder, shape_headers=self.strategy.options.shape_headers,
             )  # chunk callables are bound per step: they close over the step's arguments
         return self.executor
 

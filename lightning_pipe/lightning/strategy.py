@@ -148,6 +148,12 @@ class PipeStrategy(DDPStrategy, metaclass=_NamesItsOptions):
             compute and wait time, idle share (bubble) and peak memory as ``pipe/stage{s}/...``, plus the
             asynchronous schedules' staleness and correction or prediction size; other steps pay
             nothing (docs/metrics.md).
+        shape_headers: ``"on_change"``: an activation tells the next stage its shapes only when its
+            micro-batch's shapes differ from the previous micro-batch's on the same link (a short last
+            batch, a new sequence length); the next stage posts the other receives at once. Both sides
+            decide alike from the micro-batches they both hold. ``"always"``: every activation carries
+            its shapes, for stages whose output shapes depend on the data, not only on the input shapes
+            (an error says so when it happens).
         pipemare_lr_reschedule: deprecated, use ``pipemare={"lr_reschedule": ...}``.
         pipemare_lr_warmup_steps: deprecated, use ``pipemare={"lr_warmup_steps": ...}``.
         pipemare_correction: deprecated, use ``pipemare={"correction": ...}``.
@@ -196,6 +202,7 @@ class PipeStrategy(DDPStrategy, metaclass=_NamesItsOptions):
         trace_dir: str | None = None,
         trace_steps: int = 3,
         stage_metrics: bool = True,
+        shape_headers: Literal["on_change", "always"] = "on_change",
         pipemare_lr_reschedule: bool | None = None,
         pipemare_lr_warmup_steps: int | None = None,
         pipemare_correction: bool | None = None,
@@ -224,7 +231,7 @@ class PipeStrategy(DDPStrategy, metaclass=_NamesItsOptions):
             (timeout, startup_timeout, checkpoint_timeout), sync_warmup_epochs,
             {"pipemare": pipemare, "xpipe": xpipe, "pipedream_2bw": pipedream_2bw, "avgpipe": avgpipe,
              "auto_balance": auto_balance},
-            trace_dir, trace_steps, deprecated, stage_metrics, sync_warmup_steps,
+            trace_dir, trace_steps, deprecated, stage_metrics, sync_warmup_steps, shape_headers,
         )
         super().__init__(
             accelerator=accelerator,

@@ -84,6 +84,7 @@ def test_bad_configuration(make, kwargs, match):
         ({"checkpoint_timeout": -1}, "checkpoint_timeout=-1.0 must be a positive number of seconds"),
         ({"pipedream_2bw": {"lookahead": -1}}, "pipedream_2bw lookahead=-1 must be a number >= 0"),
         ({"pipedream_2bw": {"look_ahead": 1}}, "pipedream_2bw= has no option look_ahead; DoubleBufferOptions takes lookahead"),
+        ({"shape_headers": "never"}, "shape_headers='never' is not known; use 'on_change'"),
     ],
 )
 def test_bad_options(options, match):
