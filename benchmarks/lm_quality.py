@@ -773,13 +773,13 @@ def _schedule_order(label: str) -> tuple[int, str]:
 
 
 def collect(path: Path) -> dict[tuple, dict[str, dict[int, dict[str, Any]]]]:
-    """``{(protocol, P, M, optimizer): {label: {seed: record}}}`` of the ok records (the last one wins)."""
+    """``{(protocol, P, M, optimizer, lr): {label: {seed: record}}}`` of the ok records (the last one wins)."""
     panels: dict[tuple, dict[str, dict[int, dict[str, Any]]]] = {}
     for r in load_records(path):
         if r.get("status") != "ok" or "config" not in r:
             continue
         c = r["config"]
-        key = (_protocol(c), c["stages"], c["micro_batches"], c["optimizer"])
+        key = (_protocol(c), c["stages"], c["micro_batches"], c["optimizer"], c["lr"])
         panels.setdefault(key, {}).setdefault(_label(c), {})[c["seed"]] = r
     return panels
 
@@ -794,13 +794,13 @@ def failures(path: Path) -> list[dict[str, Any]]:
 
 
 def _baseline(panels: dict, key: tuple) -> tuple[dict[int, dict[str, Any]] | None, str]:
-    """The synchronous baseline's runs for a panel: 1f1b at the same (P, M, optimizer), else 1f1b at the
-    same P and optimizer with another M (synchronous training does not depend on M up to rounding)."""
+    """The synchronous baseline's runs for a panel: 1f1b at the same (P, M, optimizer, lr), else 1f1b at
+    the same P, optimizer and lr with another M (synchronous training does not depend on M up to rounding)."""
     if BASELINE in panels.get(key, {}):
         return panels[key][BASELINE], ""
-    protocol, stages, _, optimizer = key
+    protocol, stages, _, optimizer, lr = key
     for other, rows in sorted(panels.items()):
-        if other[0] == protocol and other[1] == stages and other[3] == optimizer and BASELINE in rows:
+        if (other[0], other[1], other[3], other[4]) == (protocol, stages, optimizer, lr) and BASELINE in rows:
             return rows[BASELINE], f" (baseline: {BASELINE} at M={other[2]})"
     return None, " (no baseline)"
 
@@ -812,14 +812,14 @@ def report(args: argparse.Namespace) -> None:
     protocols = sorted({k[0] for k in panels})
     out: list[str] = [f"# Validation loss (nats/char) of each schedule against synchronous `{BASELINE}`", ""]
     differing = _differing(protocols)
-    for key in sorted(panels, key=lambda k: (protocols.index(k[0]), k[1], k[2], k[3])):
-        protocol, stages, m, optimizer = key
+    for key in sorted(panels, key=lambda k: (protocols.index(k[0]), k[1], k[2], k[3], k[4])):
+        protocol, stages, m, optimizer, lr = key
         rows = panels[key]
         base_runs, note = _baseline(panels, key)
         base_mean = statistics.fmean(r["final_val_loss"] for r in base_runs.values()) if base_runs else math.nan
         seeds = sorted({s for runs in rows.values() for s in runs})
         any_rec = next(iter(next(iter(rows.values())).values()))["config"]
-        title = f"## P={stages} ({any_rec['blocks']} blocks), M={m}, {optimizer} (lr {any_rec['lr']:g})"
+        title = f"## P={stages} ({any_rec['blocks']} blocks), M={m}, {optimizer} (lr {lr:g})"
         if differing:
             title += " — " + ", ".join(f"{k}={json.loads(protocol).get(k)}" for k in differing)
         out += [title + note, "",
@@ -862,8 +862,9 @@ def _mean_curve(runs: dict[int, dict[str, Any]]) -> tuple[list[int], list[float]
 
 
 def plot(panels: dict, protocols: list[str], path: Path) -> None:
-    """One panel per depth (row) and optimizer (column); runs at several ``M`` share their panel (the
-    label says which ``M``), with one synchronous baseline (1f1b computes the same for every ``M``)."""
+    """One panel per depth (row) and optimizer with its learning rate (column); runs at several ``M``
+    share their panel (the label says which ``M``), with one synchronous baseline (1f1b computes the
+    same for every ``M``)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -871,15 +872,15 @@ def plot(panels: dict, protocols: list[str], path: Path) -> None:
 
     differing = _differing(protocols)
     rows_keys = sorted({(k[0], k[1]) for k in panels}, key=lambda x: (protocols.index(x[0]), x[1]))
-    col_keys = sorted({k[3] for k in panels})
+    col_keys = sorted({(k[3], k[4]) for k in panels})
     fig, axes = plt.subplots(len(rows_keys), len(col_keys), figsize=(5.6 * len(col_keys), 4.2 * len(rows_keys)),
                              squeeze=False)
     labels = sorted({label for rows in panels.values() for label in rows}, key=_schedule_order)
     colors = {label: plt.cm.tab10(i % 10) for i, label in enumerate(labels)}
     for i, (protocol, stages) in enumerate(rows_keys):
-        for j, optimizer in enumerate(col_keys):
+        for j, (optimizer, lr) in enumerate(col_keys):
             ax = axes[i][j]
-            keys = sorted(k for k in panels if (k[0], k[1], k[3]) == (protocol, stages, optimizer))
+            keys = sorted(k for k in panels if (k[0], k[1], k[3], k[4]) == (protocol, stages, optimizer, lr))
             if not keys:
                 ax.set_visible(False)
                 continue
@@ -905,7 +906,7 @@ def plot(panels: dict, protocols: list[str], path: Path) -> None:
                 ax.set_ylim(min(lows) - 0.05 * span - 1e-3, max(highs) + 0.05 * span + 1e-3)
             extra = "".join(f", {k}={json.loads(protocol).get(k)}" for k in differing)
             ms = "/".join(str(m) for m in sorted({k[2] for k in keys}))
-            ax.set_title(f"P={stages}, M={ms}, {optimizer}{extra}", fontsize=10)
+            ax.set_title(f"P={stages}, M={ms}, {optimizer} lr {lr:g}{extra}", fontsize=10)
             ax.set_xlabel("step")
             ax.set_ylabel("val loss (nats/char)")
             ax.grid(alpha=0.3)

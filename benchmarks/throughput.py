@@ -304,8 +304,9 @@ class StagesAtOnce(Variant):
 class Engine(Variant):
     """lightning_pipe's executor with ``SequentialStage`` chunks (as in ``tests/distributed/test_engine.py``)."""
 
-    def __init__(self, schedule: str, workload: Workload, micro_batches: int, rank: int, group: Any) -> None:
-        self.name = f"ours {schedule}"
+    def __init__(self, schedule: str, workload: Workload, micro_batches: int, rank: int, group: Any,
+                 shape_headers: str = "on_change") -> None:
+        self.name = f"ours {schedule}" + (" (headers always)" if shape_headers == "always" else "")
         self.samples_per_step = workload.batch
         self.layers = stage_layers(workload, rank)
         self.optimizer = sgd(self.layers.parameters())
@@ -318,7 +319,8 @@ class Engine(Variant):
         self.schedule = build_schedule(schedule, STAGES, micro_batches)
         self.micro_batches = micro_batches
         self.executor = Executor(
-            rank, list(range(STAGES)), [stage], Transport(torch.device("cpu"), group=group), Watchdog(timeout=300.0)
+            rank, list(range(STAGES)), [stage], Transport(torch.device("cpu"), group=group), Watchdog(timeout=300.0),
+            shape_headers=shape_headers,
         )
         self.batch = workload.make_batch(workload.batch)
 
@@ -457,6 +459,8 @@ def compare_worker(rank: int, workload_name: str, micro_batches: int, args: dict
         # every pipelined variant talks on its own process group
         variants.append(TorchPipelining(schedule, workload, micro_batches, rank, dist.new_group(backend="gloo")))
         variants.append(Engine(schedule, workload, micro_batches, rank, dist.new_group(backend="gloo")))
+        if args.get("headers_always"):
+            variants.append(Engine(schedule, workload, micro_batches, rank, dist.new_group(backend="gloo"), "always"))
     first_losses: dict[str, float] = {}
     clocks = timed_windows(
         variants, args["windows"], args["steps_per_window"], max(1, args["warmup_steps"]), dist.barrier, first_losses
@@ -776,7 +780,9 @@ def report(jobs: list[dict[str, Any]], lightning: list[dict[str, Any]], skipped:
             load=load("stages at once, no communication"), vs_ideal=False)
         for schedule in job["schedules"]:
             torch_tp = samples_per_s(job, f"torch {schedule}")
-            for name in (f"torch {schedule}", f"ours {schedule}"):
+            for name in (f"torch {schedule}", f"ours {schedule}", f"ours {schedule} (headers always)"):
+                if name not in job["windows"]:
+                    continue
                 values = samples_per_s(job, name)
                 row(f"**{name}**", values, f"{paired_ratio(values, torch_tp):.2f}", load(name))
             for lj in lightning:
@@ -824,6 +830,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--micro-batches", nargs="+", type=int, default=None, help="default: 4 and 8")
     parser.add_argument("--schedules", nargs="+", choices=["gpipe", "1f1b"], default=["gpipe", "1f1b"])
     parser.add_argument("--windows", type=int, default=5, help="timed windows per variant")
+    parser.add_argument("--headers-always", action="store_true",
+                        help="also time our engine with a shape header on every activation (shape_headers='always')")
     parser.add_argument("--steps-per-window", type=int, default=5, help="training steps per window")
     parser.add_argument("--warmup-steps", type=int, default=3, help="untimed steps per variant first")
     parser.add_argument("--lightning", choices=["1f1b", "gpipe", "both", "none"], default="1f1b",
@@ -870,7 +878,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     if skipped:
         print(f"through Lightning: skipped, lightning_pipe.PipeStrategy is not importable ({skipped})", flush=True)
         light_schedules = []
-    job_args = {k: getattr(args, k) for k in ("schedules", "windows", "steps_per_window", "warmup_steps")}
+    job_args = {k: getattr(args, k) for k in ("schedules", "windows", "steps_per_window", "warmup_steps", "headers_always")}
     jobs, lightning = [], []
     for wl in args.workloads:
         for m in args.micro_batches or WORKLOADS[wl].default_micro_batches:
