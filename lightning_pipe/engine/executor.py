@@ -148,8 +148,10 @@ class Executor:
 
         Args:
             schedule: the schedule (all devices run the same one).
-            micro_batches: the micro-batches whose forwards this run starts (only the first and last
-                stage read them); micro-batch ``g`` is ``micro_batches[g - first_micro_batch]``. With
+            micro_batches: the micro-batches whose forwards this run starts; micro-batch ``g`` is
+                ``micro_batches[g - first_micro_batch]``. Only the first and last stage read them, but
+                with ``shape_headers="on_change"`` every stage must be given the same ones: their shapes
+                decide, on both ends of a link, which activations carry a shape header. With
                 several replicas (avgpipe), replica ``r``'s micro-batch ``j`` is at ``r * M + j``
                 (``M = schedule.micro_batches``), and so are ``loss_weights``.
             loss_weights: each micro-batch loss is multiplied by its weight before backward

@@ -75,7 +75,9 @@ def candidate_round(trial: TrialStage, candidate: Candidate) -> Callable[[], Non
     n, m = candidate.replicas, candidate.micro_batches
     policy = ElasticAveraging(layers, optimizer, trial.stage, trial.stages, m, n, trial.alpha,
                               gradient_group=trial.gradient_group, gradient_world=trial.gradient_world)
-    executor = Executor(trial.stage, trial.ranks, [chunk], trial.transport, trial.watchdog, policy=policy)
+    # only the first stage holds the micro-batches, so the others cannot tell when shapes change
+    executor = Executor(trial.stage, trial.ranks, [chunk], trial.transport, trial.watchdog, policy=policy,
+                        shape_headers="always")
     schedule = build_avgpipe(trial.stages, m, n, candidate.advance)
     if trial.stage == 0:
         inputs = on_device(trial.inputs, trial.device)

@@ -85,7 +85,8 @@ def measure_stage(
     """
     copies, chunk = stage_copy(layers, stage, stages, device)
     recorder = ActionRecorder(stage, clock=device_clock(device))
-    executor = Executor(stage, ranks, [chunk], transport, watchdog, recorder=recorder)
+    # only the first stage holds the micro-batches, so the others cannot tell when shapes change
+    executor = Executor(stage, ranks, [chunk], transport, watchdog, recorder=recorder, shape_headers="always")
     plan = build_schedule(schedule, stages, micro_batches)
     parts = split_micro_batches(on_device(inputs, device), micro_batches) if stage == 0 else [None] * micro_batches
     for step in range(warmup + steps):
