@@ -40,6 +40,17 @@ class ActionRecorder:
         self.events.append(TimedAction(self.device, action, start, end))
         self.steps.append(self.step)
 
+    def resolve(self) -> None:
+        """With an :class:`EventClock`, turn the recorded CUDA events into seconds (one device
+        synchronisation for everything recorded since the last call); nothing with a host clock."""
+        if not isinstance(self.clock, EventClock):
+            return
+        self.clock.synchronize()
+        self.events = [e if isinstance(e.start, float) else
+                       TimedAction(e.device, e.action, self.clock.seconds(e.start), self.clock.seconds(e.end))
+                       for e in self.events]
+        self.clock.reset()
+
     def rows(self) -> list[dict]:
         """The events as plain dicts (JSON / pickling across processes)."""
         return [
@@ -47,6 +58,45 @@ class ActionRecorder:
              "chunk": e.action.chunk, "replica": e.action.replica, "start": e.start, "end": e.end}
             for e, step in zip(self.events, self.steps)
         ]
+
+
+class EventClock:
+    """A clock for :class:`ActionRecorder` on CUDA: each reading records a CUDA event on the current
+    stream instead of waiting for the device, so timing does not serialise the host with the GPU.
+    :meth:`ActionRecorder.resolve` later turns the events into ``time.time`` seconds, anchored at a
+    host reading taken with the first event (so ranks on one host still share a clock).
+
+    Args:
+        device: the CUDA device whose streams the events are recorded on.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._anchor: tuple[Any, float] | None = None
+
+    def __call__(self) -> Any:
+        if self._anchor is None:  # one synchronisation per resolved batch of events, to pin the host time
+            self.synchronize()
+            self._anchor = (self._event(), time.time())
+        return self._event()
+
+    def _event(self) -> Any:
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def synchronize(self) -> None:
+        torch.cuda.synchronize(self.device)
+
+    def seconds(self, event: Any) -> float:
+        """Host seconds of a recorded event (after :meth:`synchronize`)."""
+        assert self._anchor is not None
+        origin, host = self._anchor
+        return host + origin.elapsed_time(event) / 1e3
+
+    def reset(self) -> None:
+        """Anchor the next events afresh (GPU and host clocks drift apart over a long run)."""
+        self._anchor = None
 
 
 class StepTimer:

@@ -23,6 +23,7 @@ from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten, tree_map
 
 from lightning_pipe.engine import ActionRecorder, Executor, SequentialStage, Transport, Watchdog, split_micro_batches
+from lightning_pipe.engine.recorder import EventClock
 from lightning_pipe.registry import build_schedule
 from lightning_pipe.schedules import Kind
 
@@ -45,17 +46,12 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def device_clock(device: torch.device) -> Callable[[], float]:
-    """``time.time`` after the device's queued work is done: on CUDA an action's recorded span is then
-    its compute, not the time to launch its kernels."""
-    if device.type != "cuda":
-        return time.time
-
-    def clock() -> float:
-        torch.cuda.synchronize(device)
-        return time.time()
-
-    return clock
+def device_clock(device: torch.device) -> Callable[[], Any]:
+    """The clock for an :class:`~lightning_pipe.engine.recorder.ActionRecorder` on ``device``:
+    ``time.time`` on the CPU; on CUDA an :class:`~lightning_pipe.engine.recorder.EventClock`, whose CUDA
+    events time what the device did (not the kernel launches) without a synchronisation per action;
+    call the recorder's ``resolve()`` before reading its events."""
+    return EventClock(device) if device.type == "cuda" else time.time
 
 
 def on_device(value: Any, device: torch.device) -> Any:
@@ -95,6 +91,7 @@ def measure_stage(
         for p in copies.parameters():
             p.grad = None
     synchronize(device)
+    recorder.resolve()
     forwards = [e.duration for e in recorder.events if e.action.kind is Kind.FORWARD]
     backwards = [e.duration for e in recorder.events if e.action.kind is Kind.BACKWARD]
     return statistics.median(forwards) + statistics.median(backwards)

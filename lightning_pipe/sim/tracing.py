@@ -49,9 +49,9 @@ class RunTracer:
         trace_dir: directory for the files.
         steps: training steps to record.
         device: this rank's row (its global rank).
-        clock: seconds, one wall clock for the processes of a host; on CUDA one that first waits
-            for the device (:func:`lightning_pipe.planning.trials.device_clock`), so spans are compute, not
-            kernel launches.
+        clock: seconds, one wall clock for the processes of a host; on CUDA CUDA events resolved to
+            that clock after each traced step (:func:`lightning_pipe.planning.trials.device_clock`), so
+            spans are what the device did, not kernel launches.
     """
 
     def __init__(self, trace_dir: str, steps: int, device: int, clock: Callable[[], float] = time.time) -> None:
@@ -67,6 +67,8 @@ class RunTracer:
         self.recorder.step = self.seen
 
     def end_step(self) -> None:
+        if self.recorder.enabled:
+            self.recorder.resolve()  # CUDA events into seconds: one synchronisation per traced step
         self.recorder.enabled = False
         self.seen += 1
 

@@ -7,6 +7,7 @@ import json
 import os
 
 import pytest
+import torch
 
 from lightning_pipe import PipeConfigError, PipeStrategy
 from lightning_pipe.sim.tracing import events_from_rows
@@ -56,3 +57,39 @@ def test_avgpipe_rounds_are_recorded_and_every_fit_records_its_own(tmp_path) -> 
 
     with pytest.raises(PipeConfigError, match="trace_dir times a pipeline"):
         fit(PipeStrategy(schedule="1f1b", stages=2, trace_dir=str(trace_dir)), 1)
+
+
+def test_an_event_clock_is_resolved_into_host_seconds_once_per_step():
+    """On CUDA a recorder's clock records events (no synchronisation per action); resolve() turns
+    them into host seconds anchored at the first reading. A stand-in event keeps the test on the CPU."""
+    from lightning_pipe.engine.recorder import ActionRecorder, EventClock
+    from lightning_pipe.schedules import Action, Kind
+
+    class FakeEvent:
+        def __init__(self, at_ms: float) -> None:
+            self.at_ms = at_ms
+
+        def elapsed_time(self, other: "FakeEvent") -> float:
+            return other.at_ms - self.at_ms
+
+    class FakeClock(EventClock):
+        def __init__(self) -> None:
+            super().__init__(torch.device("cpu"))
+            self.now_ms, self.synchronized = 0.0, 0
+
+        def _event(self) -> FakeEvent:
+            self.now_ms += 5.0
+            return FakeEvent(self.now_ms)
+
+        def synchronize(self) -> None:
+            self.synchronized += 1
+
+    clock = FakeClock()
+    recorder = ActionRecorder(0, clock=clock)
+    recorder.record(Action(Kind.FORWARD, 0), clock(), clock())
+    recorder.record(Action(Kind.BACKWARD, 0), clock(), clock())
+    assert clock.synchronized == 1  # only to anchor the host time
+    recorder.resolve()
+    assert clock.synchronized == 2
+    assert [round(e.duration, 6) for e in recorder.events] == [0.005, 0.005]
+    assert recorder.events[1].start - recorder.events[0].start == pytest.approx(0.010)
