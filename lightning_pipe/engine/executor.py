@@ -23,7 +23,7 @@ from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ContextManager
 
 import torch
 from torch import Tensor
@@ -143,6 +143,7 @@ class Executor:
         scale_loss: Callable[[Tensor], Tensor] | None = None,
         first_micro_batch: int = 0,
         carry_over: bool = False,
+        last_backward: Callable[[], ContextManager[Any]] | None = None,
     ) -> list[Any]:
         """Run this device's actions for one step (or one window of an asynchronous segment).
 
@@ -161,13 +162,15 @@ class Executor:
             first_micro_batch: stream index of ``micro_batches[0]``.
             carry_over: keep micro-batches in flight and sends pending after the run (asynchronous
                 windows); call :meth:`finish` after the segment's drain.
+            last_backward: wraps this device's last backward of the run, after which its gradients
+                are final (e.g. :meth:`~lightning_pipe.engine.collectives.GradientReducer.armed`).
 
         Returns:
             What the last virtual stage returned for every micro-batch forwarded in this run (in
             the order of ``micro_batches``), on the device holding it (the detached, unweighted loss when training; the raw output for
             a forward-only schedule); an empty list elsewhere.
         """
-        self.begin(schedule, micro_batches, loss_weights, scale_loss, first_micro_batch, carry_over)
+        self.begin(schedule, micro_batches, loss_weights, scale_loss, first_micro_batch, carry_over, last_backward)
         try:
             for index in range(len(schedule.actions[self.device_index])):
                 self.execute(index, step)
@@ -198,6 +201,7 @@ class Executor:
         scale_loss: Callable[[Tensor], Tensor] | None = None,
         first_micro_batch: int = 0,
         carry_over: bool = False,
+        last_backward: Callable[[], ContextManager[Any]] | None = None,
     ) -> None:
         """Prepare a run (arguments as in :meth:`run`)."""
         if not carry_over and len(micro_batches) != schedule.micro_batches * schedule.replicas:
@@ -212,6 +216,8 @@ class Executor:
         count = max(len(micro_batches) // schedule.replicas, 1)  # each replica's gradient is its mini-batch mean
         self._weights = list(loss_weights) if loss_weights is not None else [1.0 / count] * max(len(micro_batches), 1)
         self._scale_loss = scale_loss
+        backwards = [i for i, a in enumerate(schedule.actions[self.device_index]) if a.kind is Kind.BACKWARD]
+        self._last_backward = (backwards[-1], last_backward) if backwards and last_backward is not None else None
         self._received: dict[tuple[Kind, int, int], _PendingReceive] = {}
         self._header_decisions: dict[tuple[Kind, int, int, int], bool] = {}  # receives that could not be posted yet
         self._outputs: dict[tuple[int, int], Any] = {}  # (replica, micro-batch)
@@ -227,6 +233,13 @@ class Executor:
         """Run action ``index`` of this device's list (after :meth:`begin`, in list order)."""
         actions = self._schedule.actions[self.device_index]
         action = actions[index]
+        if self._last_backward is not None and index == self._last_backward[0]:
+            with self._last_backward[1]():
+                self._execute(actions, index, action, step)
+            return
+        self._execute(actions, index, action, step)
+
+    def _execute(self, actions: Sequence[Action], index: int, action: Action, step: Callable[[], None] | None) -> None:
         if action.kind.is_compute:
             self._post_receives(actions, index)
         recording = self._recording

@@ -193,9 +193,11 @@ class LocalPipeline:
         scale_loss: Callable[[Tensor], Tensor] | None = None,
         first_micro_batch: int = 0,
         carry_over: bool = False,
+        last_backward: Callable[[], Any] | None = None,
     ) -> list[Any]:
         """Run every device's actions (arguments and result as :meth:`Executor.run`; ``step`` is
-        called at every device's STEP when it has no weight policy)."""
+        called at every device's STEP when it has no weight policy). ``last_backward`` is not used:
+        in one process nothing could overlap it, so a gradient reducer does all its work after the run."""
         if schedule.stages != self.stages or schedule.chunks != self.chunks_per_stage:
             raise ValueError(
                 f"this pipeline emulates {self.stages} stages × {self.chunks_per_stage} chunks; the schedule has "

@@ -176,7 +176,8 @@ class StagePipeline:
             raise
         return Ran(outputs, [batch_size(mb) for mb in micro_batches], batch_size(batch), capture)
 
-    def flush(self, hook: str, args: tuple, kwargs: dict, training: bool, schedule: str) -> Ran:
+    def flush(self, hook: str, args: tuple, kwargs: dict, training: bool, schedule: str,
+              last_backward: Callable[[], Any] | None = None) -> Ran:
         """One flushed step of the synchronous ``schedule`` (forwards only when not ``training``)."""
         strategy = self.strategy
         scaler = getattr(strategy.precision_plugin, "scaler", None) if training else None
@@ -190,7 +191,8 @@ class StagePipeline:
             weights = [batch_size(mb) / n / accumulate for mb in micro_batches] if training else None
             plan = build_schedule(schedule, strategy.num_stages, len(micro_batches), strategy.options.chunks_per_stage,
                                   not training)
-            return self.executor.run(plan, micro_batches, weights, scale_loss=scaler.scale if scaler else None)
+            return self.executor.run(plan, micro_batches, weights, scale_loss=scaler.scale if scaler else None,
+                                     last_backward=last_backward)
 
         return self.run(hook, args, kwargs, training, split, launch)
 

@@ -118,3 +118,38 @@ def test_pipeline_equals_single_device(name, world, micro_batches, chunks, nccl_
     assert merged.keys() == ref_state.keys()
     for key, value in ref_state.items():
         torch.testing.assert_close(merged[key], value, rtol=1e-5, atol=1e-6)
+
+
+def reducer_worker(rank: int, world: int):
+    """Each rank's gradients of its own batch, averaged by GradientReducer while the backward runs
+    (small buckets, so several launch during it) and by one flat all-reduce afterwards."""
+    from lightning_pipe.engine.collectives import GradientReducer, all_reduce_flat
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 3), nn.Linear(3, 3))
+    model[5].requires_grad_(False)
+    x = torch.randn(5, 6, generator=torch.Generator().manual_seed(rank))
+    params = [p for p in model.parameters() if p.requires_grad]
+    reducer = GradientReducer(params, None, world, bucket_bytes=256)
+    with reducer.armed():
+        model(x).square().sum().backward()
+    filed_during_backward = len(reducer._launched)
+    moved = [p.grad for p in params]  # the strategy moves gradients aside meanwhile (Lightning's zero_grad)
+    for p in params:
+        p.grad = None
+    for p, g in zip(params, moved):
+        p.grad = g
+    reducer.finish()
+    overlapped = [p.grad.clone() for p in params]
+    for p in params:
+        p.grad = None
+    model(x).square().sum().backward()
+    all_reduce_flat([p.grad for p in params], None, scale=1.0 / world)
+    return filed_during_backward, overlapped, [p.grad for p in params]
+
+
+def test_gradient_reducer_averages_while_the_backward_runs():
+    for filed, overlapped, flat in values(run_workers(reducer_worker, 2, timeout=60)):
+        assert filed >= 2  # buckets launched before the backward ended
+        for a, b in zip(overlapped, flat):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)

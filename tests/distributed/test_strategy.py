@@ -85,11 +85,15 @@ def test_four_stages_short_last_batch_equal_one_device():
     assert_matches(reference, records, [0, 1, 2, 3])
 
 
-def test_two_pipelines_equal_one_device_at_double_batch():
-    reference = train({"max_steps": STEPS, "batch_size": 16})
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_two_pipelines_equal_one_device_at_double_batch(accumulate):
+    """Without accumulation the pipelines average while the last backward runs (GradientReducer); with
+    it, the window's last batch adds to earlier gradients and the sum is averaged afterwards."""
+    trainer = {"accumulate_grad_batches": accumulate}
+    reference = train({"max_steps": STEPS, "batch_size": 16, "trainer": trainer})
     code, output, records = launch({
         "devices": 4, "max_steps": STEPS, "batch_size": 8, "stages": 2, "pipelines_in_sampler": 2,
-        "strategy": {"schedule": "1f1b", "micro_batches": 4, "pipelines": 2},
+        "strategy": {"schedule": "1f1b", "micro_batches": 4, "pipelines": 2}, "trainer": trainer,
     }, timeout=240)
     assert code == 0, output[-3000:]
     for pipeline in ([0, 1], [2, 3]):

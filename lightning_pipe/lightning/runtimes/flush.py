@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING
 
 from torch import Tensor
 
-from lightning_pipe.engine.collectives import all_reduce_flat
+from lightning_pipe.engine.collectives import GradientReducer, all_reduce_flat
 from lightning_pipe.lightning.runtimes.common import BaseRuntime, trainable
 
 if TYPE_CHECKING:
@@ -28,14 +28,24 @@ class FlushRuntime(BaseRuntime):
     def __init__(self, strategy: PipeStrategy, pipeline: StagePipeline, schedule: str) -> None:
         super().__init__(strategy, pipeline)
         self.schedule = schedule
+        self._reducer: GradientReducer | None = None
+        self._reducing = False  # this step's gradients are being averaged across pipelines
 
     def training_step(self, args: tuple, kwargs: dict) -> Tensor:
         params = trainable(self.strategy)
         earlier = [p.grad for p in params]  # gradients of earlier batches of an accumulation window
         for p in params:
             p.grad = None  # the step starts from empty gradients
+        # across pipelines, average while the last backward runs (DDP's overlap); not when the step adds
+        # to earlier batches' gradients, which only the sum at backward() completes
+        last_backward = None
+        trainer = self.strategy.lightning_module.trainer
+        if self.strategy.num_pipelines > 1 and all(g is None for g in earlier) and not trainer.fit_loop._should_accumulate():
+            if self._reducer is None or [id(p) for p in self._reducer.params] != [id(p) for p in params]:
+                self._reducer = GradientReducer(params, self.strategy.topology.stage_group, self.strategy.num_pipelines)
+            last_backward, self._reducing = self._reducer.armed, True
         with self.strategy.precision_plugin.train_step_context():
-            ran = self.pipeline.flush("training_step", args, kwargs, True, self.schedule)
+            ran = self.pipeline.flush("training_step", args, kwargs, True, self.schedule, last_backward)
         self.pipeline.seen_batch = True
         if not self.pipeline.outside.known:
             with self.pipeline.watchdog.guard("which stages use the parameters outside the trunk"):
@@ -49,8 +59,12 @@ class FlushRuntime(BaseRuntime):
         self._put_back()
         if self.strategy.lightning_module.trainer.fit_loop._should_accumulate():
             return
+        reduced, self._reducing = self._reducing, False
+        if reduced:  # each stage's share first; the sum over stages below commutes with the mean
+            assert self._reducer is not None
+            self._reducer.finish()
         self.pipeline.outside.sum_shared_gradients()
         pipelines = self.strategy.num_pipelines
-        if pipelines > 1:
+        if pipelines > 1 and not reduced:
             grads = [p.grad for p in trainable(self.strategy) if p.grad is not None]
             all_reduce_flat(grads, self.strategy.topology.stage_group, scale=1.0 / pipelines)
