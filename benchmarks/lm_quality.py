@@ -87,7 +87,7 @@ MULTI_PROCESS = ("avgpipe",)
 #: option groups of PipeStrategy that belong to one schedule: given with --strategy-options, they are
 #: passed to (and part of the identity of) that schedule's runs only
 SCHEDULE_GROUPS = ("pipemare", "xpipe", "pipedream_2bw", "avgpipe")
-DEFAULT_LR = {"adamw": 2e-3, "sgd": 0.1, "muon": 0.02}
+DEFAULT_LR = {"adamw": 2e-3, "sgd": 0.03, "muon": 0.02}
 
 
 # ================================================================================================ data
@@ -946,7 +946,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     pr.add_argument("--dropout", type=float, default=0.0)
     pr.add_argument("--lr-adamw", type=float, default=DEFAULT_LR["adamw"])
     pr.add_argument("--lr-sgd", type=float, default=DEFAULT_LR["sgd"],
-                    help="SGD learning rate (default 0.1: a guess, not tuned on this model)")
+                    help="SGD learning rate (default 0.03: for 1f1b at P=2, 0.3 diverges and 0.1 is unstable)")
     pr.add_argument("--lr-muon", type=float, default=DEFAULT_LR["muon"], help="Muon learning rate (default 0.02)")
     pr.add_argument("--weight-decay", type=float, default=0.0)
     pr.add_argument("--momentum", type=float, default=0.9, help="SGD momentum (default 0.9)")
