@@ -892,8 +892,8 @@ def plot(panels: dict, protocols: list[str], path: Path) -> None:
                     if base and drawn_baseline:
                         continue
                     steps, losses = _mean_curve(panels[key][label])
-                    if not steps:
-                        continue
+                    if not steps or not all(math.isfinite(v) for v in losses):
+                        continue  # a diverged run (NaN): in the tables, not on the curves
                     drawn_baseline |= base
                     shown = label if base or not several else f"{label} M={key[2]}"
                     ax.plot(steps, losses, color="black" if base else colors[label], lw=2.0 if base else 1.3,
@@ -904,6 +904,8 @@ def plot(panels: dict, protocols: list[str], path: Path) -> None:
             if lows:
                 span = max(highs) - min(lows)
                 ax.set_ylim(min(lows) - 0.05 * span - 1e-3, max(highs) + 0.05 * span + 1e-3)
+            else:
+                ax.text(0.5, 0.5, "every run diverged (NaN)", ha="center", va="center", transform=ax.transAxes)
             extra = "".join(f", {k}={json.loads(protocol).get(k)}" for k in differing)
             ms = "/".join(str(m) for m in sorted({k[2] for k in keys}))
             ax.set_title(f"P={stages}, M={ms}, {optimizer} lr {lr:g}{extra}", fontsize=10)
