@@ -220,6 +220,7 @@ class Executor:
         self._last_backward = (backwards[-1], last_backward) if backwards and last_backward is not None else None
         self._received: dict[tuple[Kind, int, int], _PendingReceive] = {}
         self._header_decisions: dict[tuple[Kind, int, int, int], bool] = {}  # receives that could not be posted yet
+        self._taken: set[tuple[Kind, int, int, int]] = set()  # receives their compute consumed this run
         self._outputs: dict[tuple[int, int], Any] = {}  # (replica, micro-batch)
         self._posted = 0
         # a send is received at the latest in the peer's next window, so older ones are complete
@@ -379,20 +380,24 @@ class Executor:
         return self.ranks[other % self._schedule.stages]
 
     def _post_receives(self, actions: Sequence[Action], index: int) -> None:
-        """Post receives in list order up to the compute action after ``actions[index]``."""
-        if self.transport is None or not self.transport.tagged:
-            return  # untagged backends (NCCL) receive in strict order at the action itself
+        """Post receives in list order up to the compute action after ``actions[index]``. On an untagged
+        backend (NCCL) the order is the messages' order on their direction's stream, so posting stops at
+        an activation whose shape header must be read first: its compute posts it, header then payload,
+        before anything after it."""
+        if self.transport is None or not getattr(self.transport, "receives_ahead", True):
+            return  # in-process queues: a receive takes its message at once, so it waits for its action
         limit = next((k for k in range(index + 1, len(actions)) if actions[k].kind.is_compute), len(actions))
         while self._posted <= limit and self._posted < len(actions):
             action = actions[self._posted]
-            if action.kind.is_recv and not self._post(action):
+            if action.kind.is_recv and not self._post(action, ahead=True):
                 break
             self._posted += 1
 
-    def _post(self, action: Action) -> bool:
-        """Post one receive; ``False`` if it cannot be posted yet (gradient shapes unknown)."""
+    def _post(self, action: Action, ahead: bool = False) -> bool:
+        """Post one receive; ``False`` if it cannot be posted yet (gradient shapes unknown, or, ``ahead``
+        of its compute on an untagged backend, a shape header to read first)."""
         key = (action.kind, action.replica, action.chunk, action.micro_batch)
-        if key in self._received:
+        if key in self._received or key in self._taken:
             return True
         src = self._peer_rank(action)
         pending = _PendingReceive(action.kind, src, action.replica)
@@ -402,8 +407,9 @@ class Executor:
             if header is None:  # decided once per message, in the link's order, as the sender does
                 header = self._shapes.needs_header(pending.channel, self._micro_batches[self._slot(action)])
             known = None if header else self._shapes.header(pending.channel)
-            if not header and known is None:  # the previous activation's header is not read yet
-                self._header_decisions[key] = header
+            untagged_header = header and ahead and not self.transport.tagged
+            if (not header and known is None) or untagged_header:  # the previous header is not read yet,
+                self._header_decisions[key] = header  # or this one must be read before anything after it
                 return False
             with self.watchdog.guard(f"{action} from rank {src}", src):
                 if header:
@@ -435,6 +441,7 @@ class Executor:
             if not self._post(action):
                 raise RuntimeError(f"{action} cannot be received before its forward ran.")
         pending = self._received.pop(key)
+        self._taken.add(key)
         what = f"{action} from rank {pending.src}"
         start = self._recording.clock() if self._recording is not None else 0.0
         if pending.payload is None:

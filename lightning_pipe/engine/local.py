@@ -58,7 +58,7 @@ class _Done:
 class LocalTransport:
     """The :class:`~.p2p.Transport` interface over in-process queues, for device ``rank``, with NCCL's rules.
 
-    It is untagged: the executor receives at the compute action, and a receive takes the oldest message
+    It is untagged and receives only at the compute action (``receives_ahead = False``); a receive takes the oldest message
     of its direction, which must be of the kind it expects (an activation or a gradient), as NCCL, which
     ignores tags, would deliver it. It must only run after the send (the pipeline's order guarantees it).
 
@@ -69,6 +69,7 @@ class LocalTransport:
     """
 
     tagged = False
+    receives_ahead = False  # a receive takes its message at once: it must wait for its action
 
     def __init__(self, rank: int, queues: dict[Channel, deque[Any]], sent: dict[Channel, int]) -> None:
         self.rank = rank

@@ -183,6 +183,8 @@ class Transport:
             agree on (proven for every schedule: :mod:`lightning_pipe.schedules.rendezvous`).
     """
 
+    receives_ahead = True  # receives may be posted before the compute that needs them
+
     def __init__(self, device: torch.device, group: dist.ProcessGroup | None = None, tagged: bool = True,
                  downward_group: dist.ProcessGroup | None = None) -> None:
         self.device = device

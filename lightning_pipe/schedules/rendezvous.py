@@ -16,9 +16,12 @@ process group for messages to a higher rank and one for messages to a lower rank
 a pair has its own stream) or ``"pair"`` (one stream per pair, a single process group). ``fused``
 issues every run of consecutive communication actions as one group per peer (Megatron-LM's and
 ``torch.distributed.pipelining``'s answer to the pair stream); otherwise sends are issued at their
-action and receives at the compute that needs them, as :class:`~lightning_pipe.engine.executor.Executor`
-does on NCCL. ``headers``: every activation is preceded by a shape header the receiver reads on the
-host before it posts the payload's receive (``False``: shapes known).
+action and receives at the compute that needs them: the latest :class:`~lightning_pipe.engine.executor.Executor`
+posts them on NCCL. (It posts receives whose shapes it knows up to one compute ahead, in the same
+order; on direction streams that can only let sends complete sooner, since a direction's stream holds
+that direction's messages alone, in the order both sides agree on.) ``headers``: every activation is
+preceded by a shape header the receiver reads on the host before it posts the payload's receive
+(``False``: shapes known).
 
 On the pair stream, unfused 1F1B deadlocks (in the steady state each neighbour issues a send before
 its receive); fused runs repair 1F1B and the asynchronous schedules but not interleaved 1F1B or

@@ -103,7 +103,9 @@ def pipeline_worker(rank: int, world: int, name: str, micro_batches: int, chunks
 @pytest.mark.parametrize(
     "name,world,micro_batches,chunks,nccl_rules",
     [("gpipe", 2, 4, 1, False), ("1f1b", 2, 3, 1, False), ("interleaved_1f1b", 2, 4, 2, False), ("1f1b", 4, 6, 1, False),
-     ("interleaved_1f1b", 4, 4, 2, False), ("interleaved_1f1b", 2, 4, 2, True), ("1f1b", 4, 6, 1, True)],
+     ("interleaved_1f1b", 4, 4, 2, False), ("interleaved_1f1b", 2, 4, 2, True), ("1f1b", 4, 6, 1, True),
+     # 12 samples in 5 micro-batches (3, 3, 2, 2, 2): a shape header again mid-step, on both transports
+     ("1f1b", 2, 5, 1, False), ("gpipe", 3, 5, 1, True)],
 )
 def test_pipeline_equals_single_device(name, world, micro_batches, chunks, nccl_rules):
     batches = [make_batch(seed=s) for s in range(3)]
