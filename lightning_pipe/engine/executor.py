@@ -10,10 +10,11 @@ Rules that keep it deadlock-free and overlapped:
 * sends are asynchronous and are only waited for at the end of :meth:`Executor.run` (gloo sends
   complete when the peer receives, so waiting earlier can deadlock);
 * before each compute action, receives up to the next compute action are posted, so transfers run
-  while this rank computes. An activation's payload can only be posted once its header is read,
-  which is when the compute that needs it waits: gloo's ``Work.is_completed()`` stays ``False`` until
-  ``wait()`` and a timed-out ``wait`` closes the connection, so there is no way to learn earlier
-  that a header has arrived (gradients need no header and travel early);
+  while this rank computes. Gradients and activations whose shapes are known (most of them:
+  :class:`~.p2p.ShapeCache`) travel early. An activation with a shape header can only have its payload
+  posted once the header is read, which is when the compute that needs it waits: gloo's
+  ``Work.is_completed()`` stays ``False`` until ``wait()`` and a timed-out ``wait`` closes the
+  connection, so there is no way to learn earlier that a header has arrived;
 * every wait goes through the :class:`~.watchdog.Watchdog`, so a failed peer ends this rank too.
 """
 
