@@ -244,9 +244,10 @@ class XPipePolicy(_LivePolicy):
                 return None
             c = float(state["step"])
             beta1, beta2 = group["betas"]
+            # m_hat / (sqrt(v_hat) + eps), the same operations in place on two temporaries (not five)
             m_hat = state["exp_avg"] / (1 - beta1**c)
             v_hat = state["exp_avg_sq"] / (1 - beta2**c)
-            return m_hat / (v_hat.sqrt() + group["eps"])
+            return m_hat.div_(v_hat.sqrt_().add_(group["eps"]))
         if rule == "muon":  # the orthogonalised momentum, at Muon's shape-adjusted learning rate
             if "momentum_buffer" not in state:
                 return None
@@ -258,7 +259,7 @@ class XPipePolicy(_LivePolicy):
 
     def predict(self, distance: int) -> dict[str, Tensor]:
         name_of = {id(m): n for n, m in self.masters.items()}
-        predicted, steps = {}, []
+        predicted, norms = {}, []
         with torch.no_grad():
             for group, rule in zip(self.optimizer.param_groups, self.rules):
                 for master in group["params"]:
@@ -269,10 +270,12 @@ class XPipePolicy(_LivePolicy):
                     if direction is None or distance == 0:
                         predicted[name] = master.detach().clone()  # frozen at the bellwether, like a prediction
                         continue
-                    step = direction * (group["lr"] * distance)
-                    steps.append(step)
+                    scale = group["lr"] * distance
+                    # adam's and muon's directions are temporaries; momentum's and sgd's are state to keep
+                    step = direction.mul_(scale) if rule in ("adam", "muon") else direction * scale
+                    norms.append(torch.linalg.vector_norm(step).float())
                     predicted[name] = master.detach() - step
-            self.prediction_norm = norm_of(steps)
+            self.prediction_norm = torch.linalg.vector_norm(torch.stack(norms)) if norms else 0.0
         return predicted
 
     def _use(self, which: str, g: int, distance: int) -> None:
