@@ -603,6 +603,10 @@ def test_mutations_are_rejected_or_still_sound(spec, data):
     except ScheduleError as error:
         message = str(error)
         assert message.startswith(("stage ", "schedule ", "expected ")), message
+        if "under NCCL's rules" in message:
+            # stricter than the oracle, which models gloo: NCCL ignores tags and runs each stream in issue
+            # order, so e.g. two gradients received in the other order than sent are a mix-up there
+            return
         with pytest.raises(AssertionError):
             assert_sound(mutated)  # the oracle agrees it is broken
         return
