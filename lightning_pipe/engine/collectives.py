@@ -17,19 +17,29 @@ import torch.distributed as dist
 from torch import Tensor
 
 
+def _by_dtype(tensors: Sequence[Tensor]) -> list[list[Tensor]]:
+    """``tensors`` grouped by dtype (one flat message each), in first-seen order."""
+    groups: dict[torch.dtype, list[Tensor]] = {}
+    for tensor in tensors:
+        groups.setdefault(tensor.dtype, []).append(tensor)
+    return list(groups.values())
+
+
+def _unflatten_into(flat: Tensor, targets: Sequence[Tensor]) -> None:
+    """Copy consecutive parts of ``flat`` into ``targets`` (the inverse of their ``torch.cat``)."""
+    for target, part in zip(targets, flat.split([t.numel() for t in targets])):
+        target.copy_(part.view_as(target))
+
+
 def all_reduce_flat(tensors: Sequence[Tensor], group: Any, scale: float | None = None) -> None:
     """Sum ``tensors`` in place over ``group`` (one flattened message per dtype), then multiply by
     ``scale`` if given (``1 / members`` makes it a mean)."""
-    by_dtype: dict[torch.dtype, list[Tensor]] = {}
-    for tensor in tensors:
-        by_dtype.setdefault(tensor.dtype, []).append(tensor)
-    for same in by_dtype.values():
+    for same in _by_dtype(tensors):
         flat = torch.cat([t.reshape(-1) for t in same])
         dist.all_reduce(flat, group=group)
         if scale is not None:
             flat.mul_(scale)
-        for tensor, part in zip(same, flat.split([t.numel() for t in same])):
-            tensor.copy_(part.view_as(tensor))
+        _unflatten_into(flat, same)
 
 
 class GradientReducer:
@@ -55,7 +65,7 @@ class GradientReducer:
         self.group = group
         self.members = members
         self.bucket_bytes = bucket_bytes
-        self._filling: dict[torch.dtype, list[Tensor]] = {}
+        self._filling: dict[torch.dtype, tuple[list[Tensor], int]] = {}  # parameters and their gradients' bytes
         self._launched: list[tuple[Any, Tensor, list[Tensor]]] = []  # (work, flat buffer, its parameters)
         self._filed: set[int] = set()
 
@@ -73,10 +83,14 @@ class GradientReducer:
         if id(param) in self._filed or param.grad is None:
             return
         self._filed.add(id(param))
-        bucket = self._filling.setdefault(param.dtype, [])
+        bucket, size = self._filling.get(param.dtype, ([], 0))
         bucket.append(param)
-        if sum(p.grad.numel() * p.grad.element_size() for p in bucket) >= self.bucket_bytes:
-            self._launch(self._filling.pop(param.dtype))
+        size += param.grad.numel() * param.grad.element_size()
+        if size >= self.bucket_bytes:
+            self._filling.pop(param.dtype, None)
+            self._launch(bucket)
+        else:
+            self._filling[param.dtype] = (bucket, size)
 
     def _launch(self, bucket: list[Tensor]) -> None:
         flat = torch.cat([p.grad.reshape(-1) for p in bucket])  # a copy: the gradients may move meanwhile
@@ -84,18 +98,12 @@ class GradientReducer:
 
     def finish(self) -> None:
         """Reduce what is left, wait, and write every average into ``p.grad``."""
-        for bucket in self._filling.values():
+        for bucket, _ in self._filling.values():
             self._launch(bucket)
         self._filling = {}
-        rest = [p for p in self.params if id(p) not in self._filed and p.grad is not None]
-        by_dtype: dict[torch.dtype, list[Tensor]] = {}
-        for p in rest:
-            by_dtype.setdefault(p.dtype, []).append(p)
-        for bucket in by_dtype.values():
+        for bucket in _by_dtype([p for p in self.params if id(p) not in self._filed and p.grad is not None]):
             self._launch(bucket)
         for work, flat, bucket in self._launched:
             work.wait()
-            flat.div_(self.members)
-            for p, part in zip(bucket, flat.split([p.numel() for p in bucket])):
-                p.grad.copy_(part.view_as(p.grad))
+            _unflatten_into(flat.div_(self.members), [p.grad for p in bucket])
         self._launched, self._filed = [], set()

@@ -75,7 +75,7 @@ class _Device:
     waiting: list[_Op] = field(default_factory=list)  # the host is blocked until these are matched
     then: list[_Op] = field(default_factory=list)  # a payload receive to post once the header is read
     computing: bool = False  # the compute at ``position`` waits for its receive
-    posted: dict[tuple[Kind, int, int, int], _Op] = field(default_factory=dict)  # fused: receives in flight
+    posted: dict[Action, _Op] = field(default_factory=dict)  # fused: receives in flight, by their RECV action
     sends_of_part: dict[int, list[_Op]] = field(default_factory=dict)
 
 
@@ -160,7 +160,8 @@ def rendezvous_dry_run(
             schedule = parts[part]
             if state.begun < part:  # a part begins: the sends of two parts ago must have been received
                 state.begun = part
-                state.waiting = [op for t, ops in state.sends_of_part.items() if t <= part - 2 for op in ops]
+                for earlier in [t for t in state.sends_of_part if t <= part - 2]:
+                    state.waiting += state.sends_of_part.pop(earlier)
                 continue
             moved = True
             if action.kind.is_compute and (needed := _needed(d, action, schedule)) is not None:
@@ -168,7 +169,7 @@ def rendezvous_dry_run(
                 if fused:
                     state.waiting = [state.posted.pop(needed)]
                 else:
-                    receive(d, Action(needed[0], needed[3], needed[2], needed[1]), schedule)
+                    receive(d, needed, schedule)
                 continue
             if fused and (action.kind.is_send or action.kind.is_recv):
                 end = state.position
@@ -180,7 +181,7 @@ def rendezvous_dry_run(
                     src, dst, message = _message(d, a, schedule, "payload")
                     op = _Op(src, dst, message, send=a.kind.is_send)
                     if a.kind.is_recv:
-                        state.posted[(a.kind, a.replica, a.chunk, a.micro_batch)] = op
+                        state.posted[a] = op
                     else:
                         state.sends_of_part.setdefault(part, []).append(op)
                     ops.append(op)
@@ -241,13 +242,13 @@ def rendezvous_dry_run(
     return order
 
 
-def _needed(device: int, action: Action, schedule: Schedule) -> tuple[Kind, int, int, int] | None:
-    """The receive a compute action needs, as ``(kind, replica, chunk, micro-batch)``."""
+def _needed(device: int, action: Action, schedule: Schedule) -> Action | None:
+    """The receive a compute action needs (``None``: it reads no message)."""
     vs = schedule.virtual_stage(device, action.chunk)
     if action.kind is Kind.FORWARD and vs > 0:
-        return Kind.RECV_ACTIVATION, action.replica, action.chunk, action.micro_batch
+        return Action(Kind.RECV_ACTIVATION, action.micro_batch, action.chunk, action.replica)
     if action.kind is Kind.BACKWARD and vs < schedule.virtual_stages - 1:
-        return Kind.RECV_GRADIENT, action.replica, action.chunk, action.micro_batch
+        return Action(Kind.RECV_GRADIENT, action.micro_batch, action.chunk, action.replica)
     return None
 
 

@@ -17,6 +17,7 @@ Checks, with one sentence per failure:
 from __future__ import annotations
 
 from collections import Counter, deque
+from collections.abc import Sequence
 
 from lightning_pipe.errors import ScheduleError
 from lightning_pipe.schedules.communication import peer
@@ -141,11 +142,15 @@ def dry_run(schedule: Schedule, replica_channels: bool = True) -> list[tuple[int
     return order
 
 
-def validate(schedule: Schedule, replica_channels: bool = True) -> list[tuple[int, Action]]:
+def validate(
+    schedule: Schedule, replica_channels: bool = True, runs: Sequence[Schedule] | None = None
+) -> list[tuple[int, Action]]:
     """Raise :class:`ScheduleError` unless ``schedule`` is sound; return the dry-run order.
 
     ``replica_channels``: see :func:`dry_run` (``False`` for untagged backends). A schedule an untagged
-    backend could run (one replica, or ``replica_channels=False``) must also pass the NCCL dry run."""
+    backend could run (one replica, or ``replica_channels=False``) must also pass the NCCL dry run, on
+    ``runs``: the executor runs ``schedule`` is made of (default: the schedule as one run; an
+    asynchronous segment is its windows and drain)."""
     if len(schedule.actions) != schedule.stages:
         raise ScheduleError(f"expected {schedule.stages} action lists, got {len(schedule.actions)}.")
     _check_compute(schedule)
@@ -155,7 +160,7 @@ def validate(schedule: Schedule, replica_channels: bool = True) -> list[tuple[in
     order = dry_run(schedule, replica_channels)
     if schedule.replicas == 1 or not replica_channels:  # what NCCL can run (it has no replica channels)
         for headers in (True, False):
-            rendezvous_dry_run([schedule], headers=headers)
+            rendezvous_dry_run(runs or [schedule], headers=headers)
     return order
 
 
