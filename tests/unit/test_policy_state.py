@@ -24,3 +24,28 @@ def test_name_keyed_maps_unite_and_a_shared_parameter_comes_from_its_owner():
 def test_stages_without_state_are_skipped():
     assert merge_states([None, {"steps": 1}, None]) == {"steps": 1}
     assert merge_states([]) is None
+
+
+def test_a_snapshot_reuses_the_storage_of_the_one_released_before_it():
+    """pipedream and 2BW fill a new weight version into the released one's tensors (no allocation per
+    STEP), and a checkpoint's copy of a version does not share that storage."""
+    from torch import nn
+
+    from lightning_pipe.engine.policies import AsyncOptions
+    from lightning_pipe.engine.policies.options import DoubleBufferOptions
+    from lightning_pipe.engine.policies.stash import DoubleBufferPolicy
+
+    layers = nn.Linear(3, 3)
+    policy = DoubleBufferPolicy(layers, torch.optim.SGD(layers.parameters(), lr=0.1), 0, 2, 2,
+                                AsyncOptions(pipedream_2bw=DoubleBufferOptions(lookahead=0.0)))
+    old = policy._snapshot()
+    policy.snapshots, policy.steps = {0: old}, 3  # version 0 has no users and is older than steps - 1
+    policy._release()
+    assert policy.snapshots == {}
+    with torch.no_grad():
+        layers.weight.add_(1.0)
+    new = policy._snapshot()
+    assert new["weight"] is old["weight"] and torch.equal(new["weight"], layers.weight)
+    policy.snapshots = {2: new}
+    saved = policy.state_dict()["previous"]["weight"]
+    assert saved.data_ptr() != new["weight"].data_ptr()
