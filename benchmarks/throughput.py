@@ -10,8 +10,12 @@ all variants alike:
 
 * ``torch gpipe`` / ``torch 1f1b``: ``torch.distributed.pipelining``'s ``ScheduleGPipe`` /
   ``Schedule1F1B`` on a ``PipelineStage`` per process (``loss_fn`` given to the schedule);
-* ``ours gpipe`` / ``ours 1f1b``: ``lightning_pipe.engine.Executor`` running ``build_schedule``
-  with ``SequentialStage`` chunks, exactly what ``tests/distributed/test_engine.py`` does;
+  ``torch zbv`` / ``torch dualpipev`` (``--torch-schedules``): its zero-bubble V schedules
+  ``ScheduleZBVZeroBubble`` / ``ScheduleDualPipeV``, two ``PipelineStage`` per process (virtual stages
+  ``r`` and ``3 - r``, cut as ``Workload.v_split``);
+* ``ours gpipe`` / ``ours 1f1b`` / ``ours zb_h1`` / ``ours zbv``: ``lightning_pipe.engine.Executor``
+  running ``build_schedule`` with ``SequentialStage`` chunks, exactly what
+  ``tests/distributed/test_engine.py`` does (``zbv``: the same two chunks per process as torch's);
 * ``single thread``: rank 0 alone runs the whole model on the same ``M`` micro-batches
   (accumulating gradients, one SGD step) while rank 1 idles. The ideal 2-stage pipeline then does
   ``2 × single thread × M / (M + 1)`` samples/s: each stage does half the work, and the
@@ -159,6 +163,7 @@ class Workload:
     batch: int
     build: Callable[[], nn.Sequential]
     split: int  # layers of stage 0
+    v_split: tuple[int, int, int, int]  # layers of virtual stages 0-3 (V schedules: 0 and 3 on rank 0)
     make_batch: Callable[[int], tuple[Tensor, Tensor]]
     loss: Callable[[Tensor, Tensor], Tensor]
     default_micro_batches: tuple[int, ...]
@@ -174,9 +179,10 @@ class Workload:
 
 
 WORKLOADS = {
-    "W1": Workload("W1", "8 × (Linear(1024,1024)+ReLU), MSE", 256, w1_model, 8, w1_batch, w1_loss, (4, 8)),
+    "W1": Workload("W1", "8 × (Linear(1024,1024)+ReLU), MSE", 256, w1_model, 8, (4, 4, 4, 4), w1_batch, w1_loss, (4, 8)),
     "W2": Workload(
-        "W2", "GPT decoder: 4 blocks, d_model 256, 4 heads, seq 128, vocab 1024", 32, w2_model, 3, w2_batch, w2_loss, (4, 8)
+        "W2", "GPT decoder: 4 blocks, d_model 256, 4 heads, seq 128, vocab 1024", 32, w2_model, 3, (2, 1, 1, 3),
+        w2_batch, w2_loss, (4, 8),
     ),
 }
 
@@ -256,6 +262,18 @@ def stage_layers(workload: Workload, rank: int) -> nn.Sequential:
     return model[: workload.split] if rank == 0 else model[workload.split :]
 
 
+V_SCHEDULES = ("zbv", "dualpipev")  # two chunks per process, placed as a V
+
+
+def v_chunks(workload: Workload, rank: int) -> tuple[nn.Sequential, nn.Sequential]:
+    """Rank ``rank``'s two virtual stages of a V placement: ``rank`` and ``3 - rank``."""
+    model, bounds = workload.model(), [0]
+    for count in workload.v_split:
+        bounds.append(bounds[-1] + count)
+    parts = [model[bounds[k]: bounds[k + 1]] for k in range(4)]
+    return parts[rank], parts[2 * STAGES - 1 - rank]
+
+
 class StagesAtOnce(Variant):
     """Each rank computes its stage for all ``M`` micro-batches at the same time, without communication.
 
@@ -308,18 +326,22 @@ class Engine(Variant):
                  shape_headers: str = "on_change") -> None:
         self.name = f"ours {schedule}" + (" (headers always)" if shape_headers == "always" else "")
         self.samples_per_step = workload.batch
-        self.layers = stage_layers(workload, rank)
-        self.optimizer = sgd(self.layers.parameters())
         loss = workload.loss
-        stage = SequentialStage(
-            self.layers,
-            input_fn=(lambda mb: mb[0]) if rank == 0 else None,
-            loss_fn=(lambda output, mb: loss(output, mb[1])) if rank == STAGES - 1 else None,
-        )
-        self.schedule = build_schedule(schedule, STAGES, micro_batches)
+        read_input, to_loss = (lambda mb: mb[0]), (lambda output, mb: loss(output, mb[1]))
+        if schedule in V_SCHEDULES:  # chunk 0 is virtual stage `rank` (rank 0: the first), chunk 1 is 3 - rank (rank 0: the last)
+            layers = v_chunks(workload, rank)
+            chunks = [SequentialStage(layers[0], input_fn=read_input if rank == 0 else None),
+                      SequentialStage(layers[1], loss_fn=to_loss if rank == 0 else None)]
+            self.layers = nn.ModuleList(layers)
+        else:
+            self.layers = stage_layers(workload, rank)
+            chunks = [SequentialStage(self.layers, input_fn=read_input if rank == 0 else None,
+                                      loss_fn=to_loss if rank == STAGES - 1 else None)]
+        self.optimizer = sgd(self.layers.parameters())
+        self.schedule = build_schedule(schedule, STAGES, micro_batches, len(chunks))
         self.micro_batches = micro_batches
         self.executor = Executor(
-            rank, list(range(STAGES)), [stage], Transport(torch.device("cpu"), group=group), Watchdog(timeout=300.0),
+            rank, list(range(STAGES)), chunks, Transport(torch.device("cpu"), group=group), Watchdog(timeout=300.0),
             shape_headers=shape_headers,
         )
         self.batch = workload.make_batch(workload.batch)
@@ -335,27 +357,38 @@ class Engine(Variant):
 
 
 class TorchPipelining(Variant):
-    """``torch.distributed.pipelining``: a ``PipelineStage`` per rank and ``ScheduleGPipe``/``Schedule1F1B``."""
+    """``torch.distributed.pipelining``: a ``PipelineStage`` per rank and ``ScheduleGPipe``/``Schedule1F1B``, or
+    two per rank (virtual stages ``rank`` and ``3 - rank``) and ``ScheduleZBVZeroBubble``/``ScheduleDualPipeV``."""
 
     def __init__(self, schedule: str, workload: Workload, micro_batches: int, rank: int, group: Any) -> None:
-        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+        from torch.distributed import pipelining
 
         self.name = f"torch {schedule}"
         self.samples_per_step = workload.batch
         self.rank = rank
-        self.layers = stage_layers(workload, rank)
+        cpu = torch.device("cpu")
+        if schedule in V_SCHEDULES:
+            layers = v_chunks(workload, rank)
+            self.layers = nn.ModuleList(layers)
+            stages = [pipelining.PipelineStage(layers[0], rank, 2 * STAGES, cpu, group=group),
+                      pipelining.PipelineStage(layers[1], 2 * STAGES - 1 - rank, 2 * STAGES, cpu, group=group)]
+            cls = {"zbv": pipelining.ScheduleZBVZeroBubble, "dualpipev": pipelining.ScheduleDualPipeV}[schedule]
+            self.schedule = cls(stages, micro_batches, loss_fn=workload.loss)
+            self.holds = (rank == 0, rank == 0)  # (first virtual stage, last virtual stage): both on rank 0
+        else:
+            self.layers = stage_layers(workload, rank)
+            stage = pipelining.PipelineStage(self.layers, rank, STAGES, cpu, group=group)
+            cls = {"gpipe": pipelining.ScheduleGPipe, "1f1b": pipelining.Schedule1F1B}[schedule]
+            self.schedule = cls(stage, micro_batches, loss_fn=workload.loss)
+            self.holds = (rank == 0, rank == STAGES - 1)
         self.optimizer = sgd(self.layers.parameters())
-        stage = PipelineStage(self.layers, rank, STAGES, torch.device("cpu"), group=group)
-        cls = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule]
-        self.schedule = cls(stage, micro_batches, loss_fn=workload.loss)
         self.x, self.y = workload.make_batch(workload.batch)
 
     def step(self) -> Tensor | None:
         losses: list[Tensor] = []
-        if self.rank == 0:
-            self.schedule.step(self.x, return_outputs=False)
-        else:
-            self.schedule.step(target=self.y, losses=losses, return_outputs=False)
+        first, last = self.holds
+        self.schedule.step(*((self.x,) if first else ()), **({"target": self.y, "losses": losses} if last else {}),
+                           return_outputs=False)
         self.optimizer.step()
         self.optimizer.zero_grad()
         return torch.stack(losses).mean().detach() if losses else None
@@ -455,9 +488,9 @@ def compare_worker(rank: int, workload_name: str, micro_batches: int, args: dict
     """Body of one rank of the comparison job."""
     workload = WORKLOADS[workload_name]
     variants: list[Variant] = [SingleThread(workload, micro_batches, rank), StagesAtOnce(workload, micro_batches, rank)]
-    for schedule in args["schedules"]:
-        # every pipelined variant talks on its own process group
+    for schedule in args["torch_schedules"]:  # every pipelined variant talks on its own process group
         variants.append(TorchPipelining(schedule, workload, micro_batches, rank, dist.new_group(backend="gloo")))
+    for schedule in args["schedules"]:
         variants.append(Engine(schedule, workload, micro_batches, rank, dist.new_group(backend="gloo")))
         if args.get("headers_always"):
             variants.append(Engine(schedule, workload, micro_batches, rank, dist.new_group(backend="gloo"), "always"))
@@ -755,6 +788,30 @@ def paired_ratio(a: Sequence[float], b: Sequence[float]) -> float:
     return statistics.median(x / y for x, y in zip(a, b))
 
 
+def zero_bubble_summary(jobs: list[dict[str, Any]]) -> str:
+    """Issue 16's ratios: our best zero-bubble schedule against torch's best schedule and our 1f1b (per window)."""
+    lines = []
+    for job in jobs:
+        windows = job["windows"]
+        ours = [name for name in windows if name in ("ours zb_h1", "ours zbv")]
+        theirs = [name for name in windows if name.startswith("torch ")]
+        if not ours:
+            continue
+
+        def best(names: list[str]) -> str:
+            return max(names, key=lambda name: statistics.median(samples_per_s(job, name)))
+
+        mine = best(ours)
+        parts = [f"{job['workload']} M={job['micro_batches']}: best zero-bubble {mine}"]
+        if theirs:
+            top = best(theirs)
+            parts.append(f"vs {top} (torch's best) {paired_ratio(samples_per_s(job, mine), samples_per_s(job, top)):.2f}")
+        if "ours 1f1b" in windows:
+            parts.append(f"vs ours 1f1b {paired_ratio(samples_per_s(job, mine), samples_per_s(job, 'ours 1f1b')):.2f}")
+        lines.append("- " + ", ".join(parts))
+    return "\n\nZero-bubble (per-window ratios):\n\n" + "\n".join(lines) if lines else ""
+
+
 def report(jobs: list[dict[str, Any]], lightning: list[dict[str, Any]], skipped: str | None) -> str:
     lines = [
         "| workload | M | variant | samples/s median (min-max) | vs torch.distributed.pipelining | vs ideal | other load |",
@@ -778,23 +835,28 @@ def report(jobs: list[dict[str, Any]], lightning: list[dict[str, Any]], skipped:
             load=load("single thread"), vs_ideal=False)
         row("stages at once, no communication (no bubble)", samples_per_s(job, "stages at once, no communication"),
             load=load("stages at once, no communication"), vs_ideal=False)
+        torch_names = [name for name in job["windows"] if name.startswith("torch ")]
+        for name in torch_names:
+            row(f"**{name}**", samples_per_s(job, name), "1.00", load(name))
         for schedule in job["schedules"]:
-            torch_tp = samples_per_s(job, f"torch {schedule}")
-            for name in (f"torch {schedule}", f"ours {schedule}", f"ours {schedule} (headers always)"):
+            same = f"torch {schedule}" if f"torch {schedule}" in job["windows"] else None
+            torch_tp = samples_per_s(job, same) if same else []
+            for name in (f"ours {schedule}", f"ours {schedule} (headers always)"):
                 if name not in job["windows"]:
                     continue
                 values = samples_per_s(job, name)
-                row(f"**{name}**", values, f"{paired_ratio(values, torch_tp):.2f}", load(name))
+                row(f"**{name}**", values, f"{paired_ratio(values, torch_tp):.2f}" if same else "", load(name))
             for lj in lightning:
                 if (lj["workload"], lj["micro_batches"], lj["schedule"]) == (wl, m, schedule):
                     light = samples_per_s(lj, "lightning")
                     med = statistics.median(light)
                     lines.append(
                         f"| {wl} | {m} | ours {schedule} through Lightning (PipeStrategy)¹ | {summary(light)} "
-                        f"| {med / statistics.median(torch_tp):.2f} | {med / statistics.median(ref['ideal']):.2f} "
+                        f"| {med / statistics.median(torch_tp) if torch_tp else math.nan:.2f} "
+                        f"| {med / statistics.median(ref['ideal']):.2f} "
                         f"| {median_load(lj, 'lightning'):.2f} |"
                     )
-    out = "\n".join(lines)
+    out = "\n".join(lines) + zero_bubble_summary(jobs)
     out += (
         "\n\nRatios are medians of per-window ratios against the reference's window of the same round. "
         "other load: cores used by other processes during the variant's windows (median). Rounds kept: "
@@ -828,7 +890,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workloads", nargs="+", choices=sorted(WORKLOADS), default=["W1", "W2"])
     parser.add_argument("--micro-batches", nargs="+", type=int, default=None, help="default: 4 and 8")
-    parser.add_argument("--schedules", nargs="+", choices=["gpipe", "1f1b"], default=["gpipe", "1f1b"])
+    parser.add_argument("--schedules", nargs="+", choices=["gpipe", "1f1b", "zb_h1", "zbv"], default=["gpipe", "1f1b"],
+                        help="our schedules")
+    parser.add_argument("--torch-schedules", nargs="+", choices=["gpipe", "1f1b", "zbv", "dualpipev"], default=None,
+                        help="torch.distributed.pipelining's schedules (default: those of --schedules it has)")
     parser.add_argument("--windows", type=int, default=5, help="timed windows per variant")
     parser.add_argument("--headers-always", action="store_true",
                         help="also time our engine with a shape header on every activation (shape_headers='always')")
@@ -878,7 +943,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     if skipped:
         print(f"through Lightning: skipped, lightning_pipe.PipeStrategy is not importable ({skipped})", flush=True)
         light_schedules = []
-    job_args = {k: getattr(args, k) for k in ("schedules", "windows", "steps_per_window", "warmup_steps", "headers_always")}
+    if args.torch_schedules is None:
+        args.torch_schedules = [s for s in args.schedules if s in ("gpipe", "1f1b", "zbv")]
+    job_args = {k: getattr(args, k) for k in ("schedules", "torch_schedules", "windows", "steps_per_window", "warmup_steps",
+                                              "headers_always")}
     jobs, lightning = [], []
     for wl in args.workloads:
         for m in args.micro_batches or WORKLOADS[wl].default_micro_batches:

@@ -25,6 +25,7 @@ from lightning_pipe.engine.policies import (
 from lightning_pipe.errors import PipeConfigError
 from lightning_pipe.schedules import (
     Generator,
+    Placement,
     Schedule,
     build_avgpipe,
     flush_schedule,
@@ -32,6 +33,8 @@ from lightning_pipe.schedules import (
     interleaved_1f1b,
     one_f_one_b,
     validate_async,
+    zb_h1,
+    zbv,
 )
 
 Family = Literal["synchronous", "asynchronous", "averaging"]
@@ -73,6 +76,10 @@ class ScheduleSpec:
             schedule with more than one may take ``chunks_per_stage > 1``.
         flush_with: the synchronous schedule that runs where a flushed step is needed: evaluation, an
             asynchronous schedule's synchronous warm-up, short measurements at setup (``None``: itself).
+        placement: where a device's chunks sit among the virtual stages (``"loop"``, or ``"v"``:
+            :class:`~lightning_pipe.schedules.ir.Schedule`).
+        fixed_chunks: the only chunk count the schedule runs (``zbv``: 2), if it has one.
+        split_backward: the schedule splits each backward into ``I`` and ``W`` (zero-bubble).
     """
 
     name: str
@@ -84,6 +91,9 @@ class ScheduleSpec:
     requirement: Requirement = _no_requirement
     default_chunks: int = 1
     flush_with: str | None = None
+    placement: Placement = "loop"
+    fixed_chunks: int | None = None
+    split_backward: bool = False
 
     @property
     def synchronous(self) -> bool:
@@ -114,7 +124,7 @@ class ScheduleSpec:
         """The validated action lists: one flushed step (synchronous; ``forward_only`` for evaluation),
         a segment of three windows and the drain (asynchronous), or one round of two replicas (averaging)."""
         if self.generator is not None:
-            return flush_schedule(self.name, self.generator, stages, micro_batches, chunks, forward_only)
+            return flush_schedule(self.name, self.generator, stages, micro_batches, chunks, forward_only, self.placement)
         if self.family == "asynchronous":
             return validate_async(self.name, stages, micro_batches)
         return build_avgpipe(stages, micro_batches, 2)
@@ -145,6 +155,13 @@ SCHEDULES: dict[str, ScheduleSpec] = {spec.name: spec for spec in (
                  generator=lambda d, p, m, v: one_f_one_b(d, p, m)),
     ScheduleSpec("interleaved_1f1b", "synchronous", "interleaved 1F1B pipeline: several chunks per device, a smaller bubble",
                  generator=interleaved_1f1b, requirement=_interleaved_requirement, default_chunks=2),
+    ScheduleSpec("zb_h1", "synchronous",
+                 "ZB-H1 zero-bubble pipeline: 1F1B with the backward split into input and weight gradients, "
+                 "the weight gradients filling the bubble",
+                 generator=lambda d, p, m, v: zb_h1(d, p, m), split_backward=True),
+    ScheduleSpec("zbv", "synchronous",
+                 "ZBV zero-bubble pipeline: two chunks per device in a V, split backward, almost no bubble",
+                 generator=zbv, default_chunks=2, placement="v", fixed_chunks=2, split_backward=True),
     ScheduleSpec("pipedream", "asynchronous", "asynchronous PipeDream pipeline with weight stashing (no flush)",
                  policy=StashPolicy, flush_with=DEFAULT, weight_copies=lambda s, p, m, n: _tau_bar(s, p, m) + 2),
     ScheduleSpec("pipedream_2bw", "asynchronous",
@@ -187,6 +204,8 @@ def build_schedule(name: str, stages: int, micro_batches: int, chunks: int = 1, 
         raise PipeConfigError(f"{name!r} is not a flushing schedule; build_schedule takes one of {', '.join(names('synchronous'))}.")
     if chunks != 1 and not row.chunked:
         raise PipeConfigError(f"schedule {name!r} runs one chunk per device; got chunks={chunks}.")
+    if row.fixed_chunks is not None and chunks != row.fixed_chunks:
+        raise PipeConfigError(f"schedule {name!r} runs exactly {row.fixed_chunks} chunks per device; got chunks={chunks}.")
     return row.build(stages, micro_batches, chunks, forward_only)
 
 

@@ -40,6 +40,7 @@ from lightning_pipe.engine.p2p import (
 )
 from lightning_pipe.engine.policies import WeightPolicy
 from lightning_pipe.engine.recorder import ActionRecorder
+from lightning_pipe.engine.split_backward import backward_input
 from lightning_pipe.engine.watchdog import Watchdog
 from lightning_pipe.errors import StageOutputError
 from lightning_pipe.schedules.ir import Action, Kind, Schedule
@@ -127,6 +128,7 @@ class Executor:
         self._recording: ActionRecorder | None = None
         self._started = 0.0
         self._in_flight: dict[tuple[int, int, int], _InFlight] = {}  # (replica, chunk, micro-batch)
+        self._deferred: dict[tuple[int, int, int], Callable[[], None]] = {}  # a split backward's W, by the same key
         self._send_windows: deque[list[tuple[Any, Tensor]]] = deque()
         if shape_headers not in ("on_change", "always"):
             raise ValueError(f"shape_headers={shape_headers!r}: use 'on_change' or 'always'.")
@@ -217,7 +219,9 @@ class Executor:
         count = max(len(micro_batches) // schedule.replicas, 1)  # each replica's gradient is its mini-batch mean
         self._weights = list(loss_weights) if loss_weights is not None else [1.0 / count] * max(len(micro_batches), 1)
         self._scale_loss = scale_loss
-        backwards = [i for i, a in enumerate(schedule.actions[self.device_index]) if a.kind is Kind.BACKWARD]
+        # the last backward that accumulates weight gradients (a W, in a split one)
+        backwards = [i for i, a in enumerate(schedule.actions[self.device_index])
+                     if a.kind in (Kind.BACKWARD, Kind.BACKWARD_WEIGHT)]
         self._last_backward = (backwards[-1], last_backward) if backwards and last_backward is not None else None
         self._received: dict[tuple[Kind, int, int], _PendingReceive] = {}
         self._header_decisions: dict[tuple[Kind, int, int, int], bool] = {}  # receives that could not be posted yet
@@ -261,6 +265,7 @@ class Executor:
     def abort(self) -> None:
         """Forget everything in flight after a failure."""
         self._in_flight.clear()
+        self._deferred.clear()
         self._send_windows.clear()
         self._shapes.reset()
 
@@ -269,6 +274,7 @@ class Executor:
         while self._send_windows:
             self._wait_sends(self._send_windows.popleft())
         self._in_flight.clear()
+        self._deferred.clear()
         self._shapes.reset()
 
     def _wait_sends(self, sends: list[tuple[Any, Tensor]]) -> None:
@@ -282,8 +288,12 @@ class Executor:
             self.policy.select(action.replica)
         if kind is Kind.FORWARD:
             self._forward(action)
-        elif kind is Kind.BACKWARD:
+        elif kind.takes_gradient:
             self._backward(action)
+        elif kind is Kind.BACKWARD_WEIGHT:
+            run = self._deferred.pop((action.replica, action.chunk, action.micro_batch), None)
+            if run is not None:  # None: the I before it could not split and ran the whole backward
+                run()
         elif kind is Kind.SEND_ACTIVATION:
             key = (action.replica, action.chunk, action.micro_batch)
             # a forward-only schedule has no backward to keep the activation for
@@ -332,7 +342,7 @@ class Executor:
         flight = _InFlight(weight=self._weights[self._slot(action)] if self._weights else 1.0)
         inputs = None
         if vs > 0:
-            inputs = self._take_activation(action)
+            inputs = self._local_activation(action) if self._is_local(vs - 1) else self._take_activation(action)
             flight.inputs = tuple(t for t in _as_tensors(inputs) if t.requires_grad)
         with self.policy.forward(mb) if self.policy else nullcontext():
             output = self.chunks[chunk](inputs, self._micro_batches[self._slot(action)])
@@ -350,21 +360,27 @@ class Executor:
         self._in_flight[(action.replica, chunk, mb)] = flight
 
     def _backward(self, action: Action) -> None:
+        """B, or I of a split backward: the input's gradient now, the weights' at the matching W."""
         chunk, mb = action.chunk, action.micro_batch
         vs = self._virtual_stage(chunk)
-        flight = self._in_flight[(action.replica, chunk, mb)]
-        grads = None if vs == self._schedule.virtual_stages - 1 else self._take_gradients(action)
+        key = (action.replica, chunk, mb)
+        flight = self._in_flight[key]
+        grads = None
+        if vs < self._schedule.virtual_stages - 1:
+            grads = self._local_gradients(action) if self._is_local(vs + 1) else self._take_gradients(action)
         with self.policy.backward(mb) if self.policy else nullcontext():
-            if grads is None:
-                loss = flight.output * flight.weight
-                if self._scale_loss is not None:
-                    loss = self._scale_loss(loss)
-                if loss.requires_grad:
-                    loss.backward()
-            else:
-                outputs = [t for t, m in zip(_as_tensors(flight.output), flight.header.metas) if is_differentiable(m)]
-                if outputs:
-                    torch.autograd.backward(outputs, grads)
+            roots, root_grads = self._backward_roots(flight, grads)
+            if action.kind is Kind.BACKWARD:
+                if roots:
+                    torch.autograd.backward(roots, root_grads)
+            elif flight.inputs and roots:
+                input_grads, deferred = backward_input(roots, root_grads, flight.inputs)
+                for tensor, grad in zip(flight.inputs, input_grads):
+                    tensor.grad = grad
+                if deferred is not None:
+                    self._deferred[key] = deferred.run
+            elif roots:  # no input gradient to send (the first virtual stage): W runs the whole backward
+                self._deferred[key] = lambda: torch.autograd.backward(roots, root_grads)
         if self.policy is not None:
             self.policy.finished(mb)
         flight.output = None  # free the graph before anything else runs
@@ -372,13 +388,41 @@ class Executor:
             flight.input_grads = [t.grad if t.grad is not None else torch.zeros_like(t) for t in flight.inputs]
             flight.inputs = ()
         else:
-            self._in_flight.pop((action.replica, chunk, mb))
+            self._in_flight.pop(key)
+
+    def _backward_roots(self, flight: _InFlight, grads: list[Tensor] | None) -> tuple[list[Tensor], list[Tensor | None]]:
+        """What backward starts from: the weighted (and scaled) loss, or the outputs that carry a gradient."""
+        if grads is None:
+            loss = flight.output * flight.weight
+            if self._scale_loss is not None:
+                loss = self._scale_loss(loss)
+            return ([loss], [None]) if loss.requires_grad else ([], [])
+        outputs = [t for t, m in zip(_as_tensors(flight.output), flight.header.metas) if is_differentiable(m)]
+        return outputs, list(grads) if outputs else []
+
+    # ------------------------------------------------------------------ neighbours on this device
+    def _is_local(self, virtual_stage: int) -> bool:
+        """Whether ``virtual_stage`` is one of this device's chunks (the turn of ZBV's V): it hands
+        over in memory, without messages."""
+        return self._schedule.locate(virtual_stage)[0] == self.device_index
+
+    def _local_activation(self, forward: Action) -> Activation:
+        _, chunk = self._schedule.locate(self._virtual_stage(forward.chunk) - 1)
+        key = (forward.replica, chunk, forward.micro_batch)
+        source = self._in_flight.pop(key) if self._schedule.forward_only else self._in_flight[key]
+        tensors = [t.detach().requires_grad_(is_differentiable(m))
+                   for t, m in zip(_as_tensors(source.output), source.header.metas)]
+        return tuple(tensors) if source.header.is_tuple else tensors[0]
+
+    def _local_gradients(self, backward: Action) -> list[Tensor]:
+        _, chunk = self._schedule.locate(self._virtual_stage(backward.chunk) + 1)
+        return self._in_flight.pop((backward.replica, chunk, backward.micro_batch)).input_grads
 
     # ------------------------------------------------------------------ receives
     def _peer_rank(self, action: Action) -> int:
         vs = self._virtual_stage(action.chunk)
         other = vs - 1 if action.kind in (Kind.RECV_ACTIVATION, Kind.SEND_GRADIENT) else vs + 1
-        return self.ranks[other % self._schedule.stages]
+        return self.ranks[self._schedule.locate(other)[0]]
 
     def _post_receives(self, actions: Sequence[Action], index: int) -> None:
         """Post receives in list order up to the compute action after ``actions[index]``. On an untagged

@@ -10,8 +10,9 @@ own actions, so the numbers do not depend on which valid order is used; they are
 distributed run, computed by the very same executor code.
 
 The transport keeps NCCL's rules (:mod:`lightning_pipe.schedules.rendezvous`), so every emulated run
-also runs the schedule as a GPU job would: no tags (one queue per direction of a pair, activations and
-gradients alike, received strictly in the order they were sent) and rendezvous sends (a send's request
+also runs the schedule as a GPU job would: no tags (one queue per channel, a direction of a pair and a
+message kind, as :class:`~lightning_pipe.engine.p2p.ChannelGroups` has one process group per channel;
+messages received strictly in the order they were sent) and rendezvous sends (a send's request
 is complete only once its receive ran; the executor's wait on it fails otherwise).
 """
 
@@ -28,9 +29,9 @@ from lightning_pipe.engine.executor import Executor
 from lightning_pipe.engine.p2p import ACTIVATION_TAG, GRADIENT_TAG, Header, TensorMeta
 from lightning_pipe.engine.watchdog import Watchdog
 from lightning_pipe.schedules.communication import peer
-from lightning_pipe.schedules.ir import Schedule
+from lightning_pipe.schedules.ir import Kind, Placement, Schedule, locate_virtual_stage, virtual_stage_of
 
-Channel = tuple[int, int]  # (source device, destination device): one queue per direction, as NCCL has
+Channel = tuple[int, int, str]  # (source device, destination device, message kind): one queue each, as on NCCL
 
 
 class _Sent:
@@ -59,8 +60,9 @@ class LocalTransport:
     """The :class:`~.p2p.Transport` interface over in-process queues, for device ``rank``, with NCCL's rules.
 
     It is untagged and receives only at the compute action (``receives_ahead = False``); a receive takes the oldest message
-    of its direction, which must be of the kind it expects (an activation or a gradient), as NCCL, which
-    ignores tags, would deliver it. It must only run after the send (the pipeline's order guarantees it).
+    of its channel, as NCCL, which ignores tags, would deliver it: whatever that message is for, so a
+    receive out of the channel's order gets the wrong micro-batch's tensors. It must only run after the
+    send (the pipeline's order guarantees it).
 
     Args:
         rank: this device's index in the pipeline.
@@ -78,23 +80,17 @@ class LocalTransport:
         self._payload: dict[int, tuple[Tensor, ...]] = {}
 
     def _put(self, dst: int, what: str, message: Any) -> _Sent:
-        channel = (self.rank, dst)
+        channel = (self.rank, dst, what)
         request = _Sent(what, self.rank, dst)
-        self.queues.setdefault(channel, deque()).append((what, message, request))
+        self.queues.setdefault(channel, deque()).append((message, request))
         self.sent[channel] = self.sent.get(channel, 0) + 1
         return request
 
     def _take(self, src: int, what: str) -> Any:
-        queue = self.queues.get((src, self.rank))
+        queue = self.queues.get((src, self.rank, what))
         if not queue:
             raise RuntimeError(f"device {self.rank} receives a {what} from device {src} before it was sent.")
-        kind, message, request = queue[0]
-        if kind != what:
-            raise RuntimeError(
-                f"device {self.rank} receives a {what} from device {src}, but the oldest message from there is "
-                f"{'an' if kind == 'activation' else 'a'} {kind}: NCCL ignores tags, so it would deliver the wrong message."
-            )
-        queue.popleft()
+        message, request = queue.popleft()
         request.received = True
         return message
 
@@ -139,17 +135,18 @@ class LocalPipeline:
 
     Args:
         stages: devices of the emulated pipeline.
-        chunks_per_stage: chunks each device holds (``interleaved_1f1b``).
+        chunks_per_stage: chunks each device holds (``interleaved_1f1b``, ``zbv``).
         watchdog: passed to every executor (local waits never block).
         names: human names of the virtual stages, indexed by virtual stage.
         shape_headers: passed to every executor (:class:`~.executor.Executor`).
+        placement: where the chunks sit (the schedule's; ``"v"`` for ``zbv``).
     """
 
     def __init__(
         self, stages: int, chunks_per_stage: int = 1, watchdog: Watchdog | None = None, names: Sequence[str] | None = None,
-        shape_headers: str = "on_change",
+        shape_headers: str = "on_change", placement: Placement = "loop",
     ) -> None:
-        self.stages, self.chunks_per_stage = stages, chunks_per_stage
+        self.stages, self.chunks_per_stage, self.placement = stages, chunks_per_stage, placement
         self.queues: dict[Channel, deque[Any]] = {}
         self.sent: dict[Channel, int] = {}
         self._claimed: dict[Channel, int] = {}  # receive actions already passed, per channel
@@ -157,7 +154,7 @@ class LocalPipeline:
         self.executors = [
             Executor(
                 d, ranks, [], LocalTransport(d, self.queues, self.sent), watchdog,
-                names=[names[c * stages + d] for c in range(chunks_per_stage)] if names else None,
+                names=[names[self._virtual_stage(d, c)] for c in range(chunks_per_stage)] if names else None,
                 shape_headers=shape_headers,
             )
             for d in range(stages)
@@ -166,12 +163,16 @@ class LocalPipeline:
     @property
     def chunks(self) -> list[Callable[[Any, Any], Any]]:
         """The chunk callables of every virtual stage, indexed by virtual stage."""
-        return [self.executors[vs % self.stages].chunks[vs // self.stages] for vs in range(self.stages * self.chunks_per_stage)]
+        where = [locate_virtual_stage(vs, self.stages, self.placement) for vs in range(self.stages * self.chunks_per_stage)]
+        return [self.executors[d].chunks[c] for d, c in where]
 
     @chunks.setter
     def chunks(self, callables: Sequence[Callable[[Any, Any], Any]]) -> None:
         for d, executor in enumerate(self.executors):
-            executor.chunks = [callables[c * self.stages + d] for c in range(self.chunks_per_stage)]
+            executor.chunks = [callables[self._virtual_stage(d, c)] for c in range(self.chunks_per_stage)]
+
+    def _virtual_stage(self, device: int, chunk: int) -> int:
+        return virtual_stage_of(device, chunk, self.stages, self.placement)
 
     @contextmanager
     def current_weights(self) -> Iterator[None]:
@@ -199,10 +200,10 @@ class LocalPipeline:
         """Run every device's actions (arguments and result as :meth:`Executor.run`; ``step`` is
         called at every device's STEP when it has no weight policy). ``last_backward`` is not used:
         in one process nothing could overlap it, so a gradient reducer does all its work after the run."""
-        if schedule.stages != self.stages or schedule.chunks != self.chunks_per_stage:
+        if (schedule.stages, schedule.chunks, schedule.placement) != (self.stages, self.chunks_per_stage, self.placement):
             raise ValueError(
-                f"this pipeline emulates {self.stages} stages × {self.chunks_per_stage} chunks; the schedule has "
-                f"{schedule.stages} × {schedule.chunks}."
+                f"this pipeline emulates {self.stages} stages × {self.chunks_per_stage} chunks placed {self.placement!r}; "
+                f"the schedule has {schedule.stages} × {schedule.chunks} placed {schedule.placement!r}."
             )
         for executor in self.executors:
             executor.begin(schedule, micro_batches, loss_weights, scale_loss, first_micro_batch, carry_over)
@@ -232,8 +233,8 @@ class LocalPipeline:
         """A receive may pass once its channel holds a message no earlier receive has claimed."""
         if not action.kind.is_recv:
             return True
-        other, _ = peer(action.kind, device, action.chunk, schedule.stages)
-        channel = (other, device)
+        other, _ = peer(action.kind, device, action.chunk, schedule.stages, schedule.placement)
+        channel = (other, device, "activation" if action.kind is Kind.RECV_ACTIVATION else "gradient")
         claimed = self._claimed.get(channel, 0)
         if self.sent.get(channel, 0) <= claimed:
             return False
@@ -244,7 +245,7 @@ class LocalPipeline:
         """End of a segment: every message was received and nothing is in flight."""
         for executor in self.executors:
             executor.finish()
-        leftover = {f"{src}->{dst}": len(q) for (src, dst), q in self.queues.items() if q}
+        leftover = {f"{src}->{dst} {kind}": len(q) for (src, dst, kind), q in self.queues.items() if q}
         if leftover:
             raise RuntimeError(f"the emulated pipeline ended a segment with messages nobody received: {leftover}.")
 

@@ -8,9 +8,9 @@ already knows the shapes, they are those of the activations it sent.
 
 gloo matches messages by (source, tag), so headers and payloads use different tags and receives can
 be posted ahead of time. NCCL ignores tags; there the receiver posts the payload only after reading
-the header, everything stays in one order per direction of a pair (the schedule validator proves it),
-and each direction has its own process group (``downward_group``) so that NCCL's rendezvous sends
-cannot deadlock (:mod:`lightning_pipe.schedules.rendezvous`).
+the header, everything stays in one order per channel (the schedule validator proves it), and each
+channel, a direction of a pair and a message kind, has its own process group (:class:`ChannelGroups`)
+so that NCCL's rendezvous sends cannot deadlock (:mod:`lightning_pipe.schedules.rendezvous`).
 """
 
 from __future__ import annotations
@@ -167,6 +167,37 @@ def is_differentiable(meta: TensorMeta) -> bool:
     return meta.requires_grad and (meta.dtype.is_floating_point or meta.dtype.is_complex)
 
 
+@dataclass(frozen=True)
+class ChannelGroups:
+    """One process group per channel, a direction of a pair and a message kind, for untagged backends.
+
+    On NCCL each process group has one communicator, and one stream, per pair of ranks, and a send
+    completes only when its receive runs: with one group, a send queued in front of a receive from the
+    same peer can wait forever for a peer doing the same (1F1B's steady state does). With one group
+    per direction, a direction's messages only queue behind each other; with one per message kind
+    too, activations and gradients that travel the same way (ZBV's V sends chunk 0's activations and
+    chunk 1's gradients from device 0 to device 1) need no common order either. Each channel's
+    messages are issued and received in one order both sides agree on, and no schedule can deadlock
+    (proven for every schedule: :mod:`lightning_pipe.schedules.rendezvous`, ``streams="channel"``).
+    """
+
+    down_activation: Any
+    up_gradient: Any
+    down_gradient: Any
+    up_activation: Any = None  # the default group
+
+    @classmethod
+    def create(cls) -> ChannelGroups:
+        """Three new groups of every rank (every rank must call this, in the same order)."""
+        return cls(dist.new_group(), dist.new_group(), dist.new_group())
+
+    def pick(self, downward: bool, gradient: bool) -> Any:
+        """The group of messages to a lower rank (``downward``) or a higher one, of gradients or activations."""
+        if gradient:
+            return self.down_gradient if downward else self.up_gradient
+        return self.down_activation if downward else self.up_activation
+
+
 class Transport:
     """Sends and receives of one rank, addressed by global rank.
 
@@ -174,36 +205,33 @@ class Transport:
         device: where received tensors are allocated.
         group: the process group (``None``: the default group).
         tagged: whether the backend matches messages by tag (gloo) so receives can be posted early.
-        downward_group: a second process group of the same ranks, for messages to a lower rank
-            (``None``: ``group`` carries both directions). On NCCL each process group has one
-            communicator, and one stream, per pair of ranks, and a send completes only when its
-            receive runs: with one group, a send queued in front of a receive from the same peer can
-            wait forever for a peer doing the same (1F1B's steady state does). With one group per
-            direction, a direction's messages only queue behind each other, in the order both sides
-            agree on (proven for every schedule: :mod:`lightning_pipe.schedules.rendezvous`).
+        channels: a process group per channel (:class:`ChannelGroups`; untagged backends, i.e. NCCL);
+            ``None``: ``group`` carries every message.
     """
 
     receives_ahead = True  # receives may be posted before the compute that needs them
 
     def __init__(self, device: torch.device, group: dist.ProcessGroup | None = None, tagged: bool = True,
-                 downward_group: dist.ProcessGroup | None = None) -> None:
+                 channels: ChannelGroups | None = None) -> None:
         self.device = device
         self.group = group
         self.tagged = tagged
-        self.downward_group = downward_group
-        self.rank = dist.get_rank() if downward_group is not None else -1
+        self.channels = channels
+        self.rank = dist.get_rank() if channels is not None else -1
 
     def _tag(self, tag: int) -> int:
         return tag if self.tagged else 0
 
-    def _group(self, src: int, dst: int) -> dist.ProcessGroup | None:
-        return self.downward_group if self.downward_group is not None and dst < src else self.group
+    def _group(self, src: int, dst: int, tag: int) -> dist.ProcessGroup | None:
+        if self.channels is None:
+            return self.group
+        return self.channels.pick(downward=dst < src, gradient=tag % TAGS_PER_REPLICA == GRADIENT_TAG)
 
     def isend(self, tensor: Tensor, dst: int, tag: int) -> dist.Work:
-        return dist.isend(tensor, dst, group=self._group(self.rank, dst), tag=self._tag(tag))
+        return dist.isend(tensor, dst, group=self._group(self.rank, dst, tag), tag=self._tag(tag))
 
     def irecv(self, tensor: Tensor, src: int, tag: int) -> dist.Work:
-        return dist.irecv(tensor, src, group=self._group(src, self.rank), tag=self._tag(tag))
+        return dist.irecv(tensor, src, group=self._group(src, self.rank, tag), tag=self._tag(tag))
 
     def send_activation(
         self, value: Tensor | tuple[Tensor, ...], dst: int, replica: int = 0, header: bool = True

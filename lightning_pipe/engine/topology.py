@@ -13,6 +13,8 @@ from typing import Any
 
 import torch.distributed as dist
 
+from lightning_pipe.engine.p2p import ChannelGroups
+
 
 @dataclass
 class Topology:
@@ -29,7 +31,7 @@ class Topology:
     rank: int
     pipeline_group: Any = field(default=None, repr=False)
     stage_group: Any = field(default=None, repr=False)
-    downward_group: Any = field(default=None, repr=False)
+    channel_groups: Any = field(default=None, repr=False)  # a ChannelGroups on untagged backends
 
     @property
     def world_size(self) -> int:
@@ -65,13 +67,13 @@ class Topology:
         """Create the pipeline and stage groups (every rank must call this, in the same order).
 
         Args:
-            directional: also create :attr:`downward_group`, a second group of every rank for
-                point-to-point messages to a lower rank (see :class:`~lightning_pipe.engine.p2p.Transport`;
+            directional: also create :attr:`channel_groups`, a group of every rank per direction and
+                message kind for point-to-point messages (:class:`~lightning_pipe.engine.p2p.ChannelGroups`;
                 untagged backends, i.e. NCCL)."""
         if self.world_size == 1 or not dist.is_initialized():
             return
         if directional and self.stages > 1:
-            self.downward_group = dist.new_group()
+            self.channel_groups = ChannelGroups.create()
         for p in range(self.pipelines):
             ranks = [p * self.stages + s for s in range(self.stages)]
             group = dist.new_group(ranks) if self.pipelines > 1 else dist.group.WORLD

@@ -28,6 +28,7 @@ from lightning_pipe.partition import find_trunk, stage_bounds
 from lightning_pipe.partition.split import PartitionedTrunk
 from lightning_pipe.planning.planner import Plan, format_bytes
 from lightning_pipe.registry import build_schedule
+from lightning_pipe.schedules.ir import locate_virtual_stage, virtual_stage_of
 
 if TYPE_CHECKING:
     from lightning_pipe.lightning.strategy import PipeStrategy
@@ -87,7 +88,8 @@ class StagePipeline:
         """Keep this rank's trunk layers (every virtual stage when emulating) and stub out the rest."""
         options, topology = strategy.options, strategy.topology
         name, trunk = find_trunk(module, options.module)
-        local = [chunk * topology.stages + topology.stage for chunk in range(options.chunks_per_stage)]
+        local = [virtual_stage_of(topology.stage, chunk, topology.stages, options.spec.placement)
+                 for chunk in range(options.chunks_per_stage)]
         if strategy.emulating:  # this process holds every virtual stage
             local = list(range(strategy.num_stages * options.chunks_per_stage))
         layers = [Layer(type(layer).__name__, sum(p.numel() for p in layer.parameters())) for layer in trunk]  # before the cut
@@ -114,7 +116,8 @@ class StagePipeline:
         names = [self.partition.describe_chunk(c) for c in range(len(self.partition.local))]
         if self.strategy.emulating:
             self.executor = LocalPipeline(self.strategy.num_stages, self.strategy.options.chunks_per_stage, self.watchdog, names,
-                                          shape_headers=self.strategy.options.shape_headers)
+                                          shape_headers=self.strategy.options.shape_headers,
+                                          placement=self.strategy.options.spec.placement)
         else:
             self.executor = Executor(
                 self.topology.stage, self.topology.pipeline_ranks, [], self.transport(), self.watchdog, names=names,
@@ -139,12 +142,13 @@ class StagePipeline:
                 "or a larger batch size."
             )
         # a short last batch: fewer, smaller micro-batches (an interleaved step needs a multiple of stages)
-        if training and options.spec.chunked:
+        if training and options.spec.synchronous:
             stages = self.strategy.num_stages
-            count = n - n % stages
+            count = next((c for c in range(n, 0, -1) if options.spec.requirement(stages, c) is None), 0)
             if count == 0:
                 raise PipeConfigError(
-                    f"a batch of {n} samples cannot feed {stages} interleaved stages; set drop_last=True in the DataLoader."
+                    f"a batch of {n} samples cannot feed {options.schedule} on {stages} stages; set drop_last=True in the "
+                    "DataLoader."
                 )
             return count
         return n
@@ -261,7 +265,7 @@ class StagePipeline:
         header += ["measured time"] if measured else []
         rows = []
         for vs, (start, end) in enumerate(stage_bounds(self.counts)):
-            device, chunk = vs % stages, vs // stages
+            device, chunk = locate_virtual_stage(vs, stages, options.spec.placement)
             where = f"{device}" + (f" chunk {chunk}" if chunked else "")
             kinds = ", ".join(layer.kind for layer in self.layers[start:end])
             row = [where, f"{self.partition.name}[{start}:{end}] {kinds}",

@@ -310,7 +310,7 @@ class PipeStrategy(DDPStrategy, metaclass=_NamesItsOptions):
         """This rank's point-to-point layer (``None`` for a one-process pipeline)."""
         if self.topology.stages == 1:
             return None
-        return Transport(self.root_device, tagged=self.tagged, downward_group=self.topology.downward_group)
+        return Transport(self.root_device, tagged=self.tagged, channels=self.topology.channel_groups)
 
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:

@@ -26,7 +26,8 @@ from itertools import accumulate
 from lightning_pipe.errors import PlanError
 from lightning_pipe.planning.profile import Profile
 from lightning_pipe.registry import SCHEDULES, build_schedule
-from lightning_pipe.schedules.ir import Kind
+from lightning_pipe.schedules.ir import Kind, locate_virtual_stage
+from lightning_pipe.sim.simulate import Costs, simulate
 
 GIB = float(2**30)
 
@@ -117,7 +118,7 @@ def in_flight(schedule: str, stages: int, micro_batches: int, chunks: int = 1) -
             if action.kind is Kind.FORWARD:
                 now[action.chunk] += 1
                 peak[action.chunk] = max(peak[action.chunk], now[action.chunk])
-            elif action.kind is Kind.BACKWARD:
+            elif action.kind in (Kind.BACKWARD, Kind.BACKWARD_WEIGHT):  # a split backward frees at W
                 now[action.chunk] -= 1
         result.append(tuple(peak))
     return tuple(result)
@@ -134,8 +135,15 @@ def allowed(schedule: str, stages: int, micro_batches: int, layers: int, chunks:
 
 
 def step_time(schedule: str, times: Sequence[float], device_times: Sequence[float], micro_batches: int, chunks: int) -> float:
-    """Predicted mini-batch time (section 12 step 2)."""
-    if SCHEDULES[schedule].family == "asynchronous":
+    """Predicted mini-batch time (section 12 step 2). Zero-bubble schedules have no closed form: their
+    lists are simulated with each virtual stage's time split as forward 1/3, ``I`` 1/3, ``W`` 1/3 (a
+    backward costs about two forwards, half of it for the weights)."""
+    row = SCHEDULES[schedule]
+    if row.split_backward:
+        stages = len(device_times)
+        plan = build_schedule(schedule, stages, micro_batches, chunks if row.chunked else 1)
+        return simulate(plan, Costs([t / 3 for t in times], [2 * t / 3 for t in times])).step_time
+    if row.family == "asynchronous":
         return micro_batches * max(times)
     if SCHEDULES[schedule].chunked:
         worst = max(device_times)
@@ -208,11 +216,11 @@ class StageCosts:
         self.extra = [extra_weight_copies(schedule, d, stages, micro_batches) for d in range(stages)]
 
     def where(self, k: int) -> tuple[int, int]:
-        return k % self.stages, k // self.stages
+        return locate_virtual_stage(k, self.stages, SCHEDULES[self.schedule].placement)
 
     def time(self, i: int, j: int, k: int) -> float:
         machine = self.machine
-        compute = (self.comp[j] - self.comp[i]) / machine.speed(k % self.stages)
+        compute = (self.comp[j] - self.comp[i]) / machine.speed(self.where(k)[0])
         if k == self.parts - 1 or machine.bandwidth is None:
             return compute
         transfer = 2 * (machine.latency + self.outputs[j] / machine.bandwidth)
@@ -230,7 +238,7 @@ class StageCosts:
         return in_flight * (self.saved[j] - self.saved[i])
 
     def fits(self, i: int, j: int, k: int) -> bool:
-        return self.memory(i, j, k) <= self.machine.cap(k % self.stages) / self.chunks
+        return self.memory(i, j, k) <= self.machine.cap(self.where(k)[0]) / self.chunks
 
     def feasible(self, counts: Sequence[int]) -> bool:
         """Whether every stage of the split fits its memory limit."""

@@ -91,6 +91,10 @@ def measure_stage(
         for p in copies.parameters():
             p.grad = None
     recorder.resolve()  # on CUDA: waits for the device, then reads the events
-    forwards = [e.duration for e in recorder.events if e.action.kind is Kind.FORWARD]
-    backwards = [e.duration for e in recorder.events if e.action.kind is Kind.BACKWARD]
-    return statistics.median(forwards) + statistics.median(backwards)
+
+    def median(kind: Kind) -> float:
+        durations = [e.duration for e in recorder.events if e.action.kind is kind]
+        return statistics.median(durations) if durations else 0.0
+
+    # a split backward (zero-bubble schedules) is its I and its W
+    return median(Kind.FORWARD) + median(Kind.BACKWARD) + median(Kind.BACKWARD_INPUT) + median(Kind.BACKWARD_WEIGHT)

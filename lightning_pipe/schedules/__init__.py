@@ -16,10 +16,11 @@ from lightning_pipe.schedules.communication import with_communication
 from lightning_pipe.schedules.forward_only import forward_only as forward_only_actions
 from lightning_pipe.schedules.gpipe import gpipe
 from lightning_pipe.schedules.interleaved import interleaved_1f1b
-from lightning_pipe.schedules.ir import STEP, Action, B, F, Kind, Schedule, TimedAction
+from lightning_pipe.schedules.ir import STEP, Action, B, F, I, Kind, Placement, Schedule, TimedAction, W
 from lightning_pipe.schedules.one_f_one_b import one_f_one_b
 from lightning_pipe.schedules.rendezvous import rendezvous_dry_run
 from lightning_pipe.schedules.validate import dry_run, validate
+from lightning_pipe.schedules.zero_bubble import zb_h1, zbv
 
 #: ``generator(device, stages, micro_batches, chunks)``: a device's compute actions for one flushed step.
 Generator = Callable[[int, int, int, int], Iterator[Action]]
@@ -27,7 +28,8 @@ Generator = Callable[[int, int, int, int], Iterator[Action]]
 
 @lru_cache(maxsize=128)
 def flush_schedule(
-    name: str, generator: Generator, stages: int, micro_batches: int, chunks: int = 1, forward_only: bool = False
+    name: str, generator: Generator, stages: int, micro_batches: int, chunks: int = 1, forward_only: bool = False,
+    placement: Placement = "loop",
 ) -> Schedule:
     """Generate, add communication to and validate one flushed step of a synchronous schedule.
 
@@ -38,11 +40,12 @@ def flush_schedule(
         micro_batches: micro-batches per training step.
         chunks: chunks (virtual stages) per device.
         forward_only: the evaluation variant (forwards only, same placement of chunks).
+        placement: where the chunks sit (:class:`~lightning_pipe.schedules.ir.Schedule`).
     """
     make = (lambda d: forward_only_actions(d, stages, micro_batches, chunks)) if forward_only else (
         lambda d: generator(d, stages, micro_batches, chunks))
-    actions = tuple(with_communication(list(make(d)), d, stages, chunks) for d in range(stages))
-    schedule = Schedule(name, stages, micro_batches, chunks, actions, forward_only)
+    actions = tuple(with_communication(list(make(d)), d, stages, chunks, placement) for d in range(stages))
+    schedule = Schedule(name, stages, micro_batches, chunks, actions, forward_only, placement=placement)
     validate(schedule)
     return schedule
 
@@ -77,8 +80,9 @@ def validate_async(name: str, stages: int, micro_batches: int, windows: int = 3,
 
 
 __all__ = [
-    "STEP", "Action", "B", "F", "Generator", "Kind", "MergeCosts", "Schedule", "ScheduleError", "TimedAction",
+    "STEP", "Action", "B", "F", "Generator", "I", "Kind", "MergeCosts", "Placement", "Schedule", "ScheduleError",
+    "TimedAction", "W",
     "async_drain", "async_schedule", "async_window", "averaging_order", "avgpipe_replica", "build_avgpipe", "dry_run",
     "flush_schedule", "forward_only_actions", "gpipe", "interleaved_1f1b", "merge_replicas", "one_f_one_b",
-    "rendezvous_dry_run", "validate", "validate_async", "with_communication",
+    "rendezvous_dry_run", "validate", "validate_async", "with_communication", "zb_h1", "zbv",
 ]

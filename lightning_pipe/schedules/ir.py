@@ -4,13 +4,20 @@ A schedule is data. The executor runs it, the validator proves it sound, and lat
 the timeline renderer read the very same lists, so a new schedule is one generator function.
 
 Vocabulary (docs/algorithms.md §0): ``P`` devices ("stages") per pipeline, each holding ``v``
-chunks; chunk ``c`` on device ``d`` is virtual stage ``c * P + d``; ``M`` micro-batches per step.
+chunks; ``M`` micro-batches per step. Where a chunk sits is the schedule's *placement*: ``"loop"``
+puts chunk ``c`` of device ``d`` at virtual stage ``c * P + d`` (Megatron's interleaving), ``"v"``
+walks down the devices and back up, so odd chunks count backwards: ``(c + 1) * P - 1 - d`` (ZBV's
+V shape, where the first and the last virtual stage share device 0).
 """
 
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Literal
+
+#: How chunks map to virtual stages (module docstring).
+Placement = Literal["loop", "v"]
 
 
 class Kind(enum.Enum):
@@ -18,6 +25,9 @@ class Kind(enum.Enum):
 
     FORWARD = "F"
     BACKWARD = "B"
+    # zero-bubble schedules split BACKWARD in two (docs/algorithms.md §4a):
+    BACKWARD_INPUT = "I"  # the gradient of the stage's input: what the previous stage waits for
+    BACKWARD_WEIGHT = "W"  # the gradients of the stage's weights: deferrable to fill the bubble
     STEP = "STEP"
     RECV_ACTIVATION = "RECV_ACT"
     SEND_ACTIVATION = "SEND_ACT"
@@ -27,7 +37,16 @@ class Kind(enum.Enum):
 
     @property
     def is_compute(self) -> bool:
-        return self in (Kind.FORWARD, Kind.BACKWARD)
+        return self in (Kind.FORWARD, Kind.BACKWARD, Kind.BACKWARD_INPUT, Kind.BACKWARD_WEIGHT)
+
+    @property
+    def takes_gradient(self) -> bool:
+        """The backward that receives the output's gradient and sends the input's (B, or I of a split one)."""
+        return self in (Kind.BACKWARD, Kind.BACKWARD_INPUT)
+
+    @property
+    def is_backward(self) -> bool:
+        return self in (Kind.BACKWARD, Kind.BACKWARD_INPUT, Kind.BACKWARD_WEIGHT)
 
     @property
     def is_recv(self) -> bool:
@@ -73,7 +92,32 @@ def B(micro_batch: int, chunk: int = 0) -> Action:
     return Action(Kind.BACKWARD, micro_batch, chunk)
 
 
+def I(micro_batch: int, chunk: int = 0) -> Action:  # noqa: E743 - the name zero-bubble papers use
+    """Input-gradient half of the backward of ``micro_batch`` on ``chunk``."""
+    return Action(Kind.BACKWARD_INPUT, micro_batch, chunk)
+
+
+def W(micro_batch: int, chunk: int = 0) -> Action:
+    """Weight-gradient half of the backward of ``micro_batch`` on ``chunk`` (after its ``I``)."""
+    return Action(Kind.BACKWARD_WEIGHT, micro_batch, chunk)
+
+
 STEP = Action(Kind.STEP)
+
+
+def virtual_stage_of(device: int, chunk: int, stages: int, placement: Placement = "loop") -> int:
+    """Global index of ``chunk`` on ``device`` under ``placement``."""
+    if placement == "v" and chunk % 2:
+        return (chunk + 1) * stages - 1 - device
+    return chunk * stages + device
+
+
+def locate_virtual_stage(virtual_stage: int, stages: int, placement: Placement = "loop") -> tuple[int, int]:
+    """``(device, chunk)`` holding ``virtual_stage`` under ``placement``."""
+    chunk, offset = divmod(virtual_stage, stages)
+    if placement == "v" and chunk % 2:
+        return stages - 1 - offset, chunk
+    return offset, chunk
 
 
 @dataclass(frozen=True)
@@ -91,6 +135,7 @@ class Schedule:
             (a flushing schedule). Asynchronous segments step every ``M`` micro-batches.
         replicas: parallel pipelines whose actions share the devices' lists (avgpipe), each
             with ``micro_batches`` micro-batches of its own; ``1`` for every other schedule.
+        placement: where chunks sit (module docstring): ``"loop"``, or ``"v"`` for ZBV.
     """
 
     name: str
@@ -101,6 +146,7 @@ class Schedule:
     forward_only: bool = False
     step_every: int | None = None
     replicas: int = 1
+    placement: Placement = "loop"
 
     @property
     def virtual_stages(self) -> int:
@@ -108,11 +154,11 @@ class Schedule:
 
     def virtual_stage(self, device: int, chunk: int) -> int:
         """Global index of ``chunk`` on ``device``."""
-        return chunk * self.stages + device
+        return virtual_stage_of(device, chunk, self.stages, self.placement)
 
     def locate(self, virtual_stage: int) -> tuple[int, int]:
         """``(device, chunk)`` holding ``virtual_stage``."""
-        return virtual_stage % self.stages, virtual_stage // self.stages
+        return locate_virtual_stage(virtual_stage, self.stages, self.placement)
 
     def compute_actions(self, device: int) -> list[Action]:
         """The device's actions without communication (what a picture or a table shows)."""

@@ -11,9 +11,11 @@ send never blocks, and each message kind has its own tag. NCCL is stricter:
 * tags are ignored: on one stream, messages match in issue order.
 
 This module replays an executor's issue order under those rules. ``streams`` says how operations map
-to streams: ``"direction"`` (what :class:`~lightning_pipe.engine.p2p.Transport` does on NCCL: one
-process group for messages to a higher rank and one for messages to a lower rank, so each direction of
-a pair has its own stream) or ``"pair"`` (one stream per pair, a single process group). ``fused``
+to streams: ``"channel"`` (what :class:`~lightning_pipe.engine.p2p.Transport` does on NCCL: one
+process group per direction and message kind, :class:`~lightning_pipe.engine.p2p.ChannelGroups`, so
+activations and gradients of each direction of a pair have their own stream), ``"direction"`` (one
+group for messages to a higher rank and one for messages to a lower rank) or ``"pair"`` (one stream
+per pair, a single process group). ``fused``
 issues every run of consecutive communication actions as one group per peer (Megatron-LM's and
 ``torch.distributed.pipelining``'s answer to the pair stream); otherwise sends are issued at their
 action and receives at the compute that needs them: the latest :class:`~lightning_pipe.engine.executor.Executor`
@@ -25,9 +27,11 @@ preceded by a shape header the receiver reads on the host before it posts the pa
 
 On the pair stream, unfused 1F1B deadlocks (in the steady state each neighbour issues a send before
 its receive); fused runs repair 1F1B and the asynchronous schedules but not interleaved 1F1B or
-avgpipe, whose runs do not pair up. Direction streams are deadlock-free for every schedule
-(tests/unit/test_rendezvous.py proves it with hypothesis), and a send never waits for an unrelated
-message travelling the other way.
+avgpipe, whose runs do not pair up. Direction streams are deadlock-free for every schedule with one
+chunk per device or a looped placement, but not for ZBV: its V sends chunk 0's activations and chunk
+1's gradients from device 0 to device 1 in one order and needs them in another. Channel streams are
+deadlock-free for every schedule (tests/unit/test_rendezvous.py proves it with hypothesis), and a
+send never waits for an unrelated message travelling the other way or of the other kind.
 """
 
 from __future__ import annotations
@@ -41,7 +45,7 @@ from lightning_pipe.errors import ScheduleError
 from lightning_pipe.schedules.communication import peer
 from lightning_pipe.schedules.ir import Action, Kind, Schedule
 
-Streams = Literal["direction", "pair"]
+Streams = Literal["channel", "direction", "pair"]
 Message = tuple[str, int, int, int, str]  # (activation|gradient, replica, sender's virtual stage, micro-batch, part)
 
 
@@ -81,7 +85,7 @@ class _Device:
 
 def _message(device: int, action: Action, schedule: Schedule, part: str) -> tuple[int, int, Message]:
     """``(src, dst, message)`` of a communication action of ``device``."""
-    other, _ = peer(action.kind, device, action.chunk, schedule.stages)
+    other, _ = peer(action.kind, device, action.chunk, schedule.stages, schedule.placement)
     vs = schedule.virtual_stage(device, action.chunk)
     activation = action.kind in (Kind.SEND_ACTIVATION, Kind.RECV_ACTIVATION)
     kind = "activation" if activation else "gradient"
@@ -91,7 +95,7 @@ def _message(device: int, action: Action, schedule: Schedule, part: str) -> tupl
 
 
 def rendezvous_dry_run(
-    parts: Sequence[Schedule], streams: Streams = "direction", fused: bool = False, headers: bool = True
+    parts: Sequence[Schedule], streams: Streams = "channel", fused: bool = False, headers: bool = True
 ) -> list[tuple[int, Action]]:
     """Execute ``parts`` (run one after the other, e.g. an asynchronous segment's windows and its
     drain, each a separate :meth:`Executor.run <lightning_pipe.engine.executor.Executor.run>`) under
@@ -100,7 +104,7 @@ def rendezvous_dry_run(
 
     Args:
         parts: schedules of one pipeline, in the order they run.
-        streams: ``"direction"`` or ``"pair"`` (module docstring).
+        streams: ``"channel"``, ``"direction"`` or ``"pair"`` (module docstring).
         fused: issue each run of communication actions as one group per peer (with ``headers=False``
             only: a fused group cannot wait for a header in the middle).
         headers: every activation carries a shape header first.
@@ -111,15 +115,17 @@ def rendezvous_dry_run(
     if P == 1:  # one device: its chunks' messages never leave the process
         return [(0, action) for part in parts for action in part.actions[0]]
     devices = [_Device([(t, a) for t, part in enumerate(parts) for a in part.actions[d]]) for d in range(P)]
-    queues: dict[tuple[tuple[int, int], int], deque[_Group]] = {}  # (stream, issuing rank): groups
+    queues: dict[tuple[tuple[int, int, str], int], deque[_Group]] = {}  # (stream, issuing rank): groups
     order: list[tuple[int, Action]] = []
 
-    def stream(op: _Op) -> tuple[int, int]:
-        return (op.src, op.dst) if streams == "direction" else (min(op.src, op.dst), max(op.src, op.dst))
+    def stream(op: _Op) -> tuple[int, int, str]:
+        if streams == "channel":
+            return op.src, op.dst, op.message[0]
+        return (op.src, op.dst, "") if streams == "direction" else (min(op.src, op.dst), max(op.src, op.dst), "")
 
     def issue(device: int, ops: list[_Op]) -> None:
         """Issue ``ops`` together: one group per stream."""
-        by_stream: dict[tuple[int, int], list[_Op]] = {}
+        by_stream: dict[tuple[int, int, str], list[_Op]] = {}
         for op in ops:
             by_stream.setdefault(stream(op), []).append(op)
         for key, group in by_stream.items():
@@ -202,7 +208,7 @@ def rendezvous_dry_run(
             order.append((d, action))
             state.position += 1
 
-    def match(key: tuple[int, int], a: int, b: int) -> bool:
+    def match(key: tuple[int, int, str], a: int, b: int) -> bool:
         """Match what the two ranks' head groups on one stream can; pop finished groups."""
         qa, qb = queues.get((key, a)), queues.get((key, b))
         if not qa or not qb:
@@ -230,7 +236,7 @@ def rendezvous_dry_run(
     while progress:
         progress = any([advance(d) for d in range(P)])
         keys = {key for key, _ in queues}
-        progress = any([match(key, min(key), max(key)) for key in sorted(keys)]) or progress
+        progress = any([match(key, min(key[:2]), max(key[:2])) for key in sorted(keys)]) or progress
     stuck = [d for d in range(P) if devices[d].position < len(devices[d].actions) or devices[d].waiting]
     if stuck or any(group for queue in queues.values() for group in queue):
         where = "; ".join(_stuck(d, devices[d], queues) for d in stuck) or "sends left unreceived"
@@ -245,9 +251,9 @@ def rendezvous_dry_run(
 def _needed(device: int, action: Action, schedule: Schedule) -> Action | None:
     """The receive a compute action needs (``None``: it reads no message)."""
     vs = schedule.virtual_stage(device, action.chunk)
-    if action.kind is Kind.FORWARD and vs > 0:
+    if action.kind is Kind.FORWARD and vs > 0 and schedule.locate(vs - 1)[0] != device:
         return Action(Kind.RECV_ACTIVATION, action.micro_batch, action.chunk, action.replica)
-    if action.kind is Kind.BACKWARD and vs < schedule.virtual_stages - 1:
+    if action.kind.takes_gradient and vs < schedule.virtual_stages - 1 and schedule.locate(vs + 1)[0] != device:
         return Action(Kind.RECV_GRADIENT, action.micro_batch, action.chunk, action.replica)
     return None
 
@@ -258,7 +264,7 @@ def _describe(message: Message) -> str:
     return f"the {part} of the {kind} of micro-batch {micro_batch}{of} from virtual stage {sender}"
 
 
-def _stuck(device: int, state: _Device, queues: dict[tuple[tuple[int, int], int], deque[_Group]]) -> str:
+def _stuck(device: int, state: _Device, queues: dict[tuple[tuple[int, int, str], int], deque[_Group]]) -> str:
     at = f"stage {device} at {state.actions[state.position][1]}" if state.position < len(state.actions) else \
         f"stage {device} at its end"
     heads = [_describe(next(op for op in queue[0].ops if not op.matched).message)

@@ -2,10 +2,12 @@
 
 Checks, with one sentence per failure:
 
-* every micro-batch is forwarded and backwarded exactly once on every virtual stage, forward first;
+* every micro-batch is forwarded and backwarded exactly once on every virtual stage, forward first
+  (a backward is one ``B``, or a split one: ``I`` then ``W``);
 * STEPs come exactly where they belong: one after every ``step_every`` backwards (a flushing schedule:
   once, after all its compute; forward-only: never), since the executor calls the optimizer at each;
-* compute actions are bracketed by the communication they need;
+* compute actions are bracketed by the communication they need, and a neighbour on the same device
+  (ZBV's turn) has computed what they take from it;
 * every send has its receive, in the same order on every channel (so NCCL, which ignores tags,
   matches messages correctly);
 * a dry run, where sends never block and receives wait for their message, finishes: no deadlock
@@ -52,7 +54,7 @@ def _check_replica_steps(schedule: Schedule, where: str, actions: tuple[Action, 
     for action in actions:
         if action.kind is Kind.STEP:
             done += 1
-        elif action.kind is Kind.BACKWARD and action.micro_batch // every != done:
+        elif action.kind.is_backward and action.micro_batch // every != done:
             raise ScheduleError(
                 f"{where}: {action} runs after {done} STEPs; a STEP must follow every backward of "
                 f"its {every} micro-batches and precede the next ones."
@@ -76,17 +78,24 @@ def _check_compute(schedule: Schedule) -> None:
                 counts[(action.kind, *key)] += 1
             if action.kind is Kind.FORWARD:
                 seen_forward.add(key)
-            elif action.kind is Kind.BACKWARD and key not in seen_forward:
+            elif action.kind.is_backward and key not in seen_forward:
                 raise ScheduleError(f"stage {device}: {action} runs before its forward.")
-        for kind in (Kind.FORWARD, Kind.BACKWARD):
-            want = 0 if kind is Kind.BACKWARD and schedule.forward_only else 1
-            for replica, chunk, mb in expected:
+            elif action.kind is Kind.BACKWARD_WEIGHT and counts[(Kind.BACKWARD_INPUT, *key)] == 0:
+                raise ScheduleError(f"stage {device}: {action} runs before the I of its micro-batch.")
+        for replica, chunk, mb in expected:
+            split = counts[(Kind.BACKWARD_INPUT, replica, chunk, mb)] + counts[(Kind.BACKWARD_WEIGHT, replica, chunk, mb)] > 0
+            backward = (Kind.BACKWARD_INPUT, Kind.BACKWARD_WEIGHT) if split else (Kind.BACKWARD,)
+            for kind in (Kind.FORWARD, *backward):
+                want = 0 if kind is not Kind.FORWARD and schedule.forward_only else 1
                 n = counts[(kind, replica, chunk, mb)]
                 if n != want:
                     of = f"chunk {chunk}" + (f" of replica {replica}" if replica else "")
+                    also = " (a backward is one B, or one I and one W)" if split or kind is Kind.BACKWARD else ""
                     raise ScheduleError(
-                        f"stage {device}: {kind.value}{mb} of {of} runs {n} times, expected {want}."
+                        f"stage {device}: {kind.value}{mb} of {of} runs {n} times, expected {want}{also}."
                     )
+            if split and counts[(Kind.BACKWARD, replica, chunk, mb)]:
+                raise ScheduleError(f"stage {device}: micro-batch {mb} of chunk {chunk} has both a B and an I/W backward.")
         extra = {key[1:] for key in counts} - expected
         if extra:
             raise ScheduleError(f"stage {device}: actions for unknown (replica, chunk, micro-batch) {sorted(extra)}.")
@@ -112,7 +121,7 @@ def dry_run(schedule: Schedule, replica_channels: bool = True) -> list[tuple[int
             while position[device] < len(actions):
                 action = actions[position[device]]
                 if action.kind.is_send or action.kind.is_recv:
-                    other, other_chunk = peer(action.kind, device, action.chunk, P)
+                    other, other_chunk = peer(action.kind, device, action.chunk, P, schedule.placement)
                     payload = Kind.SEND_ACTIVATION if action.kind in (Kind.SEND_ACTIVATION, Kind.RECV_ACTIVATION) else Kind.SEND_GRADIENT
                     lane = action.replica if replica_channels else 0
                     if action.kind.is_send:
@@ -165,22 +174,40 @@ def validate(
 
 
 def _check_brackets(schedule: Schedule, device: int, actions: tuple[Action, ...]) -> None:
-    """Each compute action has the receive it needs before it and its send after it."""
+    """Each compute action has the receive it needs before it and its send after it; one that takes its
+    input from a neighbour on this device comes after the neighbour's compute that produces it."""
     last = schedule.virtual_stages - 1
     received: set[tuple[Kind, int | None, int, int]] = set()
     computed: set[tuple[Kind, int | None, int, int]] = set()
+
+    def local(vs: int) -> tuple[int, int] | None:
+        """``(micro-batch-free key part)``: the chunk of ``vs`` if this device holds it."""
+        where = schedule.locate(vs)
+        return where if where[0] == device else None
+
     for action in actions:
         vs = schedule.virtual_stage(device, action.chunk)
         key = (action.micro_batch, action.chunk, action.replica)
+        needs: tuple[Kind, int] | None = None  # (receive kind, neighbour) the compute reads from
+        if action.kind is Kind.FORWARD and vs > 0:
+            needs = (Kind.RECV_ACTIVATION, vs - 1)
+        elif action.kind.takes_gradient and vs < last:
+            needs = (Kind.RECV_GRADIENT, vs + 1)
         if action.kind.is_recv:
             received.add((action.kind, *key))
-        elif action.kind is Kind.FORWARD and vs > 0 and (Kind.RECV_ACTIVATION, *key) not in received:
-            raise ScheduleError(f"stage {device}: {action} has no RECV_ACT before it.")
-        elif action.kind is Kind.BACKWARD and vs < last and (Kind.RECV_GRADIENT, *key) not in received:
-            raise ScheduleError(f"stage {device}: {action} has no RECV_GRAD before it.")
+        elif needs is not None and local(needs[1]) is None and (needs[0], *key) not in received:
+            raise ScheduleError(f"stage {device}: {action} has no {needs[0].value} before it.")
+        elif needs is not None and local(needs[1]) is not None:
+            chunk = local(needs[1])[1]
+            producers = (Kind.FORWARD,) if action.kind is Kind.FORWARD else (Kind.BACKWARD, Kind.BACKWARD_INPUT)
+            if not any((kind, action.micro_batch, chunk, action.replica) in computed for kind in producers):
+                raise ScheduleError(
+                    f"stage {device}: {action} runs before chunk {chunk} of this device computed what it takes "
+                    "(the neighbouring virtual stage is on the same device)."
+                )
         if action.kind.is_compute:
             computed.add((action.kind, *key))
         elif action.kind is Kind.SEND_ACTIVATION and (Kind.FORWARD, *key) not in computed:
             raise ScheduleError(f"stage {device}: {action} sends before its forward ran.")
-        elif action.kind is Kind.SEND_GRADIENT and (Kind.BACKWARD, *key) not in computed:
+        elif action.kind is Kind.SEND_GRADIENT and not any((kind, *key) in computed for kind in (Kind.BACKWARD, Kind.BACKWARD_INPUT)):
             raise ScheduleError(f"stage {device}: {action} sends before its backward ran.")

@@ -8,7 +8,9 @@ Model (the assumptions behind every number here):
 
 * every device runs its list in order, one action at a time, starting at time 0;
 * a forward of virtual stage ``vs`` takes ``costs.forward[vs]``, a backward ``costs.backward[vs]``,
-  a STEP ``costs.step``; sends and receives take no compute time;
+  a STEP ``costs.step``; sends and receives take no compute time. A split backward's ``W`` takes
+  the share ``costs.weight_share[vs]`` of the backward and its ``I`` the rest, except on the first
+  virtual stage, whose ``I`` has no input gradient to compute: its ``W`` is the whole backward;
 * a message is available to its receiver ``transfer[i]`` seconds after the sender reaches its SEND
   (or, in lists without communication actions, after the producing forward/backward ends); ``i`` is
   the boundary ``i -> i+1`` it crosses (activation forward, gradient backward, same time);
@@ -16,7 +18,8 @@ Model (the assumptions behind every number here):
   action whose input has not arrived, waits; messages never contend for a link (no bandwidth
   sharing) and a device's compute is not slowed by communication in the background;
 * a micro-batch's activations are held from the start of its forward to the end of its backward
-  (forward-only lists: only during the forward).
+  (of its ``W``, in a split one: the weight gradients need the layers' inputs; forward-only lists:
+  only during the forward).
 
 Dependencies are keyed by ``(virtual stage, micro-batch)`` (and ``replica``, for actions that carry
 one), never by schedule name, so lists with any micro-batch numbering work.
@@ -30,7 +33,8 @@ from dataclasses import dataclass, field
 
 from lightning_pipe.errors import ScheduleError
 from lightning_pipe.registry import SCHEDULES, weight_copies
-from lightning_pipe.schedules import Action, Kind, Schedule, TimedAction, async_schedule, validate_async
+from lightning_pipe.schedules import Action, Kind, Placement, Schedule, TimedAction, async_schedule, validate_async
+from lightning_pipe.schedules.ir import locate_virtual_stage, virtual_stage_of
 
 
 @dataclass(frozen=True)
@@ -44,12 +48,16 @@ class Costs:
             gradient backward); ``()`` means 0. Length ``virtual_stages - 1`` (a trailing entry
             for the last stage is ignored).
         step: time of one optimizer STEP action on a device.
+        weight_share: per virtual stage, the share of the backward a split backward's ``W`` (the
+            weights' gradients) takes; ``()`` means 0.5 everywhere: a linear layer's input and weight
+            gradients are one matrix product each, of the same size.
     """
 
     forward: Sequence[float]
     backward: Sequence[float]
     transfer: Sequence[float] = ()
     step: float = 0.0
+    weight_share: Sequence[float] = ()
 
     def __post_init__(self) -> None:
         if len(self.forward) != len(self.backward):
@@ -58,6 +66,8 @@ class Costs:
             )
         if any(t < 0 for t in (*self.forward, *self.backward, *self.transfer, self.step)):
             raise ValueError("Costs must not be negative; pass durations in seconds.")
+        if any(not 0.0 <= share <= 1.0 for share in self.weight_share):
+            raise ValueError("Costs.weight_share holds shares of the backward, between 0 and 1.")
 
     @classmethod
     def uniform(
@@ -67,6 +77,10 @@ class Costs:
         return cls(
             (forward,) * virtual_stages, (backward,) * virtual_stages, (transfer,) * max(virtual_stages - 1, 0), step
         )
+
+    def share(self, virtual_stage: int) -> float:
+        """The share of ``virtual_stage``'s backward its ``W`` takes (see ``weight_share``)."""
+        return self.weight_share[virtual_stage] if virtual_stage < len(self.weight_share) else 0.5
 
     def link(self, boundary: int) -> float:
         """One-way transfer time across ``boundary -> boundary+1``."""
@@ -78,6 +92,10 @@ class Costs:
             return self.forward[virtual_stage]
         if action.kind is Kind.BACKWARD:
             return self.backward[virtual_stage]
+        if action.kind in (Kind.BACKWARD_INPUT, Kind.BACKWARD_WEIGHT):
+            share = 1.0 if virtual_stage == 0 else self.share(virtual_stage)
+            weight = self.backward[virtual_stage] * share
+            return weight if action.kind is Kind.BACKWARD_WEIGHT else self.backward[virtual_stage] - weight
         if action.kind is Kind.STEP:
             return self.step
         return 0.0
@@ -122,7 +140,8 @@ _SENT_BY = {Kind.RECV_ACTIVATION: (Kind.SEND_ACTIVATION, -1), Kind.RECV_GRADIENT
 
 
 def measured_costs(
-    events: Sequence[TimedAction], stages: int, chunks: int = 1, steps: Sequence[int] | None = None
+    events: Sequence[TimedAction], stages: int, chunks: int = 1, steps: Sequence[int] | None = None,
+    placement: Placement = "loop",
 ) -> Costs:
     """The costs a measured run shows, to simulate other schedules or micro-batch counts with them.
 
@@ -138,7 +157,8 @@ def measured_costs(
     (the message was there by the time that receive ended), the shortest is the tightest bound, and
     with it no receive would have waited longer than it did; 0 without any receive. ``steps``
     (parallel to ``events``) tells apart micro-batches of different training steps that share a
-    number.
+    number. A split backward's ``I`` and ``W`` add up to the backward, and ``W``'s median share of it
+    is ``weight_share``. ``placement``: the schedule's (``"v"`` for ``zbv``).
     """
     steps = list(steps) if steps is not None else [0] * len(events)
     virtual = stages * chunks
@@ -147,7 +167,7 @@ def measured_costs(
     for event, step in zip(events, steps):
         if event.device >= stages:
             continue
-        vs = event.action.chunk * stages + event.device
+        vs = virtual_stage_of(event.device, event.action.chunk, stages, placement)
         durations.setdefault((event.action.kind, vs), []).append(event.duration)
         if event.action.kind.is_send:
             sends[(event.action.kind, vs, step, event.action.micro_batch, event.action.replica)] = event
@@ -157,7 +177,7 @@ def measured_costs(
         if event.device >= stages or event.action.kind not in _SENT_BY:
             continue
         kind, direction = _SENT_BY[event.action.kind]
-        vs = event.action.chunk * stages + event.device
+        vs = virtual_stage_of(event.device, event.action.chunk, stages, placement)
         send = sends.get((kind, vs + direction, step, event.action.micro_batch, event.action.replica))
         if send is not None:
             waiting = event.start <= send.end
@@ -167,13 +187,17 @@ def measured_costs(
         return median_of(durations.get((kind, vs), []))
 
     forward = [median(Kind.FORWARD, vs) + median(Kind.SEND_ACTIVATION, vs) for vs in range(virtual)]
-    backward = [median(Kind.BACKWARD, vs) + median(Kind.SEND_GRADIENT, vs) for vs in range(virtual)]
+    split = [(Kind.BACKWARD_WEIGHT, vs) in durations for vs in range(virtual)]
+    weights = [median(Kind.BACKWARD_WEIGHT, vs) for vs in range(virtual)]
+    backward = [median(Kind.BACKWARD_INPUT if split[vs] else Kind.BACKWARD, vs) + median(Kind.SEND_GRADIENT, vs) + weights[vs]
+                for vs in range(virtual)]
+    shares = [weights[vs] / backward[vs] if split[vs] and backward[vs] > 0 else 0.5 for vs in range(virtual)]
     transfer = [
         median_of(delays[boundary]) if boundary in delays else min(bounds.get(boundary, [0.0]))
         for boundary in range(virtual - 1)
     ]
     step = max((median(Kind.STEP, d) for d in range(stages)), default=0.0)
-    return Costs(forward, backward, transfer, step)
+    return Costs(forward, backward, transfer, step, shares if any(split) else ())
 
 
 def median_of(values: Sequence[float]) -> float:
@@ -188,12 +212,14 @@ def median_of(values: Sequence[float]) -> float:
 # ---------------------------------------------------------------------------------------- the engine
 _PAYLOAD = {
     Kind.FORWARD: Kind.SEND_ACTIVATION, Kind.SEND_ACTIVATION: Kind.SEND_ACTIVATION, Kind.RECV_ACTIVATION: Kind.SEND_ACTIVATION,
-    Kind.BACKWARD: Kind.SEND_GRADIENT, Kind.SEND_GRADIENT: Kind.SEND_GRADIENT, Kind.RECV_GRADIENT: Kind.SEND_GRADIENT,
+    Kind.BACKWARD: Kind.SEND_GRADIENT, Kind.BACKWARD_INPUT: Kind.SEND_GRADIENT, Kind.SEND_GRADIENT: Kind.SEND_GRADIENT,
+    Kind.RECV_GRADIENT: Kind.SEND_GRADIENT,
 }
 
 
 def _timeline(
-    actions: Sequence[Sequence[Action]], stages: int, virtual_stages: int, costs: Costs, forward_only: bool = False
+    actions: Sequence[Sequence[Action]], stages: int, virtual_stages: int, costs: Costs, forward_only: bool = False,
+    placement: Placement = "loop",
 ) -> tuple[list[list[TimedAction]], list[int]]:
     """Simulate; return every device's timed actions (aligned with its list) and peak activations."""
     if len(costs.forward) != virtual_stages:
@@ -217,16 +243,19 @@ def _timeline(
         kind, replica = action.kind, getattr(action, "replica", 0)  # merged lists of parallel pipelines
         if kind in (Kind.FORWARD, Kind.RECV_ACTIVATION) and vs > 0:
             return (Kind.SEND_ACTIVATION, vs, action.micro_batch, replica)
-        if kind in (Kind.BACKWARD, Kind.RECV_GRADIENT) and vs < last:
+        if (kind.takes_gradient or kind is Kind.RECV_GRADIENT) and vs < last:
             return (Kind.SEND_GRADIENT, vs, action.micro_batch, replica)
         return None
 
-    def publish(action: Action, vs: int, when: float) -> None:
+    def local(vs: int, device: int) -> bool:  # a neighbour on the same device: handed over as its compute ends
+        return 0 <= vs < virtual_stages and locate_virtual_stage(vs, stages, placement)[0] == device
+
+    def publish(action: Action, vs: int, when: float, in_memory: bool = False) -> None:
         payload, replica = _PAYLOAD[action.kind], getattr(action, "replica", 0)
         if payload is Kind.SEND_ACTIVATION and vs < last:
-            arrival[(payload, vs + 1, action.micro_batch, replica)] = when + costs.link(vs)
+            arrival[(payload, vs + 1, action.micro_batch, replica)] = when + (0.0 if in_memory else costs.link(vs))
         elif payload is Kind.SEND_GRADIENT and vs > 0:
-            arrival[(payload, vs - 1, action.micro_batch, replica)] = when + costs.link(vs - 1)
+            arrival[(payload, vs - 1, action.micro_batch, replica)] = when + (0.0 if in_memory else costs.link(vs - 1))
 
     progress = True
     while progress:
@@ -235,7 +264,7 @@ def _timeline(
             own = actions[d]
             while position[d] < len(own):
                 action = own[position[d]]
-                vs = action.chunk * stages + d
+                vs = virtual_stage_of(d, action.chunk, stages, placement)
                 start = clock[d]
                 wait = needs(action, vs)
                 if wait is not None:
@@ -254,10 +283,12 @@ def _timeline(
                     peak[d] = max(peak[d], held[d])
                     if forward_only:
                         held[d] -= 1
-                elif action.kind is Kind.BACKWARD:
+                elif action.kind in (Kind.BACKWARD, Kind.BACKWARD_WEIGHT):
                     held[d] -= 1
-                if action.kind.is_send or (not explicit and action.kind.is_compute):
-                    publish(action, vs, end)
+                produces = action.kind in _PAYLOAD and action.kind.is_compute  # F, B or I: a message's content
+                in_memory = produces and local(vs + 1 if action.kind is Kind.FORWARD else vs - 1, d)
+                if action.kind.is_send or (not explicit and produces) or in_memory:
+                    publish(action, vs, end, in_memory)
                 timed[d].append(TimedAction(d, action, start, end))
                 clock[d] = end
                 position[d] += 1
@@ -294,7 +325,8 @@ def simulate(schedule: Schedule, costs: Costs, replicas: int = 1) -> Simulation:
     Returns:
         The timeline; ``step_time`` is the makespan (last action's end).
     """
-    timed, peak = _timeline(schedule.actions, schedule.stages, schedule.virtual_stages, costs, schedule.forward_only)
+    timed, peak = _timeline(schedule.actions, schedule.stages, schedule.virtual_stages, costs, schedule.forward_only,
+                            schedule.placement)
     step_time = max((device[-1].end for device in timed if device), default=0.0)
     busy = [_busy(device) for device in timed]
     return _summary(timed, peak, step_time, busy, weight_copies(schedule.name, schedule.stages, schedule.micro_batches, replicas))

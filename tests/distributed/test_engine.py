@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from lightning_pipe.engine import Executor, SequentialStage, Transport, Watchdog, split_micro_batches
+from lightning_pipe.engine.p2p import ChannelGroups
 from lightning_pipe.partition import resolve_balance, stage_bounds
 from lightning_pipe.registry import build_schedule
 from tests.harness.distributed import run_workers, values
@@ -84,7 +84,7 @@ def pipeline_worker(rank: int, world: int, name: str, micro_batches: int, chunks
             loss_fn=loss_fn if vs == parts - 1 else None,
         ))
     opt = torch.optim.SGD(params, lr=0.1, momentum=0.9)
-    transport = Transport(torch.device("cpu"), tagged=not nccl_rules, downward_group=dist.new_group() if nccl_rules else None)
+    transport = Transport(torch.device("cpu"), tagged=not nccl_rules, channels=ChannelGroups.create() if nccl_rules else None)
     executor = Executor(rank, list(range(world)), stages, transport, Watchdog.from_process_group(60.0))
     losses = []
     for batch in batches:

@@ -124,7 +124,8 @@ def test_a_short_last_batch_is_a_short_mini_batch(schedule):
             torch.testing.assert_close(got["state"][key], value, rtol=1e-5, atol=1e-6, msg=key)
 
 
-@pytest.mark.parametrize("schedule,extra", [("gpipe", {}), ("1f1b", {}), ("interleaved_1f1b", {"micro_batches": 4})])
+@pytest.mark.parametrize("schedule,extra", [("gpipe", {}), ("1f1b", {}), ("interleaved_1f1b", {"micro_batches": 4}),
+                                            ("zb_h1", {"micro_batches": 4}), ("zbv", {"micro_batches": 4})])
 def test_sync_emulation_equals_one_device(schedule, extra):
     """Training, then validate / test / predict through the emulated forward-only pipeline."""
     one = train({"epochs": 1, "batch_size": BATCH, "evaluate": True})

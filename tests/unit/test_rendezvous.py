@@ -1,5 +1,6 @@
 """The NCCL transport model: every schedule is deadlock-free under NCCL's rules with one stream per
-direction, and the model catches what the gloo dry run cannot (pure Python, no processes)."""
+channel (direction and message kind), and the model catches what the gloo dry run cannot (pure
+Python, no processes)."""
 
 from __future__ import annotations
 
@@ -19,9 +20,13 @@ def synchronous_cases(draw):
     name = draw(st.sampled_from(names("synchronous")))
     P = draw(st.integers(1, 8))
     M = draw(st.integers(1, 32))
+    row = SCHEDULES[name]
     chunks = 1
-    if SCHEDULES[name].default_chunks > 1:
+    if row.requirement(P, M) is not None:  # interleaved: a multiple of P
         M = P * max(1, M // P)
+    if row.fixed_chunks is not None:
+        chunks = row.fixed_chunks
+    elif row.chunked:
         chunks = draw(st.integers(1, 4))
     return build_schedule(name, P, M, chunks)
 
@@ -77,10 +82,11 @@ def test_fused_runs_repair_1f1b_but_not_interleaved_on_one_stream_per_pair():
     rendezvous_dry_run([build_schedule("interleaved_1f1b", 2, 4, 2)], streams="direction", fused=True, headers=False)
 
 
-def test_reordering_two_kinds_of_message_on_one_direction_is_caught():
+def test_reordering_two_kinds_of_message_on_one_direction_is_caught_on_direction_streams():
     """Interleaved 1F1B on 2 devices sends both activations and gradients from device 0 to device 1.
-    gloo tells them apart by tag; NCCL ignores tags, so sending one later than the receiver expects
-    is a mix-up the NCCL model reports (and the gloo dry run accepts)."""
+    gloo tells them apart by tag; NCCL ignores tags, so on one stream per direction, sending one later
+    than the receiver expects is a mix-up the NCCL model reports (and the gloo dry run accepts). The
+    transport's channel streams (one per kind as well) keep the two apart."""
     schedule = build_schedule("interleaved_1f1b", 2, 4, 2)
     actions = list(schedule.actions[0])
     first_act = next(i for i, a in enumerate(actions) if a.kind is Kind.SEND_ACTIVATION and a.chunk == 0 and a.micro_batch == 2)
@@ -88,6 +94,17 @@ def test_reordering_two_kinds_of_message_on_one_direction_is_caught():
     mutated_actions = actions[:first_act] + actions[first_act + 1:next_grad + 1] + [actions[first_act]] + actions[next_grad + 1:]
     mutated = Schedule(schedule.name, 2, 4, 2, (tuple(mutated_actions), schedule.actions[1]))
     dry_run(mutated)  # gloo: each kind keeps its own order
+    with pytest.raises(ScheduleError, match="in the order they are sent"):
+        rendezvous_dry_run([mutated], streams="direction", headers=False)
+    rendezvous_dry_run([mutated], streams="channel", headers=False)
+
+
+def test_reordering_two_messages_of_one_channel_is_caught():
+    schedule = build_schedule("zb_h1", 2, 4)
+    actions = list(schedule.actions[0])
+    sends = [i for i, a in enumerate(actions) if a.kind is Kind.SEND_ACTIVATION][:2]
+    actions[sends[0]], actions[sends[1]] = actions[sends[1]], actions[sends[0]]
+    mutated = Schedule(schedule.name, 2, 4, 1, (tuple(actions), schedule.actions[1]))
     with pytest.raises(ScheduleError, match="in the order they are sent"):
         rendezvous_dry_run([mutated], headers=False)
 
@@ -102,22 +119,34 @@ def test_fused_runs_cannot_wait_for_headers():
         rendezvous_dry_run([build_schedule("1f1b", 2, 2)], fused=True, headers=True)
 
 
-def test_the_emulation_transport_delivers_in_direction_order_without_tags():
-    """The one-device emulation's transport keeps NCCL's rules: one queue per direction, whatever the
-    kind, and a send's request is complete only once its receive ran."""
+def test_the_emulation_transport_delivers_in_channel_order_without_tags():
+    """The one-device emulation's transport keeps NCCL's rules: one queue per channel (direction and
+    kind), and a send's request is complete only once its receive ran."""
     import torch
 
     from lightning_pipe.engine.local import LocalTransport
-    from lightning_pipe.engine.p2p import GRADIENT_TAG
+    from lightning_pipe.engine.p2p import ACTIVATION_TAG, GRADIENT_TAG
 
     queues, sent = {}, {}
     first, second = LocalTransport(0, queues, sent), LocalTransport(1, queues, sent)
-    (request, _), = first.send_activation(torch.ones(2), dst=1)
+    (request, _), = first.send_activation(torch.ones(2), dst=1, header=False)
+    first.send_activation(torch.full((2,), 2.0), dst=1, header=False)
     first.send_gradients([torch.zeros(2)], dst=1)
     with pytest.raises(RuntimeError, match="has not taken"):
         request.wait()
-    with pytest.raises(RuntimeError, match="oldest message from there is an activation"):
-        second.post_payload([], 0, GRADIENT_TAG)  # a gradient expected first: NCCL would mix them up
-    second.post_header(0)
+    (_, gradient), = second.post_payload([torch.zeros(2)], 0, GRADIENT_TAG)  # its own channel: no need to wait
+    assert torch.equal(gradient, torch.zeros(2))
+    (_, activation), = second.post_payload([torch.zeros(2)], 0, ACTIVATION_TAG)
+    assert torch.equal(activation, torch.ones(2))  # the oldest of its channel, whatever the receiver meant
     request.wait()
-    assert sent == {(0, 1): 2}
+    assert sent == {(0, 1, "activation"): 2, (0, 1, "gradient"): 1}
+
+
+def test_zbv_needs_a_stream_per_message_kind():
+    """ZBV's V sends chunk 0's activations and chunk 1's gradients from device 0 to device 1 in one order
+    and takes them in another: on one stream per direction NCCL would deliver the wrong message."""
+    schedule = build_schedule("zbv", 2, 4, 2)
+    with pytest.raises(ScheduleError, match="in the order they are sent"):
+        rendezvous_dry_run([schedule], streams="direction", headers=False)
+    rendezvous_dry_run([schedule], streams="channel", headers=False)
+    rendezvous_dry_run([schedule], streams="channel", headers=True)

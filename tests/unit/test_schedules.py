@@ -102,7 +102,8 @@ def max_in_flight(compute: list[Action]) -> int:
 
 
 def assert_training_invariants(schedule: Schedule) -> None:
-    """Test-1 invariants: one STEP per device and it is last; chunks*M forwards and backwards, each once."""
+    """Test-1 invariants: one STEP per device and it is last; chunks*M forwards and backwards, each once
+    (a backward is one B, or a split one: I then W)."""
     P, M, v = schedule.stages, schedule.micro_batches, schedule.chunks
     expected = {(c, j) for c in range(v) for j in range(M)}
     assert len(schedule.actions) == P
@@ -112,17 +113,33 @@ def assert_training_invariants(schedule: Schedule) -> None:
         assert kinds[Kind.STEP] == 1, f"stage {d}: {kinds[Kind.STEP]} STEPs"
         assert actions[-1] == STEP, f"stage {d}: last action is {actions[-1]}"
         forwards = [(a.chunk, a.micro_batch) for a in actions if a.kind is Kind.FORWARD]
-        backwards = [(a.chunk, a.micro_batch) for a in actions if a.kind is Kind.BACKWARD]
-        assert len(forwards) == v * M and len(backwards) == v * M
-        assert set(forwards) == expected and set(backwards) == expected
+        whole = [(a.chunk, a.micro_batch) for a in actions if a.kind is Kind.BACKWARD]
+        inputs = [(a.chunk, a.micro_batch) for a in actions if a.kind is Kind.BACKWARD_INPUT]
+        weights = [(a.chunk, a.micro_batch) for a in actions if a.kind is Kind.BACKWARD_WEIGHT]
+        assert len(forwards) == v * M and set(forwards) == expected
+        assert len(inputs) == len(weights) == len(set(inputs)) and set(inputs) == set(weights)
+        assert len(whole) + len(inputs) == v * M and set(whole) | set(inputs) == expected
+        for key in inputs:
+            i = next(k for k, a in enumerate(actions) if a.kind is Kind.BACKWARD_INPUT and (a.chunk, a.micro_batch) == key)
+            w = next(k for k, a in enumerate(actions) if a.kind is Kind.BACKWARD_WEIGHT and (a.chunk, a.micro_batch) == key)
+            assert i < w, f"stage {d}: W of {key} before its I"
+
+
+def oracle_virtual_stage(schedule: Schedule, d: int, c: int) -> int:
+    """Written from the placements' definitions (docs/algorithms.md §0), not from ir.py."""
+    P = schedule.stages
+    if schedule.placement == "v" and c % 2 == 1:
+        return c * P + (P - 1 - d)
+    return c * P + d
 
 
 def assert_sound(schedule: Schedule) -> None:
     """An oracle independent of validate.py: what an accepted training schedule must satisfy.
 
     * the test-1 invariants;
-    * on each device, B(j, c) follows F(j, c); every compute is preceded by exactly the receive it
-      needs and followed by exactly the send it owes (and no other communication exists);
+    * on each device, a backward (B, or I) of (j, c) follows F(j, c); every compute is preceded by
+      exactly the receive it needs and followed by exactly the send it owes (and no other
+      communication exists); a neighbour on the same device has computed what it hands over;
     * on every (sender, receiver, payload) channel, sends and receives list the same messages in
       the same order (checked statically);
     * a simulation where sends never block and a receive waits for its send completes.
@@ -130,9 +147,14 @@ def assert_sound(schedule: Schedule) -> None:
     assert_training_invariants(schedule)
     P, v = schedule.stages, schedule.chunks
     last = P * v - 1
+    home = {oracle_virtual_stage(schedule, d, c): (d, c) for d in range(P) for c in range(v)}
+    assert sorted(home) == list(range(P * v))
 
     def vstage(d: int, c: int) -> int:
-        return c * P + d
+        return oracle_virtual_stage(schedule, d, c)
+
+    def remote(d: int, other_vs: int) -> bool:
+        return 0 <= other_vs <= last and home[other_vs][0] != d
 
     sends: dict[tuple[int, int, str], list[tuple[int, int | None]]] = {}
     recvs: dict[tuple[int, int, str], list[tuple[int, int | None]]] = {}
@@ -144,43 +166,50 @@ def assert_sound(schedule: Schedule) -> None:
             key = (a.chunk, a.micro_batch)
             vs = vstage(d, a.chunk)
             if a.kind is Kind.FORWARD:
-                if vs > 0:
+                if remote(d, vs - 1):
                     assert (Kind.RECV_ACTIVATION, *key) in got
+                elif vs > 0:  # handed over in memory by this device's own chunk
+                    assert (Kind.FORWARD, home[vs - 1][1], a.micro_batch) in done
                 done.add((a.kind, *key))
-            elif a.kind is Kind.BACKWARD:
+            elif a.kind in (Kind.BACKWARD, Kind.BACKWARD_INPUT):
                 assert (Kind.FORWARD, *key) in done
-                if vs < last:
+                if remote(d, vs + 1):
                     assert (Kind.RECV_GRADIENT, *key) in got
+                elif vs < last:
+                    assert {(Kind.BACKWARD, home[vs + 1][1], a.micro_batch),
+                            (Kind.BACKWARD_INPUT, home[vs + 1][1], a.micro_batch)} & done
                 done.add((a.kind, *key))
+            elif a.kind is Kind.BACKWARD_WEIGHT:
+                assert (Kind.BACKWARD_INPUT, *key) in done
             elif a.kind.is_recv:
                 comm[a] += 1
                 got.add((a.kind, *key))
                 payload = "act" if a.kind is Kind.RECV_ACTIVATION else "grad"
                 other_vs = vs - 1 if payload == "act" else vs + 1
-                assert 0 <= other_vs <= last
+                assert remote(d, other_vs)
                 # a message is labelled with the receiver's (chunk, micro-batch)
-                recvs.setdefault((other_vs % P, d, payload), []).append((a.chunk, a.micro_batch))
+                recvs.setdefault((home[other_vs][0], d, payload), []).append((a.chunk, a.micro_batch))
             elif a.kind.is_send:
                 comm[a] += 1
-                needs = Kind.FORWARD if a.kind is Kind.SEND_ACTIVATION else Kind.BACKWARD
-                assert (needs, *key) in done
+                needs = {Kind.FORWARD} if a.kind is Kind.SEND_ACTIVATION else {Kind.BACKWARD, Kind.BACKWARD_INPUT}
+                assert any((kind, *key) in done for kind in needs)
                 payload = "act" if a.kind is Kind.SEND_ACTIVATION else "grad"
                 other_vs = vs + 1 if payload == "act" else vs - 1
-                assert 0 <= other_vs <= last
-                sends.setdefault((d, other_vs % P, payload), []).append((other_vs // P, a.micro_batch))
+                assert remote(d, other_vs)
+                sends.setdefault((d, home[other_vs][0], payload), []).append((home[other_vs][1], a.micro_batch))
         # exactly the communication implied by the compute actions
         want = Counter()
         for a in actions:
             vs = vstage(d, a.chunk)
             if a.kind is Kind.FORWARD:
-                if vs > 0:
+                if remote(d, vs - 1):
                     want[Action(Kind.RECV_ACTIVATION, a.micro_batch, a.chunk)] += 1
-                if vs < last:
+                if remote(d, vs + 1):
                     want[Action(Kind.SEND_ACTIVATION, a.micro_batch, a.chunk)] += 1
-            elif a.kind is Kind.BACKWARD:
-                if vs < last:
+            elif a.kind in (Kind.BACKWARD, Kind.BACKWARD_INPUT):
+                if remote(d, vs + 1):
                     want[Action(Kind.RECV_GRADIENT, a.micro_batch, a.chunk)] += 1
-                if vs > 0:
+                if remote(d, vs - 1):
                     want[Action(Kind.SEND_GRADIENT, a.micro_batch, a.chunk)] += 1
         assert comm == want, f"stage {d}: communication {comm} != implied {want}"
     assert set(sends) == set(recvs)
