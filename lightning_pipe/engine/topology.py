@@ -55,14 +55,6 @@ class Topology:
         """Global ranks holding this rank's stage, one per pipeline."""
         return [p * self.stages + self.stage for p in range(self.pipelines)]
 
-    @property
-    def is_last_stage(self) -> bool:
-        return self.stage == self.stages - 1
-
-    @property
-    def last_stage_rank(self) -> int:
-        return self.pipeline_ranks[-1]
-
     def create_groups(self, directional: bool = False) -> None:
         """Create the pipeline and stage groups (every rank must call this, in the same order).
 

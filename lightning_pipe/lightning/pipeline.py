@@ -208,7 +208,7 @@ class StagePipeline:
             ran = self.flush(hook, args, kwargs, False, self.strategy.options.spec.flushed)
         merged = detach_to_cpu(merge_outputs(ran.outputs, ran.sizes)) if ran.outputs else None
         merged, records = self.from_last_stage((merged, combine(ran.capture.records, self.strategy.lightning_module)))
-        replay(self.strategy.lightning_module, records, owner=self.topology.is_last_stage)
+        replay(self.strategy.lightning_module, records, owner=self.holds_last_stage)
         return merged
 
     def replayed_loss(self, ran: Ran) -> Tensor:
@@ -221,17 +221,28 @@ class StagePipeline:
             weights = torch.tensor([s / ran.size for s in ran.sizes], dtype=torch.float64, device=losses.device)
             loss = float((losses * weights).sum())
         loss, records = self.from_last_stage((loss, combine(ran.capture.records, module)))
-        replay(module, records, owner=self.topology.is_last_stage)
+        replay(module, records, owner=self.holds_last_stage)
         return torch.tensor(loss, device=self.strategy.root_device)
 
+    @property
+    def last_stage_device(self) -> int:
+        """The device (stage index) holding the last virtual stage, which computes the loss: the last
+        device, or device 0 under zbv's V placement."""
+        virtual = self.virtual_stages
+        return locate_virtual_stage(virtual - 1, self.strategy.num_stages, self.strategy.options.spec.placement)[0]
+
+    @property
+    def holds_last_stage(self) -> bool:
+        return self.topology.stage == self.last_stage_device
+
     def from_last_stage(self, payload: Any) -> Any:
-        """Broadcast ``payload`` from the pipeline's last stage to all its stages."""
+        """Broadcast ``payload`` from the rank holding the pipeline's last virtual stage to all its stages."""
         topology = self.topology
         if topology.stages == 1:
             return payload
-        box = [payload if topology.is_last_stage else None]
+        box = [payload if self.holds_last_stage else None]
         with self.watchdog.guard("the last stage's metrics"):
-            dist.broadcast_object_list(box, src=topology.last_stage_rank, group=topology.pipeline_group)
+            dist.broadcast_object_list(box, src=topology.pipeline_ranks[self.last_stage_device], group=topology.pipeline_group)
         return box[0]
 
     def gather_in_first_pipeline(self, obj: Any) -> list[Any] | None:

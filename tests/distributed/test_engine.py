@@ -67,14 +67,14 @@ def reference(steps: int, batches: list, lr: float = 0.1):
 def pipeline_worker(rank: int, world: int, name: str, micro_batches: int, chunks: int, batches: list,
                     nccl_rules: bool = False):
     """One pipeline of ``world`` devices; returns losses (last device) and local weights. ``nccl_rules``:
-    the transport NCCL gets (no tags, one process group per direction), on gloo."""
+    the transport NCCL gets (no tags, one process group per channel), on gloo."""
     trunk = make_trunk()
     parts = world * chunks
     bounds = stage_bounds(resolve_balance("uniform", trunk, parts))
     schedule = build_schedule(name, world, micro_batches, chunks)
     stages, params = [], []
     for chunk in range(chunks):
-        vs = chunk * world + rank
+        vs = schedule.virtual_stage(rank, chunk)  # zbv places its chunks as a V
         start, end = bounds[vs]
         layers = trunk[start:end]
         params += list(layers.parameters())
@@ -95,7 +95,7 @@ def pipeline_worker(rank: int, world: int, name: str, micro_batches: int, chunks
             losses.append(sum(w * l.item() for w, l in zip(weights, out)))
     owned = {}
     for chunk in range(chunks):
-        start, end = bounds[chunk * world + rank]
+        start, end = bounds[schedule.virtual_stage(rank, chunk)]
         owned.update({f"{i}.{k}": v for i in range(start, end) for k, v in trunk[i].state_dict().items()})
     return losses, owned
 
@@ -105,7 +105,9 @@ def pipeline_worker(rank: int, world: int, name: str, micro_batches: int, chunks
     [("gpipe", 2, 4, 1, False), ("1f1b", 2, 3, 1, False), ("interleaved_1f1b", 2, 4, 2, False), ("1f1b", 4, 6, 1, False),
      ("interleaved_1f1b", 4, 4, 2, False), ("interleaved_1f1b", 2, 4, 2, True), ("1f1b", 4, 6, 1, True),
      # 12 samples in 5 micro-batches (3, 3, 2, 2, 2): a shape header again mid-step, on both transports
-     ("1f1b", 2, 5, 1, False), ("gpipe", 3, 5, 1, True)],
+     ("1f1b", 2, 5, 1, False), ("gpipe", 3, 5, 1, True),
+     # zero-bubble: split backward; zbv's V hands over in memory on device 1 and needs a group per channel on NCCL
+     ("zb_h1", 2, 5, 1, False), ("zbv", 2, 4, 2, True), ("zbv", 2, 2, 2, False)],
 )
 def test_pipeline_equals_single_device(name, world, micro_batches, chunks, nccl_rules):
     batches = [make_batch(seed=s) for s in range(3)]

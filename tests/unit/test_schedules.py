@@ -259,7 +259,8 @@ def make(name: str, P: int, M: int, v: int, compute: list[list[Action]], forward
 def replace(schedule: Schedule, device: int, actions: list[Action]) -> Schedule:
     lists = list(schedule.actions)
     lists[device] = tuple(actions)
-    return Schedule(schedule.name, schedule.stages, schedule.micro_batches, schedule.chunks, tuple(lists), schedule.forward_only)
+    return Schedule(schedule.name, schedule.stages, schedule.micro_batches, schedule.chunks, tuple(lists), schedule.forward_only,
+                    placement=schedule.placement)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -596,7 +597,11 @@ def _valid_schedules(max_stages: int = 4, max_micro_batches: int = 8, max_chunks
         st.sampled_from(["gpipe", "1f1b"]), st.integers(1, max_stages), st.integers(1, max_micro_batches), st.just(1)
     )
     interleaved = interleaved_shapes(max_stages, max_micro_batches, max_chunks).map(lambda s: ("interleaved_1f1b", *s))
-    return st.one_of(flush, interleaved)
+    zero_bubble = st.one_of(
+        st.tuples(st.just("zb_h1"), st.integers(1, max_stages), st.integers(1, max_micro_batches), st.just(1)),
+        st.tuples(st.just("zbv"), st.integers(1, max_stages), st.integers(1, max_micro_batches), st.just(2)),
+    )
+    return st.one_of(flush, interleaved, zero_bubble)
 
 
 @settings(max_examples=500, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
@@ -647,7 +652,8 @@ def test_mutations_are_rejected_or_still_sound(spec, data):
 
 def test_mutation_oracle_catches_every_deletion_exhaustively():
     """Every single-action deletion (except STEP) of a few small schedules is rejected."""
-    for name, P, M, v in [("gpipe", 3, 3, 1), ("1f1b", 3, 4, 1), ("interleaved_1f1b", 2, 4, 2)]:
+    for name, P, M, v in [("gpipe", 3, 3, 1), ("1f1b", 3, 4, 1), ("interleaved_1f1b", 2, 4, 2), ("zb_h1", 3, 4, 1),
+                          ("zbv", 2, 4, 2)]:
         good = build_schedule(name, P, M, v)
         for d in range(P):
             for i in range(len(good.actions[d]) - 1):
@@ -660,7 +666,8 @@ def test_mutation_oracle_catches_every_deletion_exhaustively():
 
 def test_every_adjacent_swap_is_rejected_or_sound():
     """Exhaustively: every adjacent swap (STEP untouched) of a few small schedules; validator and oracle agree."""
-    for name, P, M, v in [("gpipe", 3, 3, 1), ("1f1b", 4, 4, 1), ("interleaved_1f1b", 2, 4, 2), ("interleaved_1f1b", 3, 3, 2)]:
+    for name, P, M, v in [("gpipe", 3, 3, 1), ("1f1b", 4, 4, 1), ("interleaved_1f1b", 2, 4, 2), ("interleaved_1f1b", 3, 3, 2),
+                          ("zb_h1", 3, 4, 1), ("zbv", 2, 4, 2)]:
         good = build_schedule(name, P, M, v)
         for d in range(P):
             for i in range(len(good.actions[d]) - 2):
@@ -692,12 +699,13 @@ def test_dry_run_runs_every_action_exactly_once(spec):
     assert validate(schedule) == order
     # causality in the global order: every receive comes after its send
     seen: set[tuple[int, Action]] = set()
+    home = {oracle_virtual_stage(schedule, d, c): (d, c) for d in range(P) for c in range(v)}
     for d, a in order:
         if a.kind.is_recv:
-            vs = a.chunk * P + d
+            vs = oracle_virtual_stage(schedule, d, a.chunk)
             other = vs - 1 if a.kind is Kind.RECV_ACTIVATION else vs + 1
             send_kind = Kind.SEND_ACTIVATION if a.kind is Kind.RECV_ACTIVATION else Kind.SEND_GRADIENT
-            assert (other % P, Action(send_kind, a.micro_batch, other // P)) in seen
+            assert (home[other][0], Action(send_kind, a.micro_batch, home[other][1])) in seen
         seen.add((d, a))
 
 
@@ -754,3 +762,106 @@ def test_a_short_last_window_is_sound_and_steps_once_more(P, M, windows, data):
         actions = segment.compute_actions(d)
         assert sum(a.kind is Kind.STEP for a in actions) == windows
         assert actions[-1].kind is Kind.STEP and actions[-2] == B((windows - 1) * M + m - 1)
+
+
+# ---------------------------------------------------------------------------------------------------
+# zero-bubble schedules (docs/algorithms.md §4a)
+# ---------------------------------------------------------------------------------------------------
+
+
+def test_literal_zb_h1_p3_m4():
+    """Written from the spec: 1F1B's warm-up, then F and I in pairs; stage s holds back its first s W's."""
+    assert build_schedule("zb_h1", 3, 4).describe() == "\n".join([
+        "stage 0: F0 F1 F2 I0 W0 F3 I1 W1 I2 W2 I3 W3 STEP",
+        "stage 1: F0 F1 I0 F2 I1 W0 F3 I2 W1 I3 W2 W3 STEP",
+        "stage 2: F0 I0 F1 I1 F2 I2 W0 F3 I3 W1 W2 W3 STEP",
+    ])
+
+
+@FAST
+@given(P=stages_st, M=micro_batches_st)
+def test_zb_h1_keeps_1f1b_peak_memory_and_its_critical_path(P, M):
+    """At most P micro-batches in flight (forward done, W not) on any stage, 1F1B's peak (stage 0's); the
+    I's come in 1F1B's backward order."""
+    schedule = build_schedule("zb_h1", P, M)
+    one_f_one_b = build_schedule("1f1b", P, M)
+    for d in range(P):
+        live, peak = 0, 0
+        for a in schedule.actions[d]:
+            live += (a.kind is Kind.FORWARD) - (a.kind is Kind.BACKWARD_WEIGHT)
+            peak = max(peak, live)
+        assert peak <= min(P, M)
+        inputs = [(a.kind, a.micro_batch) for a in schedule.compute_actions(d) if a.kind in (Kind.FORWARD, Kind.BACKWARD_INPUT)]
+        flush = [(Kind.BACKWARD_INPUT if a.kind is Kind.BACKWARD else a.kind, a.micro_batch)
+                 for a in one_f_one_b.compute_actions(d) if a.kind in (Kind.FORWARD, Kind.BACKWARD)]
+        assert inputs == flush
+
+
+def _torch_zbv_order(P: int, M: int, device: int) -> list[str]:
+    """torch.distributed.pipelining's ZBV order for ``device`` (stage index ``s``: device ``s`` or ``2P-1-s``),
+    as our actions' strings."""
+    schedules = pytest.importorskip("torch.distributed.pipelining.schedules")
+    reference = object.__new__(schedules.ScheduleZBVZeroBubble)  # only its order generator, no process group
+    reference.pp_group_size, reference.num_stages, reference._n_microbatches = P, 2 * P, M
+    out = []
+    for op in reference._calculate_single_rank_operations(device):
+        if op is None:
+            continue
+        chunk = 0 if op.stage_index < P else 1
+        kind = {"FORWARD": "F", "BACKWARD_INPUT": "I", "BACKWARD_WEIGHT": "W"}[op.computation_type.name]
+        out.append(f"{kind}{op.microbatch_index}" + ("c1" if chunk else ""))
+    return out + ["STEP"]
+
+
+@pytest.mark.parametrize("P,M", [(2, 1), (2, 2), (2, 4), (2, 8), (3, 5), (4, 8), (4, 16)])
+def test_zbv_order_is_torch_pipelinings(P, M):
+    schedule = build_schedule("zbv", P, M, 2)
+    for d in range(P):
+        assert [str(a) for a in schedule.compute_actions(d)] == _torch_zbv_order(P, M, d)
+
+
+@FAST
+@given(P=stages_st, M=micro_batches_st)
+def test_zero_bubble_schedules_are_sound(P, M):
+    for name, v in (("zb_h1", 1), ("zbv", 2)):
+        schedule = build_schedule(name, P, M, v)
+        validate(schedule)
+        assert_sound(schedule)
+
+
+def test_zbv_places_its_chunks_as_a_v():
+    schedule = build_schedule("zbv", 3, 6, 2)
+    assert [schedule.virtual_stage(d, c) for c in range(2) for d in range(3)] == [0, 1, 2, 5, 4, 3]
+    assert schedule.locate(5) == (0, 1) and schedule.locate(3) == (2, 1)
+    # the turn of the V (virtual stages 2 and 3 on device 2) hands over in memory: no messages between them
+    assert not [a for a in schedule.actions[2] if a.chunk == 1 and a.kind in (Kind.RECV_ACTIVATION, Kind.SEND_GRADIENT)]
+    assert not [a for a in schedule.actions[2] if a.chunk == 0 and a.kind in (Kind.SEND_ACTIVATION, Kind.RECV_GRADIENT)]
+
+
+def test_rejects_a_weight_gradient_before_its_input_gradient():
+    good = build_schedule("zb_h1", 2, 2)
+    acts = list(good.actions[1])
+    i = next(k for k, a in enumerate(acts) if a.kind is Kind.BACKWARD_INPUT)
+    w = next(k for k, a in enumerate(acts) if a.kind is Kind.BACKWARD_WEIGHT and a.micro_batch == acts[i].micro_batch)
+    acts.insert(i, acts.pop(w))
+    with pytest.raises(ScheduleError, match="before the I of its micro-batch"):
+        validate(replace(good, 1, acts))
+
+
+def test_rejects_a_backward_that_is_both_whole_and_split():
+    good = build_schedule("zb_h1", 2, 2)
+    acts = list(good.actions[0])
+    w = next(k for k, a in enumerate(acts) if a.kind is Kind.BACKWARD_WEIGHT)
+    acts[w] = B(acts[w].micro_batch)
+    with pytest.raises(ScheduleError, match="one B, or one I and one W|both a B and an I/W"):
+        validate(replace(good, 0, acts))
+
+
+def test_rejects_a_chunk_that_takes_from_its_neighbour_on_the_device_too_early():
+    good = build_schedule("zbv", 2, 2, 2)
+    acts = list(good.actions[1])  # device 1 holds virtual stages 1 and 2: F(j, c1) needs F(j, c0) first
+    f0 = acts.index(F(0))
+    f0c1 = acts.index(F(0, 1))
+    acts[f0], acts[f0c1] = acts[f0c1], acts[f0]
+    with pytest.raises(ScheduleError, match="same device"):
+        validate(replace(good, 1, acts))

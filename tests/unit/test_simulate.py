@@ -47,6 +47,29 @@ def test_interleaved_step_time_is_the_closed_form(stages: int, groups: int, chun
     assert sim.step_time == pytest.approx(expected, rel=1e-9)
 
 
+@settings(max_examples=40, deadline=None)
+@given(st.integers(2, 6), st.integers(0, 10), durations)
+def test_zb_h1_bubble_is_the_papers(stages: int, extra: int, t: float) -> None:
+    """ZB-H1 with F = I = W = t and M >= P: 1F1B's bubble (P-1)(F+B) shrinks to (P-1)(F+I-W) (Qi et al., 2023)."""
+    micro_batches = stages + extra
+    sim = simulate(build_schedule("zb_h1", stages, micro_batches), Costs.uniform(stages, t, 2 * t))
+    assert sim.step_time == pytest.approx(3 * t * micro_batches + (stages - 1) * t, rel=1e-9)
+    assert sim.peak_activations == [stages] * stages  # 1F1B's peak, on every stage
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(2, 6), st.integers(0, 10), durations)
+def test_zbv_nearly_removes_the_bubble(stages: int, extra: int, t: float) -> None:
+    """ZBV with F = I = W per chunk and M >= 2P: the V's turn on the last device leaves one chunk forward of idle
+    time per device at most, far below 1F1B's P - 1 slots."""
+    micro_batches = 2 * stages + extra
+    zbv = simulate(build_schedule("zbv", stages, micro_batches, 2), Costs.uniform(2 * stages, t / 2, t))
+    ideal = 3 * t * micro_batches  # every device busy all the time
+    one_f_one_b = simulate(build_schedule("1f1b", stages, micro_batches), Costs.uniform(stages, t, 2 * t)).step_time
+    assert ideal <= zbv.step_time <= ideal + (stages - 1) * t
+    assert zbv.step_time < one_f_one_b
+
+
 def test_transfer_adds_latency_and_step_its_cost() -> None:
     stages, m, f, b, c, s = 3, 4, 1.0, 2.0, 0.25, 0.5
     sim = simulate(build_schedule("gpipe", stages, m), Costs.uniform(stages, f, b, transfer=c, step=s))
@@ -156,16 +179,19 @@ positive = st.floats(min_value=0.1, max_value=10.0, allow_nan=False)
 
 
 @settings(max_examples=40, deadline=None)
-@given(st.sampled_from(["gpipe", "1f1b", "interleaved_1f1b", *ASYNC_SCHEDULES]), st.integers(2, 4), st.data())
+@given(st.sampled_from(["gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zbv", *ASYNC_SCHEDULES]), st.integers(2, 4), st.data())
 def test_measured_costs_of_a_run_are_the_costs_that_made_it(name: str, stages: int, data) -> None:
     """A simulated run read as a measured one gives back its costs: per-virtual-stage forward and
-    backward, the STEP, and the transfer of every boundary some receive waited on. A boundary no
-    receive ever waited on reads an upper bound (its messages were always there first), and the run
-    simulated again with the costs read back is the same run."""
-    chunks = 2 if name == "interleaved_1f1b" else 1
+    backward (a split one's share of W too), the STEP, and the transfer of every boundary some receive
+    waited on. A boundary no receive ever waited on reads an upper bound (its messages were always
+    there first), and the run simulated again with the costs read back is the same run."""
+    chunks = 2 if name in ("interleaved_1f1b", "zbv") else 1
     virtual = stages * chunks
+    shares = st.floats(min_value=0.1, max_value=0.9)
     costs = Costs([data.draw(positive) for _ in range(virtual)], [data.draw(positive) for _ in range(virtual)],
-                  [data.draw(positive) for _ in range(virtual - 1)], data.draw(positive))
+                  [data.draw(positive) for _ in range(virtual - 1)], data.draw(positive),
+                  [1.0] + [data.draw(shares) for _ in range(virtual - 1)] if name in ("zb_h1", "zbv") else ())
+    placement = "v" if name == "zbv" else "loop"
 
     def run(costs: Costs):
         if name in ASYNC_SCHEDULES:
@@ -173,9 +199,10 @@ def test_measured_costs_of_a_run_are_the_costs_that_made_it(name: str, stages: i
         return simulate(build_schedule(name, stages, 2 * stages, chunks), costs)
 
     original = run(costs)
-    got = measured_costs(original.events, stages, chunks)
+    got = measured_costs(original.events, stages, chunks, placement=placement)
     assert got.forward == pytest.approx(costs.forward, rel=1e-9)
     assert got.backward == pytest.approx(costs.backward, rel=1e-9)
+    assert list(got.weight_share) == pytest.approx(list(costs.weight_share), rel=1e-9)
     assert got.step == pytest.approx(costs.step, rel=1e-9)
     for boundary, transfer in enumerate(got.transfer):
         assert transfer == pytest.approx(costs.transfer[boundary], rel=1e-9) or transfer > costs.transfer[boundary]
