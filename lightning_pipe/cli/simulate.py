@@ -14,7 +14,7 @@ def simulate_schedule(
     schedule: str = DEFAULT,
     stages: int = 4,
     micro_batches: int = 8,
-    chunks: int = 1,
+    chunks: int | None = None,
     forward: float = 1.0,
     backward: float = 2.0,
     transfer: float = 0.0,
@@ -31,9 +31,11 @@ def simulate_schedule(
         schedule: any synchronous or asynchronous schedule name.
         stages: devices ``P``.
         micro_batches: micro-batches per step ``M``.
-        chunks: chunks per device (``interleaved_1f1b``).
+        chunks: chunks per device (``interleaved_1f1b``; default: the schedule's, 2 for ``interleaved_1f1b``
+            and ``zbv``, else 1).
         forward: forward time of one micro-batch on one virtual stage (milliseconds).
-        backward: backward time (milliseconds).
+        backward: backward time (milliseconds); zero-bubble schedules split it half and half into ``I``
+            and ``W`` (a measured run's ``costs_from`` gives the real shares).
         transfer: one-way time of a boundary message (milliseconds).
         step: time of one optimizer STEP (milliseconds).
         windows: asynchronous schedules: windows simulated before the drain.
@@ -46,6 +48,8 @@ def simulate_schedule(
         trace: write a Chrome-trace JSON here.
     """
     ms = 1e-3
+    row = spec(schedule)
+    chunks = row.default_chunks if chunks is None else chunks
     if costs_from is None:
         costs = Costs.uniform(stages * chunks, forward * ms, backward * ms, transfer * ms, step * ms)
     else:
@@ -55,11 +59,11 @@ def simulate_schedule(
             raise SystemExit(str(error)) from None
         if len({e.device for e in events if e.device < stages}) < stages:
             raise SystemExit(f"{costs_from} records fewer than {stages} ranks; give --stages as the traced run had.")
-        costs = measured_costs(events, stages, chunks, steps)
+        costs = measured_costs(events, stages, chunks, steps, row.placement)
         print(f"costs from {costs_from} (ms per micro-batch, per virtual stage): forward "
               f"{[round(f / ms, 3) for f in costs.forward]}, backward {[round(b / ms, 3) for b in costs.backward]}, "
               f"transfer {[round(t / ms, 3) for t in costs.transfer]}, step {costs.step / ms:.3f}")
-    family = spec(schedule).family
+    family = row.family
     if family == "averaging":
         raise SystemExit("avgpipe's round depends on its tuned values; simulate it with `lightning-pipe plan --schedules avgpipe`.")
     if family == "asynchronous":

@@ -163,6 +163,9 @@ def check(options: PipeOptions) -> None:
     if not row.chunked and o.chunks_per_stage != 1:
         chunked = " or ".join(f"schedule={name!r}" for name, other in SCHEDULES.items() if other.chunked)
         raise PipeConfigError(f"chunks_per_stage={o.chunks_per_stage} only applies to {chunked}; leave it at 1 for {o.schedule!r}.")
+    if row.fixed_chunks is not None and o.chunks_per_stage != row.fixed_chunks:
+        raise PipeConfigError(f"schedule={o.schedule!r} places exactly {row.fixed_chunks} chunks per device; "
+                              f"leave chunks_per_stage unset (got {o.chunks_per_stage}).")
     for name in ("timeout", "startup_timeout", "checkpoint_timeout"):
         if not getattr(o, name) > 0:
             raise PipeConfigError(f"{name}={getattr(o, name)} must be a positive number of seconds.")

@@ -2,7 +2,8 @@
 (``PipeStrategy(trace_dir=...)``): a PNG like the papers' figures and a Chrome-trace JSON.
 
 Both take a list of :class:`~lightning_pipe.schedules.ir.TimedAction`. The PNG has one row per device:
-forwards blue, backwards green, optimizer STEPs dark grey, time spent waiting for a receive (measured
+forwards blue, backwards green (a split backward: its input gradient ``I`` green, its weight
+gradient ``W`` purple), optimizer STEPs dark grey, time spent waiting for a receive (measured
 runs) hatched red, idle time light grey; the micro-batch number is written in each box. Chunks of
 interleaved schedules are shades of the same colour (later chunks lighter) and parallel pipelines
 (avgpipe replicas) get distinct hatchings.
@@ -19,6 +20,7 @@ from lightning_pipe.schedules.ir import Kind, TimedAction
 
 _FORWARD = ("#3b6fb6", "#7fa6dc", "#b4cbec", "#d7e3f5")  # shades per chunk, darkest first
 _BACKWARD = ("#3a9a5b", "#7cc495", "#b0dcbf", "#d6eedf")
+_WEIGHT = ("#7d4e9e", "#a988c2", "#cbb6dc", "#e5daee")
 _STEP = "#4d4d4d"
 _WAIT = "#e8a0a0"
 _IDLE = "#eeeeee"
@@ -48,8 +50,10 @@ def _style(event: TimedAction, show_waits: bool) -> tuple[str, str, str] | None:
     hatch = _HATCHES[action.replica % len(_HATCHES)]
     if action.kind is Kind.FORWARD:
         return _shade(_FORWARD, action.chunk), hatch, str(action.micro_batch)
-    if action.kind is Kind.BACKWARD:
+    if action.kind in (Kind.BACKWARD, Kind.BACKWARD_INPUT):
         return _shade(_BACKWARD, action.chunk), hatch, str(action.micro_batch)
+    if action.kind is Kind.BACKWARD_WEIGHT:
+        return _shade(_WEIGHT, action.chunk), hatch, str(action.micro_batch)
     if action.kind is Kind.STEP:
         return _STEP, hatch, "S"
     if action.kind.is_recv and show_waits:
@@ -104,7 +108,7 @@ def timeline_png(
         box_points = axes_points * event.duration / span
         size = min(9.0, box_points / (0.7 * max(len(label), 1)))
         if label and size >= 3.5:
-            text_colour = "white" if colour in (_FORWARD[0], _BACKWARD[0], _STEP) else "black"
+            text_colour = "white" if colour in (_FORWARD[0], _BACKWARD[0], _WEIGHT[0], _STEP) else "black"
             ax.text(x + w / 2, row[event.device], label, ha="center", va="center", fontsize=size, color=text_colour, zorder=2)
     ax.set_xlim(0, span * scale)
     ax.set_ylim(len(devices) - 0.5, -0.5)  # first device on top, as in the papers
@@ -116,7 +120,12 @@ def timeline_png(
     for chunk in chunks:
         suffix = f" (chunk {chunk})" if len(chunks) > 1 else ""
         handles.append(Patch(facecolor=_shade(_FORWARD, chunk), label=f"forward{suffix}"))
-        handles.append(Patch(facecolor=_shade(_BACKWARD, chunk), label=f"backward{suffix}"))
+        if (Kind.BACKWARD, chunk) in kinds:
+            handles.append(Patch(facecolor=_shade(_BACKWARD, chunk), label=f"backward{suffix}"))
+        if (Kind.BACKWARD_INPUT, chunk) in kinds:
+            handles.append(Patch(facecolor=_shade(_BACKWARD, chunk), label=f"input gradient I{suffix}"))
+        if (Kind.BACKWARD_WEIGHT, chunk) in kinds:
+            handles.append(Patch(facecolor=_shade(_WEIGHT, chunk), label=f"weight gradient W{suffix}"))
     if any(k is Kind.STEP for k, _ in kinds):
         handles.append(Patch(facecolor=_STEP, label="optimizer step"))
     if any(k.is_recv for k, _ in kinds):

@@ -40,7 +40,7 @@ class Manual(TrunkModel):
 def test_strategy_names_are_registered():
     from lightning.pytorch.strategies import StrategyRegistry
 
-    for name in ("gpipe", "1f1b", "interleaved_1f1b"):
+    for name in ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zbv"):
         assert name in StrategyRegistry
         trainer = L.Trainer(strategy=name, accelerator="cpu", devices=2, logger=False)
         assert isinstance(trainer.strategy, PipeStrategy) and trainer.strategy.schedule == name
@@ -77,7 +77,8 @@ def test_bad_configuration(make, kwargs, match):
     [
         ({"schedule": "pipemagic"}, "schedule='pipemagic' is not available"),
         ({"micro_batches": 0}, "micro_batches=0 must be at least 1"),
-        ({"schedule": "1f1b", "chunks_per_stage": 2}, "only applies to schedule='interleaved_1f1b'"),
+        ({"schedule": "1f1b", "chunks_per_stage": 2}, "only applies to schedule='interleaved_1f1b' or schedule='zbv'"),
+        ({"schedule": "zbv", "chunks_per_stage": 3}, "zbv' places exactly 2 chunks per device; leave chunks_per_stage unset"),
         ({"balance": "foo"}, "balance='foo' is not known; use 'uniform', 'parameters', 'auto'"),
         ({"micro_batch": 4}, r"PipeStrategy has no option 'micro_batch'; did you mean micro_batches=\?"),
         ({"timeout": 0}, "timeout=0.0 must be a positive number of seconds"),

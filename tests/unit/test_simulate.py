@@ -204,7 +204,10 @@ def test_measured_costs_of_a_run_are_the_costs_that_made_it(name: str, stages: i
     assert got.backward == pytest.approx(costs.backward, rel=1e-9)
     assert list(got.weight_share) == pytest.approx(list(costs.weight_share), rel=1e-9)
     assert got.step == pytest.approx(costs.step, rel=1e-9)
+    layout = build_schedule(name, stages, 2 * stages, chunks) if name not in ASYNC_SCHEDULES else None
     for boundary, transfer in enumerate(got.transfer):
+        if layout is not None and layout.locate(boundary)[0] == layout.locate(boundary + 1)[0]:
+            continue  # zbv's turn: both sides on one device, handed over in memory (no transfer to read)
         assert transfer == pytest.approx(costs.transfer[boundary], rel=1e-9) or transfer > costs.transfer[boundary]
     assert run(got).step_time == pytest.approx(original.step_time, rel=1e-9)
 
