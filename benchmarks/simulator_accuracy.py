@@ -26,6 +26,11 @@ whose building blocks this script reuses. One pair of processes per (workload, M
    makespan) for the flushing schedules, ``simulate_async(...)`` (steady-state time per window) for
    the others.
 
+The zero-bubble schedules (zb_h1, and zbv with two chunks per process, cut as ``Workload.v_split``) are
+predicted from the *in the pipeline* costs only: their ``I`` and ``W`` halves and zbv's four virtual
+stages are what the recorder sees (``measured_costs`` reads ``W``'s share of each backward); the solo
+runs above know only whole backwards of the two-stage cut.
+
 Ratios are medians over rounds of simulated / measured within a round, so a slow phase of a shared
 machine affects both sides alike.
 The ratio simulated / measured is printed for both cost sets (goal: 0.85-1.15). The simulator
@@ -66,6 +71,7 @@ ASYNC_SCHEDULES = names("asynchronous")
 from lightning_pipe.sim.simulate import Costs, measured_costs, simulate, simulate_async  # noqa: E402
 
 SYNC = ("gpipe", "1f1b")
+SPLIT = ("zb_h1", "zbv", "dualpipev")  # zero-bubble: predicted from the costs recorded in the pipeline only
 
 
 # ---------------------------------------------------------------------------------------- costs
@@ -180,9 +186,13 @@ def recorded_costs(variant: Variant, rank: int) -> dict[str, float]:
     variant.executor.recorder = None
     everyone: list[Any] = [None] * STAGES
     dist.all_gather_object(everyone, recorder.events)
-    costs = measured_costs([e for events in everyone for e in events], STAGES)
+    name = variant.name.split()[1]  # "ours <schedule>"
+    row = SCHEDULES[name]
+    costs = measured_costs([e for events in everyone for e in events], STAGES, row.default_chunks, placement=row.placement)
+    whole = {"forward": list(costs.forward), "backward": list(costs.backward), "transfer": list(costs.transfer),
+             "step": costs.step, "weight_share": list(costs.weight_share)}
     return {"forward": costs.forward[rank], "backward": costs.backward[rank], "step": costs.step,
-            "transfer": costs.link(0)}
+            "transfer": costs.link(0), "all": whole}
 
 
 def worker(rank: int, workload_name: str, micro_batches: int, args: dict[str, Any]) -> dict[str, Any]:
@@ -191,7 +201,7 @@ def worker(rank: int, workload_name: str, micro_batches: int, args: dict[str, An
     workload = WORKLOADS[workload_name]
     torch.manual_seed(0)
     group = dist.new_group(backend="gloo")
-    variants: list[Variant] = [Engine(s, workload, micro_batches, rank, dist.new_group(backend="gloo")) for s in SYNC]
+    variants: list[Variant] = [Engine(s, workload, micro_batches, rank, dist.new_group(backend="gloo")) for s in (*SYNC, *SPLIT)]
     for schedule in ASYNC_SCHEDULES:
         variants.append(AsyncEngine(schedule, workload, micro_batches, rank, dist.new_group(backend="gloo")))
     for variant in variants:
@@ -205,7 +215,7 @@ def worker(rank: int, workload_name: str, micro_batches: int, args: dict[str, An
         for variant in variants[shift:] + variants[:shift]:
             gc.collect()
             dist.barrier()
-            costs[-1][variant.name.split()[1]]["pipeline"] = recorded_costs(variant, rank)  # "ours <schedule>"
+            costs[-1].setdefault(variant.name.split()[1], {})["pipeline"] = recorded_costs(variant, rank)  # "ours <schedule>"
             dist.barrier()
             clocks[variant.name].start()
             for _ in range(args["steps_per_window"]):
@@ -236,6 +246,8 @@ MODES = ("alone", "together", "pipeline")
 
 def costs_of(ranks: list[dict[str, Any]], schedule: str, mode: str) -> Costs:
     """Costs of one round from every rank's measurements (``mode``: one of :data:`MODES`)."""
+    if mode == "pipeline":  # every virtual stage, as the recorder saw them (all ranks hold the same)
+        return Costs(**ranks[0][schedule]["pipeline"]["all"])
     return Costs(
         forward=[r[schedule][mode]["forward"] for r in ranks],
         backward=[r[schedule][mode]["backward"] for r in ranks],
@@ -247,7 +259,11 @@ def costs_of(ranks: list[dict[str, Any]], schedule: str, mode: str) -> Costs:
 def predicted(schedule: str, m: int, costs: Costs) -> float:
     if schedule in ASYNC_SCHEDULES:
         return simulate_async(schedule, STAGES, m, costs, windows=8).step_time
-    return simulate(build_schedule(schedule, STAGES, m), costs).step_time
+    return simulate(build_schedule(schedule, STAGES, m, SCHEDULES[schedule].default_chunks), costs).step_time
+
+
+def modes_of(schedule: str) -> tuple[str, ...]:
+    return ("pipeline",) if schedule in SPLIT else MODES
 
 
 def _ms(values: list[float]) -> str:
@@ -275,8 +291,15 @@ def report(jobs: list[dict[str, Any]], max_load: float = 0.25, min_rounds: int =
     lines.append("|---|---|---|---|---|---|---|---|")
     for job in selected:
         wl, m, rounds = job["workload"], job["micro_batches"], job["costs"]
-        for schedule in (*SYNC, *ASYNC_SCHEDULES):
-            for mode in MODES:
+        for schedule in (*SYNC, *SPLIT, *ASYNC_SCHEDULES):
+            for mode in modes_of(schedule):
+                if schedule in SPLIT:  # per virtual stage
+                    whole = [r[0][schedule][mode]["all"] for r in rounds]
+                    cells = ["/".join(_ms([w[key][vs] for w in whole]) for vs in range(len(whole[0]["forward"])))
+                             for key in ("forward", "backward")] + [_ms([w["step"] for w in whole])]
+                    lines.append(f"| {wl} | {m} | {schedule} | {mode} | {' | '.join(cells)} | "
+                                 f"{'/'.join(_ms([w['transfer'][b] for w in whole]) for b in range(len(whole[0]['transfer'])))} |")
+                    continue
                 cells = [
                     "/".join(_ms([r[s][schedule][mode][key] for r in rounds]) for s in range(STAGES))
                     for key in ("forward", "backward", "step")
@@ -290,11 +313,14 @@ def report(jobs: list[dict[str, Any]], max_load: float = 0.25, min_rounds: int =
     ]
     for job in selected:
         wl, m, rounds = job["workload"], job["micro_batches"], job["costs"]
-        for schedule in (*SYNC, *ASYNC_SCHEDULES):
+        for schedule in (*SYNC, *SPLIT, *ASYNC_SCHEDULES):
             windows = job["windows"][f"ours {schedule}"]
             measured = [w["seconds"] / (w["samples"] / WORKLOADS[wl].batch) for w in windows]
             cells = []
             for mode in MODES:
+                if mode not in modes_of(schedule):
+                    cells.append("n/a | n/a")
+                    continue
                 sims = [predicted(schedule, m, costs_of(r, schedule, mode)) for r in rounds]
                 ratio = statistics.median(p / x for p, x in zip(sims, measured))  # same round: same conditions
                 cells.append(f"{_ms(sims)} | {ratio:.2f}")
@@ -304,7 +330,8 @@ def report(jobs: list[dict[str, Any]], max_load: float = 0.25, min_rounds: int =
                 f"{' | '.join(cells)} | {load:.2f} |"
             )
     lines.append(
-        "\nSimulated columns: median over rounds of the prediction from that round's costs; ratio: median over rounds of "
+        "\nCosts rows: zero-bubble schedules per virtual stage (zbv: 0-3, device 0 holds 0 and 3), backward = I + W. "
+        "Simulated columns: median over rounds of the prediction from that round's costs; ratio: median over rounds of "
         "simulated / measured in the same round. other load: cores used by other processes during the schedule's windows "
         f"(median). Rounds kept (every schedule's window with other load <= {max_load} cores): {', '.join(notes)}."
     )
@@ -367,15 +394,15 @@ def write_traces(jobs: list[dict[str, Any]], directory: Path) -> None:
     print("|---|---|---|---|---|---|---|---|")
     for job in jobs:
         wl, m = job["workload"], job["micro_batches"]
-        for schedule in (*SYNC, *ASYNC_SCHEDULES):
+        for schedule in (*SYNC, *SPLIT, *ASYNC_SCHEDULES):
             events, _ = events_from_rows(job["traces"][f"ours {schedule}"])
             stem = directory / f"{wl}-M{m}-{schedule}"
             timeline_png(events, f"{stem}-measured.png", title=f"{wl}, {schedule}, M={m}: one measured step", show_waits=True)
-            costs = costs_of(job["costs"][-1], schedule, "together")
+            costs = costs_of(job["costs"][-1], schedule, "pipeline" if schedule in SPLIT else "together")
             if schedule in ASYNC_SCHEDULES:
                 sim = simulate_async(schedule, STAGES, m, costs, windows=4)
             else:
-                sim = simulate(build_schedule(schedule, STAGES, m), costs)
+                sim = simulate(build_schedule(schedule, STAGES, m, SCHEDULES[schedule].default_chunks), costs)
             timeline_png(sim.events, f"{stem}-simulated.png", title=f"{wl}, {schedule}, M={m}: simulated")
             begin, end = min(e.start for e in events), max(e.end for e in events)
             cells = {"compute": [], "simulated": [], "waits": [], "rest": []}
@@ -386,7 +413,7 @@ def write_traces(jobs: list[dict[str, Any]], directory: Path) -> None:
                 simulated = sum(
                     e.duration for e in sim.events
                     if e.device == rank and (e.action.kind.is_compute or e.action.kind is Kind.STEP)
-                ) if schedule in SYNC else sim.busy[rank]
+                ) if schedule not in ASYNC_SCHEDULES else sim.busy[rank]
                 cells["compute"].append(compute)
                 cells["simulated"].append(simulated)
                 cells["waits"].append(waits)

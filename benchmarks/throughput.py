@@ -13,9 +13,9 @@ all variants alike:
   ``torch zbv`` / ``torch dualpipev`` (``--torch-schedules``): its zero-bubble V schedules
   ``ScheduleZBVZeroBubble`` / ``ScheduleDualPipeV``, two ``PipelineStage`` per process (virtual stages
   ``r`` and ``3 - r``, cut as ``Workload.v_split``);
-* ``ours gpipe`` / ``ours 1f1b`` / ``ours zb_h1`` / ``ours zbv``: ``lightning_pipe.engine.Executor``
+* ``ours gpipe`` / ``ours 1f1b`` / ``ours zb_h1`` / ``ours zbv`` / ``ours dualpipev``: ``lightning_pipe.engine.Executor``
   running ``build_schedule`` with ``SequentialStage`` chunks, exactly what
-  ``tests/distributed/test_engine.py`` does (``zbv``: the same two chunks per process as torch's);
+  ``tests/distributed/test_engine.py`` does (``zbv``, ``dualpipev``: the same two chunks per process as torch's);
 * ``single thread``: rank 0 alone runs the whole model on the same ``M`` micro-batches
   (accumulating gradients, one SGD step) while rank 1 idles. The ideal 2-stage pipeline then does
   ``2 × single thread × M / (M + 1)`` samples/s: each stage does half the work, and the
@@ -793,7 +793,7 @@ def zero_bubble_summary(jobs: list[dict[str, Any]]) -> str:
     lines = []
     for job in jobs:
         windows = job["windows"]
-        ours = [name for name in windows if name in ("ours zb_h1", "ours zbv")]
+        ours = [name for name in windows if name in ("ours zb_h1", "ours zbv", "ours dualpipev")]
         theirs = [name for name in windows if name.startswith("torch ")]
         if not ours:
             continue
@@ -890,7 +890,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workloads", nargs="+", choices=sorted(WORKLOADS), default=["W1", "W2"])
     parser.add_argument("--micro-batches", nargs="+", type=int, default=None, help="default: 4 and 8")
-    parser.add_argument("--schedules", nargs="+", choices=["gpipe", "1f1b", "zb_h1", "zbv"], default=["gpipe", "1f1b"],
+    parser.add_argument("--schedules", nargs="+", choices=["gpipe", "1f1b", "zb_h1", "zbv", "dualpipev"], default=["gpipe", "1f1b"],
                         help="our schedules")
     parser.add_argument("--torch-schedules", nargs="+", choices=["gpipe", "1f1b", "zbv", "dualpipev"], default=None,
                         help="torch.distributed.pipelining's schedules (default: those of --schedules it has)")
@@ -944,7 +944,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         print(f"through Lightning: skipped, lightning_pipe.PipeStrategy is not importable ({skipped})", flush=True)
         light_schedules = []
     if args.torch_schedules is None:
-        args.torch_schedules = [s for s in args.schedules if s in ("gpipe", "1f1b", "zbv")]
+        args.torch_schedules = [s for s in args.schedules if s in ("gpipe", "1f1b", "zbv", "dualpipev")]
     job_args = {k: getattr(args, k) for k in ("schedules", "torch_schedules", "windows", "steps_per_window", "warmup_steps",
                                               "headers_always")}
     jobs, lightning = [], []

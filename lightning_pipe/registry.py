@@ -33,6 +33,7 @@ from lightning_pipe.schedules import (
     interleaved_1f1b,
     one_f_one_b,
     validate_async,
+    dualpipev,
     zb_h1,
     zbv,
 )
@@ -137,6 +138,13 @@ def _interleaved_requirement(stages: int, micro_batches: int) -> str | None:
             f"{stages} stages: use micro_batches={stages * max(1, round(micro_batches / stages))}.")
 
 
+def _dualpipev_requirement(stages: int, micro_batches: int) -> str | None:
+    if micro_batches >= 2 * stages:
+        return None
+    return (f"dualpipev needs micro_batches >= 2 * stages; got micro_batches={micro_batches} with {stages} stages: "
+            f"use micro_batches={2 * stages} or more.")
+
+
 def _double_buffer_requirement(stages: int, micro_batches: int) -> str | None:
     if micro_batches >= stages:
         return None
@@ -162,6 +170,10 @@ SCHEDULES: dict[str, ScheduleSpec] = {spec.name: spec for spec in (
     ScheduleSpec("zbv", "synchronous",
                  "ZBV zero-bubble pipeline: two chunks per device in a V, split backward, almost no bubble",
                  generator=zbv, default_chunks=2, placement="v", fixed_chunks=2, split_backward=True),
+    ScheduleSpec("dualpipev", "synchronous",
+                 "DualPipeV pipeline: zbv's V with whole backwards in the steady state, split ones only at its ends",
+                 generator=dualpipev, default_chunks=2, placement="v", fixed_chunks=2, split_backward=True,
+                 requirement=_dualpipev_requirement),
     ScheduleSpec("pipedream", "asynchronous", "asynchronous PipeDream pipeline with weight stashing (no flush)",
                  policy=StashPolicy, flush_with=DEFAULT, weight_copies=lambda s, p, m, n: _tau_bar(s, p, m) + 2),
     ScheduleSpec("pipedream_2bw", "asynchronous",

@@ -2,8 +2,8 @@
 
 Consecutive global ranks form one pipeline (``rank = pipeline * stages + stage``), so a pipeline's
 neighbours share a node. Two kinds of groups: a pipeline group (all stages of one pipeline: metric
-broadcast) and a stage group (the same stage across pipelines: gradient all-reduce); on NCCL also a
-group for point-to-point messages to a lower rank (one stream per direction of a pair).
+broadcast) and a stage group (the same stage across pipelines: gradient all-reduce); on NCCL also
+one group per point-to-point channel, a direction of a pair and a message kind (``ChannelGroups``).
 """
 
 from __future__ import annotations

@@ -166,6 +166,12 @@ def check(options: PipeOptions) -> None:
     if row.fixed_chunks is not None and o.chunks_per_stage != row.fixed_chunks:
         raise PipeConfigError(f"schedule={o.schedule!r} places exactly {row.fixed_chunks} chunks per device; "
                               f"leave chunks_per_stage unset (got {o.chunks_per_stage}).")
+    if row.split_backward and o.checkpoint_activations:
+        # torch.utils.checkpoint recomputes the forward in every autograd pass that reaches it, and a split
+        # backward makes one pass for I and one per group of weights for W
+        raise PipeConfigError(f"schedule={o.schedule!r} splits each backward into several autograd passes, and "
+                              "checkpoint_activations=True would recompute the forward in every one of them; use "
+                              "checkpoint_activations=False, or schedule='1f1b' to recompute activations.")
     for name in ("timeout", "startup_timeout", "checkpoint_timeout"):
         if not getattr(o, name) > 0:
             raise PipeConfigError(f"{name}={getattr(o, name)} must be a positive number of seconds.")

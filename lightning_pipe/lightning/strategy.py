@@ -90,11 +90,12 @@ class PipeStrategy(DDPStrategy, metaclass=_NamesItsOptions):
             flight; ``"interleaved_1f1b"``: ``chunks_per_stage`` chunks per device, bubble shrinks by that
             factor, needs ``micro_batches`` to be a multiple of ``stages``. Zero-bubble, with each backward
             split into the input's gradient and the weights' gradients, the latter filling the bubble
-            (docs/algorithms.md §4a): ``"zb_h1"`` (1f1b's peak activation memory, a third of its bubble)
-            and ``"zbv"`` (two chunks per device in a V: the first and the last virtual stage on device 0;
-            almost no bubble). All five equal one-device training up to float rounding (micro-batch
-            gradients are summed in schedule order; the tests require 1e-5 relative). Asynchronous (``"pipedream"``, ``"pipedream_2bw"``,
-            ``"pipemare"``, ``"xpipe"``): see ``docs/async-semantics.md``. ``"avgpipe"``: parallel
+            (docs/algorithms.md §4a): ``"zb_h1"`` (1f1b's peak activation memory, a third of its bubble),
+            ``"zbv"`` (two chunks per device in a V: the first and the last virtual stage on device 0;
+            almost no bubble) and ``"dualpipev"`` (zbv's V with whole backwards in the steady state, less
+            overhead; ``micro_batches >= 2 * stages``). All six equal one-device training up to float
+            rounding (micro-batch gradients are summed in schedule order; the tests require 1e-5
+            relative). Asynchronous (``"pipedream"``, ``"pipedream_2bw"``, ``"pipemare"``, ``"xpipe"``): see ``docs/async-semantics.md``. ``"avgpipe"``: parallel
             replicas of the pipeline share the same devices, each trains on its own part of the batch
             with its own weights and optimizer state, and every stage averages them elastically
             against a center copy that evaluation and checkpoints use (``docs/avgpipe.md``).
@@ -119,7 +120,7 @@ class PipeStrategy(DDPStrategy, metaclass=_NamesItsOptions):
             ``nn.ModuleList`` (looped over once); default: the one holding most of the module's
             parameters (an error lists the candidates when that is doubtful; docs/models.md).
         chunks_per_stage: chunks (virtual stages) per device for ``"interleaved_1f1b"`` (default 2) and
-            ``"zbv"`` (exactly 2); must stay 1 for the other schedules.
+            ``"zbv"``/``"dualpipev"`` (exactly 2); must stay 1 for the other schedules.
         checkpoint_activations: recompute each stage's activations during backward instead of keeping
             them (less memory, one extra forward).
         timeout: seconds a rank waits for a peer's activation or gradient before failing with

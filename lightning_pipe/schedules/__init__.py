@@ -20,7 +20,7 @@ from lightning_pipe.schedules.ir import STEP, Action, B, F, I, Kind, Placement, 
 from lightning_pipe.schedules.one_f_one_b import one_f_one_b
 from lightning_pipe.schedules.rendezvous import rendezvous_dry_run
 from lightning_pipe.schedules.validate import dry_run, validate
-from lightning_pipe.schedules.zero_bubble import zb_h1, zbv
+from lightning_pipe.schedules.zero_bubble import dualpipev, zb_h1, zbv
 
 #: ``generator(device, stages, micro_batches, chunks)``: a device's compute actions for one flushed step.
 Generator = Callable[[int, int, int, int], Iterator[Action]]
@@ -82,7 +82,7 @@ def validate_async(name: str, stages: int, micro_batches: int, windows: int = 3,
 __all__ = [
     "STEP", "Action", "B", "F", "Generator", "I", "Kind", "MergeCosts", "Placement", "Schedule", "ScheduleError",
     "TimedAction", "W",
-    "async_drain", "async_schedule", "async_window", "averaging_order", "avgpipe_replica", "build_avgpipe", "dry_run",
+    "async_drain", "async_schedule", "async_window", "averaging_order", "dualpipev", "avgpipe_replica", "build_avgpipe", "dry_run",
     "flush_schedule", "forward_only_actions", "gpipe", "interleaved_1f1b", "merge_replicas", "one_f_one_b",
     "rendezvous_dry_run", "validate", "validate_async", "with_communication", "zb_h1", "zbv",
 ]

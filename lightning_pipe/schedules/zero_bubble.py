@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterator
 
-from lightning_pipe.schedules.ir import STEP, Action, F, I, W
+from lightning_pipe.schedules.ir import STEP, Action, B, F, I, W
 
 
 def zb_h1(stage: int, stages: int, micro_batches: int) -> Iterator[Action]:
@@ -78,4 +78,68 @@ def _zbv_order(stage: int, stages: int, micro_batches: int) -> Iterator[Action]:
         yield next_("W", 1)
     while count[("W", 0)] < count[("I", 0)]:
         yield next_("W", 0)
+    yield STEP
+
+
+def dualpipev(stage: int, stages: int, micro_batches: int, chunks: int = 2) -> Iterator[Action]:
+    """Actions of device ``stage`` for one flushed DualPipeV step (DeepSeek-V3's DualPipe folded into a V,
+    as torch.distributed.pipelining's ``ScheduleDualPipeV`` orders it). Same placement as :func:`zbv`; the
+    steady state pairs a forward of one chunk with a *whole* backward ``B`` of the other, and only the
+    warm-up and cool-down split backwards into ``I`` and ``W``, so most micro-batches skip the split's
+    extra autograd passes. Needs ``micro_batches >= 2 * stages``."""
+    if chunks != 2:
+        raise ValueError(f"dualpipev places exactly two chunks per device (a V); got chunks={chunks}.")
+    if micro_batches < 2 * stages:
+        raise ValueError(f"dualpipev needs micro_batches >= 2 * stages; got {micro_batches} for {stages} stages "
+                         f"(use micro_batches={2 * stages}).")
+    forwards, backwards = [0, 0], [0, 0]  # next micro-batch per chunk
+    weights: deque[tuple[int, int]] = deque()  # (chunk, micro-batch) of I's whose W is pending
+
+    def forward(chunk: int) -> Action:
+        forwards[chunk] += 1
+        return F(forwards[chunk] - 1, chunk)
+
+    def backward(chunk: int, split: bool) -> Action:
+        backwards[chunk] += 1
+        mb = backwards[chunk] - 1
+        if split:
+            weights.append((chunk, mb))
+            return I(mb, chunk)
+        return B(mb, chunk)
+
+    def pending_weight() -> Iterator[Action]:
+        if weights:
+            chunk, mb = weights.popleft()
+            yield W(mb, chunk)
+
+    last = stages - 1
+    for _ in range(2 * (last - stage)):  # warm-up: chunk 0 only
+        yield forward(0)
+    for _ in range(stage + 1):
+        yield forward(0)
+        yield forward(1)
+    for _ in range(last - stage):
+        yield backward(1, split=True)
+        yield from pending_weight()
+        yield forward(1)
+    for i in range(micro_batches - 2 * stages + stage + 1):  # steady state: F of one chunk, B of the other
+        yield forward(0)
+        yield backward(1, split=False)
+        yield forward(1)
+        yield backward(0, split=False)
+    for _ in range(last - stage):
+        yield backward(1, split=False)
+        yield forward(1)
+        yield backward(0, split=False)
+    split = False
+    for i in range(stage + 1):  # cool-down: input gradients first, from the middle on
+        split = split or (i == (stage + 1) // 2 and stage % 2 == 1)
+        yield backward(1, split)
+        split = split or (i == (stage + 1) // 2 and stage % 2 == 0)
+        yield backward(0, split)
+    for _ in range(last - stage):
+        yield from pending_weight()
+        yield backward(0, split)
+    for _ in range(stage + 1):
+        yield from pending_weight()
     yield STEP

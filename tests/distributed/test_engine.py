@@ -107,7 +107,8 @@ def pipeline_worker(rank: int, world: int, name: str, micro_batches: int, chunks
      # 12 samples in 5 micro-batches (3, 3, 2, 2, 2): a shape header again mid-step, on both transports
      ("1f1b", 2, 5, 1, False), ("gpipe", 3, 5, 1, True),
      # zero-bubble: split backward; zbv's V hands over in memory on device 1 and needs a group per channel on NCCL
-     ("zb_h1", 2, 5, 1, False), ("zbv", 2, 4, 2, True), ("zbv", 2, 2, 2, False)],
+     ("zb_h1", 2, 5, 1, False), ("zbv", 2, 4, 2, True), ("zbv", 2, 2, 2, False),
+     ("dualpipev", 2, 5, 2, True)],
 )
 def test_pipeline_equals_single_device(name, world, micro_batches, chunks, nccl_rules):
     batches = [make_batch(seed=s) for s in range(3)]

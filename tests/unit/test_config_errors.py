@@ -40,7 +40,7 @@ class Manual(TrunkModel):
 def test_strategy_names_are_registered():
     from lightning.pytorch.strategies import StrategyRegistry
 
-    for name in ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zbv"):
+    for name in ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zbv", "dualpipev"):
         assert name in StrategyRegistry
         trainer = L.Trainer(strategy=name, accelerator="cpu", devices=2, logger=False)
         assert isinstance(trainer.strategy, PipeStrategy) and trainer.strategy.schedule == name
@@ -59,6 +59,8 @@ def test_strategy_names_are_registered():
         (TrunkModel, {"balance": [5, 5]}, r"sums to 10 but the trunk has 12 layers"),
         (TrunkModel, {"balance": [12]}, r"balance has 1 entries but the pipeline has 2 stages"),
         (TrunkModel, {"schedule": "interleaved_1f1b", "micro_batches": 3}, r"multiple of stages; .* micro_batches=4"),
+        (TrunkModel, {"schedule": "dualpipev", "micro_batches": 3}, r"dualpipev needs micro_batches >= 2 \* stages; .* "
+                                                                     r"micro_batches=4 or more"),
         (Manual, {}, r"manual optimization"),
         (NoTrunk, {}, r"no nn.Sequential or nn.ModuleList with parameters"),
         (TwoTrunks, {}, r"several containers .*model \(Sequential of 12, 1,632 parameters\); other \(Sequential of 12, "
@@ -77,8 +79,10 @@ def test_bad_configuration(make, kwargs, match):
     [
         ({"schedule": "pipemagic"}, "schedule='pipemagic' is not available"),
         ({"micro_batches": 0}, "micro_batches=0 must be at least 1"),
-        ({"schedule": "1f1b", "chunks_per_stage": 2}, "only applies to schedule='interleaved_1f1b' or schedule='zbv'"),
+        ({"schedule": "1f1b", "chunks_per_stage": 2}, "only applies to schedule='interleaved_1f1b' or schedule='zbv' or schedule='dualpipev'"),
         ({"schedule": "zbv", "chunks_per_stage": 3}, "zbv' places exactly 2 chunks per device; leave chunks_per_stage unset"),
+        ({"schedule": "zb_h1", "checkpoint_activations": True}, "recompute the forward in every one of them; use "
+                                                                 "checkpoint_activations=False, or schedule='1f1b'"),
         ({"balance": "foo"}, "balance='foo' is not known; use 'uniform', 'parameters', 'auto'"),
         ({"micro_batch": 4}, r"PipeStrategy has no option 'micro_batch'; did you mean micro_batches=\?"),
         ({"timeout": 0}, "timeout=0.0 must be a positive number of seconds"),

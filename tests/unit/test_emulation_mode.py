@@ -125,7 +125,8 @@ def test_a_short_last_batch_is_a_short_mini_batch(schedule):
 
 
 @pytest.mark.parametrize("schedule,extra", [("gpipe", {}), ("1f1b", {}), ("interleaved_1f1b", {"micro_batches": 4}),
-                                            ("zb_h1", {"micro_batches": 4}), ("zbv", {"micro_batches": 4})])
+                                            ("zb_h1", {"micro_batches": 4}), ("zbv", {"micro_batches": 4}),
+                                            ("dualpipev", {"micro_batches": 4})])
 def test_sync_emulation_equals_one_device(schedule, extra):
     """Training, then validate / test / predict through the emulated forward-only pipeline."""
     one = train({"epochs": 1, "batch_size": BATCH, "evaluate": True})

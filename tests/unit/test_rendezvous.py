@@ -22,8 +22,8 @@ def synchronous_cases(draw):
     M = draw(st.integers(1, 32))
     row = SCHEDULES[name]
     chunks = 1
-    if row.requirement(P, M) is not None:  # interleaved: a multiple of P
-        M = P * max(1, M // P)
+    while row.requirement(P, M) is not None:  # interleaved: a multiple of P; dualpipev: at least 2P
+        M += 1
     if row.fixed_chunks is not None:
         chunks = row.fixed_chunks
     elif row.chunked:

@@ -600,6 +600,8 @@ def _valid_schedules(max_stages: int = 4, max_micro_batches: int = 8, max_chunks
     zero_bubble = st.one_of(
         st.tuples(st.just("zb_h1"), st.integers(1, max_stages), st.integers(1, max_micro_batches), st.just(1)),
         st.tuples(st.just("zbv"), st.integers(1, max_stages), st.integers(1, max_micro_batches), st.just(2)),
+        st.integers(1, max_stages).flatmap(
+            lambda P: st.tuples(st.just("dualpipev"), st.just(P), st.integers(2 * P, max(2 * P, max_micro_batches)), st.just(2))),
     )
     return st.one_of(flush, interleaved, zero_bubble)
 
@@ -653,7 +655,7 @@ def test_mutations_are_rejected_or_still_sound(spec, data):
 def test_mutation_oracle_catches_every_deletion_exhaustively():
     """Every single-action deletion (except STEP) of a few small schedules is rejected."""
     for name, P, M, v in [("gpipe", 3, 3, 1), ("1f1b", 3, 4, 1), ("interleaved_1f1b", 2, 4, 2), ("zb_h1", 3, 4, 1),
-                          ("zbv", 2, 4, 2)]:
+                          ("zbv", 2, 4, 2), ("dualpipev", 2, 4, 2)]:
         good = build_schedule(name, P, M, v)
         for d in range(P):
             for i in range(len(good.actions[d]) - 1):
@@ -667,7 +669,7 @@ def test_mutation_oracle_catches_every_deletion_exhaustively():
 def test_every_adjacent_swap_is_rejected_or_sound():
     """Exhaustively: every adjacent swap (STEP untouched) of a few small schedules; validator and oracle agree."""
     for name, P, M, v in [("gpipe", 3, 3, 1), ("1f1b", 4, 4, 1), ("interleaved_1f1b", 2, 4, 2), ("interleaved_1f1b", 3, 3, 2),
-                          ("zb_h1", 3, 4, 1), ("zbv", 2, 4, 2)]:
+                          ("zb_h1", 3, 4, 1), ("zbv", 2, 4, 2), ("dualpipev", 2, 5, 2)]:
         good = build_schedule(name, P, M, v)
         for d in range(P):
             for i in range(len(good.actions[d]) - 2):
@@ -797,34 +799,38 @@ def test_zb_h1_keeps_1f1b_peak_memory_and_its_critical_path(P, M):
         assert inputs == flush
 
 
-def _torch_zbv_order(P: int, M: int, device: int) -> list[str]:
-    """torch.distributed.pipelining's ZBV order for ``device`` (stage index ``s``: device ``s`` or ``2P-1-s``),
-    as our actions' strings."""
+def _torch_v_order(name: str, P: int, M: int, device: int) -> list[str]:
+    """torch.distributed.pipelining's order of its ZBV or DualPipeV schedule for ``device`` (stage index ``s``:
+    device ``s`` or ``2P-1-s``; an overlapped F+B: F, then B), as our actions' strings."""
     schedules = pytest.importorskip("torch.distributed.pipelining.schedules")
-    reference = object.__new__(schedules.ScheduleZBVZeroBubble)  # only its order generator, no process group
+    cls = {"zbv": schedules.ScheduleZBVZeroBubble, "dualpipev": schedules.ScheduleDualPipeV}[name]
+    reference = object.__new__(cls)  # only its order generator, no process group
     reference.pp_group_size, reference.num_stages, reference._n_microbatches = P, 2 * P, M
+    kinds = {"FORWARD": "F", "BACKWARD_INPUT": "I", "BACKWARD_WEIGHT": "W", "FULL_BACKWARD": "B"}
     out = []
     for op in reference._calculate_single_rank_operations(device):
         if op is None:
             continue
-        chunk = 0 if op.stage_index < P else 1
-        kind = {"FORWARD": "F", "BACKWARD_INPUT": "I", "BACKWARD_WEIGHT": "W"}[op.computation_type.name]
-        out.append(f"{kind}{op.microbatch_index}" + ("c1" if chunk else ""))
+        for part in getattr(op, "sub_actions", None) or (op,):
+            chunk = 0 if part.stage_index < P else 1
+            out.append(f"{kinds[part.computation_type.name]}{part.microbatch_index}" + ("c1" if chunk else ""))
     return out + ["STEP"]
 
 
-@pytest.mark.parametrize("P,M", [(2, 1), (2, 2), (2, 4), (2, 8), (3, 5), (4, 8), (4, 16)])
-def test_zbv_order_is_torch_pipelinings(P, M):
-    schedule = build_schedule("zbv", P, M, 2)
+@pytest.mark.parametrize("name,P,M", [("zbv", 2, 1), ("zbv", 2, 2), ("zbv", 2, 4), ("zbv", 2, 8), ("zbv", 3, 5),
+                                      ("zbv", 4, 8), ("zbv", 4, 16), ("dualpipev", 2, 4), ("dualpipev", 2, 9),
+                                      ("dualpipev", 3, 6), ("dualpipev", 4, 13), ("dualpipev", 5, 10)])
+def test_v_orders_are_torch_pipelinings(name, P, M):
+    schedule = build_schedule(name, P, M, 2)
     for d in range(P):
-        assert [str(a) for a in schedule.compute_actions(d)] == _torch_zbv_order(P, M, d)
+        assert [str(a) for a in schedule.compute_actions(d)] == _torch_v_order(name, P, M, d)
 
 
 @FAST
 @given(P=stages_st, M=micro_batches_st)
 def test_zero_bubble_schedules_are_sound(P, M):
-    for name, v in (("zb_h1", 1), ("zbv", 2)):
-        schedule = build_schedule(name, P, M, v)
+    for name, v, m in (("zb_h1", 1, M), ("zbv", 2, M), ("dualpipev", 2, max(M, 2 * P))):
+        schedule = build_schedule(name, P, m, v)
         validate(schedule)
         assert_sound(schedule)
 

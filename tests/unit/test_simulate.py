@@ -179,19 +179,20 @@ positive = st.floats(min_value=0.1, max_value=10.0, allow_nan=False)
 
 
 @settings(max_examples=40, deadline=None)
-@given(st.sampled_from(["gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zbv", *ASYNC_SCHEDULES]), st.integers(2, 4), st.data())
+@given(st.sampled_from(["gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zbv", "dualpipev", *ASYNC_SCHEDULES]),
+       st.integers(2, 4), st.data())
 def test_measured_costs_of_a_run_are_the_costs_that_made_it(name: str, stages: int, data) -> None:
     """A simulated run read as a measured one gives back its costs: per-virtual-stage forward and
     backward (a split one's share of W too), the STEP, and the transfer of every boundary some receive
     waited on. A boundary no receive ever waited on reads an upper bound (its messages were always
     there first), and the run simulated again with the costs read back is the same run."""
-    chunks = 2 if name in ("interleaved_1f1b", "zbv") else 1
+    chunks = 2 if name in ("interleaved_1f1b", "zbv", "dualpipev") else 1
     virtual = stages * chunks
     shares = st.floats(min_value=0.1, max_value=0.9)
     costs = Costs([data.draw(positive) for _ in range(virtual)], [data.draw(positive) for _ in range(virtual)],
                   [data.draw(positive) for _ in range(virtual - 1)], data.draw(positive),
-                  [1.0] + [data.draw(shares) for _ in range(virtual - 1)] if name in ("zb_h1", "zbv") else ())
-    placement = "v" if name == "zbv" else "loop"
+                  [1.0] + [data.draw(shares) for _ in range(virtual - 1)] if name in ("zb_h1", "zbv", "dualpipev") else ())
+    placement = "v" if name in ("zbv", "dualpipev") else "loop"
 
     def run(costs: Costs):
         if name in ASYNC_SCHEDULES:

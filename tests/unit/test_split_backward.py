@@ -37,7 +37,8 @@ class TwoInputs(nn.Module):
 
 
 class Recomputed(nn.Module):
-    """Activation recomputation as the strategy does it (non-reentrant checkpoint)."""
+    """Activation recomputation (non-reentrant checkpoint): still exact, though every pass recomputes, which is
+    why the strategy refuses it with the zero-bubble schedules."""
 
     def __init__(self) -> None:
         super().__init__()
