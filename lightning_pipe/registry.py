@@ -28,12 +28,12 @@ from lightning_pipe.schedules import (
     Placement,
     Schedule,
     build_avgpipe,
+    dualpipev,
     flush_schedule,
     gpipe,
     interleaved_1f1b,
     one_f_one_b,
     validate_async,
-    dualpipev,
     zb_h1,
     zbv,
 )

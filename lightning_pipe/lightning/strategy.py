@@ -95,10 +95,11 @@ class PipeStrategy(DDPStrategy, metaclass=_NamesItsOptions):
             almost no bubble) and ``"dualpipev"`` (zbv's V with whole backwards in the steady state, less
             overhead; ``micro_batches >= 2 * stages``). All six equal one-device training up to float
             rounding (micro-batch gradients are summed in schedule order; the tests require 1e-5
-            relative). Asynchronous (``"pipedream"``, ``"pipedream_2bw"``, ``"pipemare"``, ``"xpipe"``): see ``docs/async-semantics.md``. ``"avgpipe"``: parallel
-            replicas of the pipeline share the same devices, each trains on its own part of the batch
-            with its own weights and optimizer state, and every stage averages them elastically
-            against a center copy that evaluation and checkpoints use (``docs/avgpipe.md``).
+            relative). Asynchronous (``"pipedream"``, ``"pipedream_2bw"``, ``"pipemare"``, ``"xpipe"``):
+            see ``docs/async-semantics.md``. ``"avgpipe"``: parallel replicas of the pipeline share the
+            same devices, each trains on its own part of the batch with its own weights and optimizer
+            state, and every stage averages them elastically against a center copy that evaluation and
+            checkpoints use (``docs/avgpipe.md``).
         micro_batches: micro-batches each batch is split into (at most the batch size). More
             micro-batches shrink the pipeline bubble ``(P-1)/(M+P-1)``; about ``4 × stages`` is a good
             start. ``"auto"`` (avgpipe only): chosen by its tuner at fit start.

@@ -79,7 +79,8 @@ def test_bad_configuration(make, kwargs, match):
     [
         ({"schedule": "pipemagic"}, "schedule='pipemagic' is not available"),
         ({"micro_batches": 0}, "micro_batches=0 must be at least 1"),
-        ({"schedule": "1f1b", "chunks_per_stage": 2}, "only applies to schedule='interleaved_1f1b' or schedule='zbv' or schedule='dualpipev'"),
+        ({"schedule": "1f1b", "chunks_per_stage": 2}, "only applies to schedule='interleaved_1f1b' or schedule='zbv' or "
+                                                      "schedule='dualpipev'"),
         ({"schedule": "zbv", "chunks_per_stage": 3}, "zbv' places exactly 2 chunks per device; leave chunks_per_stage unset"),
         ({"schedule": "zb_h1", "checkpoint_activations": True}, "recompute the forward in every one of them; use "
                                                                  "checkpoint_activations=False, or schedule='1f1b'"),
