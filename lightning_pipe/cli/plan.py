@@ -159,8 +159,8 @@ def plan(
         memory_gib: memory limit per device in GiB (one value or one per stage); default: none.
         speeds: relative speed of each stage's device; default: all equal to the profiling device.
         schedules: schedules to explore; default: the synchronous ones (``gpipe``, ``1f1b``,
-            ``interleaved_1f1b``); asynchronous ones and ``avgpipe`` change the training semantics, name
-            them to include them.
+            ``interleaved_1f1b``, ``zb_h1``, ``zbv``, ``dualpipev``); asynchronous ones and ``avgpipe``
+            change the training semantics, name them to include them.
         micro_batches: candidate micro-batch counts ``M``; default: the divisors of ``B`` within
             ``min_micro_batches`` .. ``max_micro_batches``.
         min_micro_batches: smallest candidate ``M``.

@@ -25,11 +25,11 @@ def test_plan_cli_prints_schedules_and_the_chosen_partition(tmp_path, capsys):
     assert "TrunkModel: trunk model with 6 layers, batch 16, 2 stages, memory limit 1.0 GiB per device" in out
     assert re.search(r"profiled on cpu at micro-batch sizes 2 and 16: \d+ warm-up rounds until settled, timed rounds "
                      r"within \d+% \(interquartile range / median\)", out)
-    for schedule in ("gpipe", "1f1b", "interleaved_1f1b"):
+    for schedule in ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zbv", "dualpipev"):
         assert f"| {schedule} " in out
-    # the stage column widens to "0 chunk 0" when interleaved_1f1b wins (a close call on a loaded machine)
+    # the stage column widens to "0 chunk 0" when a two-chunk schedule wins (a close call on a loaded machine)
     assert "chosen: " in out and re.search(r"\| stage +\| layers +\| modules", out)
-    # the comparison uses the chosen schedule: [3, 3], or [2, 2, 1, 1] when interleaved wins on this machine
+    # the comparison uses the chosen schedule: [3, 3], or [2, 2, 1, 1] when one of those wins on this machine
     assert "balance='uniform' [3, 3] " in out or "balance='uniform' [2, 2, 1, 1] " in out
     assert cache.exists()
 

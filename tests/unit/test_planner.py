@@ -281,3 +281,15 @@ def test_refinement_keeps_only_moves_that_shrink_the_measured_bottleneck(layer_t
     assert all(k for _, _, k in log[:-1])  # only the last measurement may be rejected
     assert counts == [split for split, _, k in log if k][-1] and times == measure(counts) and sum(counts) == layers
     assert len({tuple(split) for split, _, _ in log}) == len(log)  # no split is measured twice
+
+
+def test_zero_bubble_predictions_follow_their_bubbles():
+    """Equal layers: zb_h1 predicts a third of 1f1b's bubble, the V schedules less still; all keep the model's
+    compute (the plan simulates their lists; forward 1/3, input and weight gradients 1/3 each)."""
+    profile = synthetic([1.0] * 8)
+    one, zb, v = (fixed_plan(profile, name, 2, 4) for name in ("1f1b", "zb_h1", "zbv"))
+    assert one.balance == zb.balance == [4, 4] and v.balance == [2, 2, 2, 2]
+    assert one.step_time == pytest.approx(5 * 4.0)  # (M + P - 1) stage times
+    assert zb.step_time == pytest.approx(4 * 4.0 + 4.0 / 3)  # the bubble: one forward of a stage
+    assert v.step_time < zb.step_time
+    assert [s.device for s in v.stages] == [0, 1, 1, 0]  # the V: device 0 holds the first and the last
