@@ -87,20 +87,21 @@ def test_four_stages_short_last_batch_equal_one_device():
     assert_matches(reference, records, [0, 1, 2, 3])
 
 
-@pytest.mark.parametrize("accumulate", [1, 2])
-def test_two_pipelines_equal_one_device_at_double_batch(accumulate):
-    """Without accumulation the pipelines average while the last backward runs (GradientReducer); with
-    it, the window's last batch adds to earlier gradients and the sum is averaged afterwards."""
+@pytest.mark.parametrize("schedule,accumulate", [("1f1b", 1), ("1f1b", 2), ("dualpipev", 1)])
+def test_two_pipelines_equal_one_device_at_double_batch(schedule, accumulate):
+    """Without accumulation the pipelines average while the last backward runs (GradientReducer; a split
+    backward's last W); with it, the window's last batch adds to earlier gradients and the sum is averaged
+    afterwards."""
     trainer = {"accumulate_grad_batches": accumulate}
     reference = train({"max_steps": STEPS, "batch_size": 16, "trainer": trainer})
     code, output, records = launch({
         "devices": 4, "max_steps": STEPS, "batch_size": 8, "stages": 2, "pipelines_in_sampler": 2,
-        "strategy": {"schedule": "1f1b", "micro_batches": 4, "pipelines": 2}, "trainer": trainer,
+        "strategy": {"schedule": schedule, "micro_batches": 4, "pipelines": 2}, "trainer": trainer,
     }, timeout=240)
     assert code == 0, output[-3000:]
     for pipeline in ([0, 1], [2, 3]):
         ranks = [records[r] for r in pipeline]
-        state = merged_state(ranks)
+        state = merged_state(ranks, last_device=0 if schedule == "dualpipev" else -1)
         for key, value in reference["state"].items():
             torch.testing.assert_close(state[key], value, rtol=1e-5, atol=1e-6, msg=key)
 
