@@ -125,18 +125,19 @@ def test_the_emulation_transport_delivers_in_channel_order_without_tags():
     import torch
 
     from lightning_pipe.engine.local import LocalTransport
-    from lightning_pipe.engine.p2p import ACTIVATION_TAG, GRADIENT_TAG
+    from lightning_pipe.engine.p2p import ACTIVATION_TAG, GRADIENT_TAG, Header
 
     queues, sent = {}, {}
+    metas = Header.of(torch.ones(2)).metas
     first, second = LocalTransport(0, queues, sent), LocalTransport(1, queues, sent)
     (request, _), = first.send_activation(torch.ones(2), dst=1, header=False)
     first.send_activation(torch.full((2,), 2.0), dst=1, header=False)
     first.send_gradients([torch.zeros(2)], dst=1)
     with pytest.raises(RuntimeError, match="has not taken"):
         request.wait()
-    (_, gradient), = second.post_payload([torch.zeros(2)], 0, GRADIENT_TAG)  # its own channel: no need to wait
+    (_, gradient), = second.post_payload(metas, 0, GRADIENT_TAG)  # its own channel: no need to wait
     assert torch.equal(gradient, torch.zeros(2))
-    (_, activation), = second.post_payload([torch.zeros(2)], 0, ACTIVATION_TAG)
+    (_, activation), = second.post_payload(metas, 0, ACTIVATION_TAG)
     assert torch.equal(activation, torch.ones(2))  # the oldest of its channel, whatever the receiver meant
     request.wait()
     assert sent == {(0, 1, "activation"): 2, (0, 1, "gradient"): 1}
