@@ -31,8 +31,8 @@ def simulate_schedule(
         schedule: any synchronous or asynchronous schedule name.
         stages: devices ``P``.
         micro_batches: micro-batches per step ``M``.
-        chunks: chunks per device (``interleaved_1f1b``; default: the schedule's, 2 for ``interleaved_1f1b``
-            and ``zbv``, else 1).
+        chunks: chunks per device (``interleaved_1f1b``; default: the schedule's, 2 for ``interleaved_1f1b``,
+            ``zbv`` and ``dualpipev``, else 1).
         forward: forward time of one micro-batch on one virtual stage (milliseconds).
         backward: backward time (milliseconds); zero-bubble schedules split it half and half into ``I``
             and ``W`` (a measured run's ``costs_from`` gives the real shares).

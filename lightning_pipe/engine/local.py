@@ -135,7 +135,7 @@ class LocalPipeline:
 
     Args:
         stages: devices of the emulated pipeline.
-        chunks_per_stage: chunks each device holds (``interleaved_1f1b``, ``zbv``).
+        chunks_per_stage: chunks each device holds (``interleaved_1f1b``, ``zbv``, ``dualpipev``).
         watchdog: passed to every executor (local waits never block).
         names: human names of the virtual stages, indexed by virtual stage.
         shape_headers: passed to every executor (:class:`~.executor.Executor`).

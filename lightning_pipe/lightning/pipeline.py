@@ -228,8 +228,7 @@ class StagePipeline:
     def last_stage_device(self) -> int:
         """The device (stage index) holding the last virtual stage, which computes the loss: the last
         device, or device 0 under zbv's V placement."""
-        virtual = self.virtual_stages
-        return locate_virtual_stage(virtual - 1, self.strategy.num_stages, self.strategy.options.spec.placement)[0]
+        return locate_virtual_stage(self.virtual_stages - 1, self.strategy.num_stages, self.strategy.options.spec.placement)[0]
 
     @property
     def holds_last_stage(self) -> bool:

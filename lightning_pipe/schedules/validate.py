@@ -179,12 +179,6 @@ def _check_brackets(schedule: Schedule, device: int, actions: tuple[Action, ...]
     last = schedule.virtual_stages - 1
     received: set[tuple[Kind, int | None, int, int]] = set()
     computed: set[tuple[Kind, int | None, int, int]] = set()
-
-    def local(vs: int) -> tuple[int, int] | None:
-        """``(micro-batch-free key part)``: the chunk of ``vs`` if this device holds it."""
-        where = schedule.locate(vs)
-        return where if where[0] == device else None
-
     for action in actions:
         vs = schedule.virtual_stage(device, action.chunk)
         key = (action.micro_batch, action.chunk, action.replica)
@@ -195,12 +189,12 @@ def _check_brackets(schedule: Schedule, device: int, actions: tuple[Action, ...]
             needs = (Kind.RECV_GRADIENT, vs + 1)
         if action.kind.is_recv:
             received.add((action.kind, *key))
-        elif needs is not None and local(needs[1]) is None and (needs[0], *key) not in received:
-            raise ScheduleError(f"stage {device}: {action} has no {needs[0].value} before it.")
-        elif needs is not None and local(needs[1]) is not None:
-            chunk = local(needs[1])[1]
+        elif needs is not None:
+            owner, chunk = schedule.locate(needs[1])
             producers = (Kind.FORWARD,) if action.kind is Kind.FORWARD else (Kind.BACKWARD, Kind.BACKWARD_INPUT)
-            if not any((kind, action.micro_batch, chunk, action.replica) in computed for kind in producers):
+            if owner != device and (needs[0], *key) not in received:
+                raise ScheduleError(f"stage {device}: {action} has no {needs[0].value} before it.")
+            if owner == device and not any((kind, action.micro_batch, chunk, action.replica) in computed for kind in producers):
                 raise ScheduleError(
                     f"stage {device}: {action} runs before chunk {chunk} of this device computed what it takes "
                     "(the neighbouring virtual stage is on the same device)."

@@ -122,7 +122,7 @@ def dualpipev(stage: int, stages: int, micro_batches: int, chunks: int = 2) -> I
         yield backward(1, split=True)
         yield from pending_weight()
         yield forward(1)
-    for i in range(micro_batches - 2 * stages + stage + 1):  # steady state: F of one chunk, B of the other
+    for _ in range(micro_batches - 2 * stages + stage + 1):  # steady state: F of one chunk, B of the other
         yield forward(0)
         yield backward(1, split=False)
         yield forward(1)
