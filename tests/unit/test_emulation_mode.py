@@ -328,3 +328,15 @@ def test_an_explicit_xpipe_prediction_must_fit_the_optimizer(prediction, optimiz
     with pytest.raises(ValueError, match=rf"xpipe prediction='{prediction}' does not fit stage 0's {owner} param group; "
                                          r"use xpipe=XPipeOptions\(prediction='auto'\)"):
         emulated("xpipe", 2, 4, model={"optimizer": optimizer}, strategy={"xpipe": {"prediction": prediction}})
+
+
+def test_a_short_last_batch_keeps_dualpipev_at_two_micro_batches_per_stage():
+    """A short last batch splits into as many micro-batches as its samples allow while the schedule can run
+    them (dualpipev: at least 2 × stages): 37 samples in batches of 16 end with 5, run as 5 micro-batches
+    instead of 8; exactly one device's training."""
+    config = {"epochs": 1, "batch_size": 16, "samples": 37}
+    one = train(config)
+    got = train({**config, "strategy": {"schedule": "dualpipev", "stages": 2, "micro_batches": 8}})
+    assert [m["train_loss"] for m in got["metrics"]] == pytest.approx([m["train_loss"] for m in one["metrics"]], rel=1e-5)
+    for key, value in one["state"].items():
+        torch.testing.assert_close(got["state"][key], value, rtol=1e-5, atol=1e-6, msg=key)
