@@ -288,7 +288,7 @@ def _resolve_prediction(mode: str, optimizer: torch.optim.Optimizer, stage: int)
     if mode == "auto":
         if isinstance(optimizer, torch.optim.Muon):
             return "muon"
-        if isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
+        if isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW, torch.optim.NAdam)):
             return "adam"
         if isinstance(optimizer, torch.optim.SGD):
             momenta = {group.get("momentum", 0) > 0 for group in groups}

@@ -1,6 +1,7 @@
 """A small transformer language model, 4 stages through the one-device emulation: every staleness
-mitigation (2BW's look-ahead, Muon in every weight policy, xpipe's Muon prediction) moves the weights
-exactly as the literal reference of its rule does, and differently from training without it."""
+mitigation (2BW's look-ahead, Muon in every weight policy, xpipe's Muon prediction, the NAdam recipe of
+arXiv 2505.01099) moves the weights exactly as the literal reference of its rule does, and differently
+from training without it."""
 
 from __future__ import annotations
 
@@ -72,9 +73,15 @@ class TinyLM(L.LightningModule):
         return loss
 
     def configure_optimizers(self):
-        if self.optimizer_kind == "muon":
-            return muon_with_adam(self.parameters())
-        return torch.optim.AdamW(self.parameters(), lr=3e-3, betas=(0.9, 0.95), weight_decay=0.01)
+        return make_optimizer(self.optimizer_kind, self.parameters())
+
+
+def make_optimizer(kind: str, parameters) -> torch.optim.Optimizer:
+    if kind == "muon":
+        return muon_with_adam(parameters)
+    if kind == "nadamw":  # arXiv 2505.01099's recipe: Nesterov momentum 0.99, decoupled weight decay
+        return torch.optim.NAdam(parameters, lr=3e-3, betas=(0.99, 0.999), weight_decay=0.01, decoupled_weight_decay=True)
+    return torch.optim.AdamW(parameters, lr=3e-3, betas=(0.9, 0.95), weight_decay=0.01)
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -102,9 +109,7 @@ def reference(schedule: str, optimizer: str, options: AsyncOptions) -> tuple[lis
     model = TinyLM(optimizer)
     stages = [nn.Sequential(model.embed, model.blocks[0]), model.blocks[1], model.blocks[2],
               nn.Sequential(model.blocks[3], model.ln_f, model.head)]
-    make = muon_with_adam if optimizer == "muon" else (
-        lambda params: torch.optim.AdamW(params, lr=3e-3, betas=(0.9, 0.95), weight_decay=0.01))
-    emulator = AsyncEmulator(schedule, stages, [make(s.parameters()) for s in stages], MICRO, lambda mb: mb[0],
+    emulator = AsyncEmulator(schedule, stages, [make_optimizer(optimizer, s.parameters()) for s in stages], MICRO, lambda mb: mb[0],
                              lambda out, mb: lm_loss(out, mb[1]), options)
     losses = [sum(emulator.train_window(split_micro_batches(batch, MICRO))) / MICRO
               for batch in DataLoader(windows(), batch_size=BATCH)]
@@ -112,8 +117,20 @@ def reference(schedule: str, optimizer: str, options: AsyncOptions) -> tuple[lis
     return losses, model.state_dict()
 
 
+def comparable(key: str, value: torch.Tensor) -> torch.Tensor:
+    """The attention's key bias has an exactly-zero gradient (adding one vector to every key shifts all
+    of a query's scores equally, which softmax ignores); what autograd returns for it is float rounding,
+    which Adam-type optimizers normalise into full-size steps. Its values depend on the order of
+    additions, not on the rule under test, so it is left out of the comparison."""
+    if key.endswith("attn.in_proj_bias"):
+        return torch.cat([value[:D_MODEL], value[2 * D_MODEL:]])
+    return value
+
+
 #: (schedule, optimizer, 2BW look-ahead); the other Muon cases: tests/unit/test_emulation_mode.py
-CASES = [("pipedream_2bw", "adamw", 1.0), ("pipedream_2bw", "muon", 1.0), ("xpipe", "muon", 0.0)]
+CASES = [("pipedream_2bw", "adamw", 1.0), ("pipedream_2bw", "muon", 1.0), ("xpipe", "muon", 0.0),
+         ("pipedream", "nadamw", 0.0), ("pipemare", "nadamw", 0.0), ("pipedream_2bw", "nadamw", 1.0),
+         ("xpipe", "nadamw", 0.0)]
 
 
 @pytest.mark.parametrize("schedule,optimizer,lookahead", CASES)
@@ -126,8 +143,8 @@ def test_each_mitigation_moves_the_weights_as_its_reference_says(schedule, optim
     tolerance = 1e-4 if optimizer == "muon" else 1e-5
     assert got_losses == pytest.approx(want_losses, rel=tolerance)
     for key, value in want.items():
-        torch.testing.assert_close(got[key], value, rtol=tolerance, atol=tolerance / 10, msg=key)
-    # not a no-op: the reference without it (2BW without look-ahead; AdamW instead of Muon) ends elsewhere
+        torch.testing.assert_close(comparable(key, got[key]), comparable(key, value), rtol=tolerance, atol=tolerance / 10, msg=key)
+    # not a no-op: the reference without it (2BW without look-ahead; AdamW instead of Muon or NAdam) ends elsewhere
     paper = AsyncOptions(pipedream_2bw=DoubleBufferOptions(lookahead=0.0))
     _, without = reference(schedule, "adamw" if not lookahead else optimizer, paper)
     assert any(not torch.allclose(got[k], without[k], atol=1e-4) for k in got)

@@ -226,7 +226,9 @@ class XPipePolicy(_LivePolicy):
         owner = self._owner(group)
         if issubclass(owner, torch.optim.Muon):
             return "muon"
-        if issubclass(owner, (torch.optim.Adam, torch.optim.AdamW)):
+        if issubclass(owner, (torch.optim.Adam, torch.optim.AdamW, torch.optim.NAdam)):
+            # NAdam keeps Adam's moments; its own step also weighs in the newest gradient, which a
+            # prediction of future steps cannot know, so the bias-corrected momentum direction is used
             return "adam"
         if issubclass(owner, torch.optim.SGD):
             return "momentum" if group.get("momentum", 0) else "sgd"

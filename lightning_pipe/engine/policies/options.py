@@ -57,7 +57,7 @@ class XPipeOptions:
 
     Args:
         prediction: the update direction the prediction extrapolates: ``"adam"`` (Adam's bias-corrected
-            moments), ``"muon"`` (Muon's orthogonalised momentum at its shape-adjusted learning rate),
+            moments; also NAdam's under ``"auto"``), ``"muon"`` (Muon's orthogonalised momentum at its shape-adjusted learning rate),
             ``"momentum"`` (SGD's momentum buffer), ``"sgd"`` (the last gradient) or ``"auto"`` (by the
             optimizer's type, per member of a :class:`~lightning_pipe.optim.CombinedOptimizer`).
     """
