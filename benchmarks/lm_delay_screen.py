@@ -16,7 +16,9 @@ Corrections (``--fix``):
     python benchmarks/lm_delay_screen.py --delay 0
     python benchmarks/lm_delay_screen.py --delay 1 --fix weight-extrapolation --kappa 1 --optimizer muon
 
-Each run appends one JSON line (its arguments, the validation curve, the final loss) to ``--out``.
+``--delayed REGEX`` delays only the parameters whose name matches (``attn``, ``mlp``, ``emb|head``...):
+where in the model the delay costs. Each run appends one JSON line (its arguments, the validation curve,
+the gradient norm every 25 steps, the final loss) to ``--out``.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 import sys
 import time
 from pathlib import Path
@@ -38,10 +41,14 @@ DEFAULT_OUT = lm_quality.REPO / "benchmarks" / "results" / "lm_delay_screen.json
 
 
 def optimizers(model: torch.nn.Module, args: argparse.Namespace) -> list[torch.optim.Optimizer]:
-    """AdamW (``--beta1``, beta2 0.95), SGD with momentum ``--beta1``, or Muon (lr ``--muon-lr``) for the
+    """AdamW (``--beta1``, ``--beta2``), NAdamW (the same betas), SGD with momentum ``--beta1``, or Muon (lr ``--muon-lr``) for the
     blocks' matrices with AdamW for the rest, as in lm_quality.py."""
     if args.optimizer == "adamw":
-        return [torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(args.beta1, 0.95), weight_decay=0.0)]
+        return [torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(args.beta1, args.beta2), eps=args.eps,
+                                  weight_decay=0.0)]
+    if args.optimizer == "nadamw":  # arXiv 2505.01099's optimizer: NAdam with decoupled weight decay
+        return [torch.optim.NAdam(model.parameters(), lr=args.lr, betas=(args.beta1, args.beta2), eps=args.eps,
+                                  weight_decay=0.0, decoupled_weight_decay=True)]
     if args.optimizer == "sgd":
         return [torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.beta1)]
     matrices = [p for p in model.blocks.parameters() if p.ndim == 2]
@@ -79,7 +86,7 @@ def run(args: argparse.Namespace) -> dict:
         model.train()
         return sum(losses) / len(losses)
 
-    curve, started = [], time.perf_counter()
+    curve, grad_norms, started = [], [], time.perf_counter()
     for t, (x, y) in enumerate(data.train_dataloader()):
         for o, lrs in zip(opts, base_lrs):
             for group, lr in zip(o.param_groups, lrs):
@@ -88,9 +95,12 @@ def run(args: argparse.Namespace) -> dict:
         with torch.no_grad():  # the weights the gradient is taken at
             if args.delay:
                 kappa = args.kappa if args.fix == "weight-extrapolation" else 0.0
-                for p, w1, w2 in zip(params, previous, before):
-                    p.copy_(w1 + kappa * (w1 - w2))
+                for (name, p), w1, w2 in zip(model.named_parameters(), previous, before):
+                    if re.search(args.delayed, name):
+                        p.copy_(w1 + kappa * (w1 - w2))
         F.cross_entropy(model(x).flatten(0, 1), y.flatten()).backward()
+        if t % 25 == 0:
+            grad_norms.append([t, round(torch.nn.utils.get_total_norm([p.grad for p in params]).item(), 4)])
         with torch.no_grad():
             for p, w in zip(params, current):
                 p.copy_(w)
@@ -110,7 +120,8 @@ def run(args: argparse.Namespace) -> dict:
             curve.append([t + 1, round(validate(), 5)])
             print(f"step {t + 1}: val_loss {curve[-1][1]:.4f}", flush=True)
     config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k not in ("out", "data")}
-    return {**config, "final_val_loss": curve[-1][1], "val_curve": curve, "seconds": round(time.perf_counter() - started)}
+    return {**config, "final_val_loss": curve[-1][1], "val_curve": curve, "grad_norm_curve": grad_norms,
+            "seconds": round(time.perf_counter() - started)}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -118,8 +129,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--delay", type=int, default=1, choices=[0, 1], help="gradient delay in steps (0: ordinary training)")
     p.add_argument("--fix", default="none", choices=["none", "weight-extrapolation", "update-extrapolation"])
     p.add_argument("--kappa", type=float, default=1.0, help="the correction's scale (default 1)")
-    p.add_argument("--optimizer", default="adamw", choices=["adamw", "sgd", "muon"])
+    p.add_argument("--optimizer", default="adamw", choices=["adamw", "nadamw", "sgd", "muon"])
     p.add_argument("--beta1", type=float, default=0.9, help="Adam's beta1 / SGD's momentum (default 0.9)")
+    p.add_argument("--beta2", type=float, default=0.95, help="Adam's beta2 (default 0.95)")
+    p.add_argument("--eps", type=float, default=1e-8, help="Adam's eps (default 1e-8)")
+    p.add_argument("--delayed", default="", help="delay only parameters whose name matches this regex (default: all)")
     p.add_argument("--lr", type=float, default=2e-3, help="AdamW / SGD learning rate (default 2e-3)")
     p.add_argument("--muon-lr", type=float, default=0.02)
     p.add_argument("--warmup", type=int, default=0, help="linear warm-up steps (default 0)")
@@ -132,7 +146,7 @@ def main(argv: list[str] | None = None) -> None:
     record = run(args)
     with open(args.out, "a") as f:
         f.write(json.dumps(record) + "\n")
-    print(json.dumps({k: record[k] for k in ("delay", "fix", "kappa", "optimizer", "final_val_loss", "seconds")}))
+    print(json.dumps({k: record[k] for k in ("delay", "delayed", "fix", "kappa", "optimizer", "final_val_loss", "seconds")}))
 
 
 if __name__ == "__main__":
