@@ -87,7 +87,7 @@ MULTI_PROCESS = ("avgpipe",)
 #: option groups of PipeStrategy that belong to one schedule: given with --strategy-options, they are
 #: passed to (and part of the identity of) that schedule's runs only
 SCHEDULE_GROUPS = ("pipemare", "xpipe", "pipedream_2bw", "avgpipe")
-DEFAULT_LR = {"adamw": 2e-3, "sgd": 0.03, "muon": 0.02}
+DEFAULT_LR = {"adamw": 2e-3, "nadamw": 2e-3, "sgd": 0.03, "muon": 0.02}
 
 
 # ================================================================================================ data
@@ -297,6 +297,9 @@ def _lightning_classes() -> dict[str, Any]:
             h = self.hparams
             if h.optimizer == "adamw":
                 opt = torch.optim.AdamW(self.parameters(), lr=h.lr, betas=(0.9, 0.95), weight_decay=h.weight_decay)
+            elif h.optimizer == "nadamw":  # arXiv 2505.01099's recipe: NAdam, decoupled decay, beta1 0.99
+                opt = torch.optim.NAdam(self.parameters(), lr=h.lr, betas=(0.99, 0.999), weight_decay=h.weight_decay,
+                                        decoupled_weight_decay=True)
             elif h.optimizer == "muon":  # Muon for the blocks' matrices, AdamW (lr 2e-3) for the rest
                 matrices = [p for p in self.blocks.parameters() if p.ndim == 2]
                 rest = [p for p in self.parameters() if all(p is not m for m in matrices)]
@@ -308,7 +311,7 @@ def _lightning_classes() -> dict[str, Any]:
                 opt = torch.optim.SGD(self.parameters(), lr=h.lr, momentum=h.momentum, nesterov=False,
                                       weight_decay=h.weight_decay)
             else:
-                raise ValueError(f"optimizer={h.optimizer!r}: choose adamw, sgd or muon")
+                raise ValueError(f"optimizer={h.optimizer!r}: choose adamw, nadamw, sgd or muon")
             if h.warmup_steps <= 0:
                 return opt
             scheduler = torch.optim.lr_scheduler.LambdaLR(opt, LinearWarmup(h.warmup_steps))
@@ -610,7 +613,7 @@ def plan(args: argparse.Namespace) -> tuple[list[dict[str, Any]], list[str]]:
                         if why:
                             skipped.append(f"{schedule} P={stages} M={m}: {why}")
                             continue
-                        lr = {"adamw": args.lr_adamw, "sgd": args.lr_sgd, "muon": args.lr_muon}[opt]
+                        lr = {"adamw": args.lr_adamw, "nadamw": args.lr_nadamw, "sgd": args.lr_sgd, "muon": args.lr_muon}[opt]
                         configs.append(full_config({
                             "schedule": schedule, "stages": stages, "micro_batches": m, "optimizer": opt, "seed": seed,
                             "steps": args.steps, "batch_size": args.batch_size, "context": args.context,
@@ -817,19 +820,24 @@ def report(args: argparse.Namespace) -> None:
         rows = panels[key]
         base_runs, note = _baseline(panels, key)
         base_mean = statistics.fmean(r["final_val_loss"] for r in base_runs.values()) if base_runs else math.nan
+        # another optimizer is also held against synchronous AdamW: the training a user would otherwise run
+        adamw_runs = _baseline(panels, (protocol, stages, m, "adamw", DEFAULT_LR["adamw"]))[0] if optimizer != "adamw" else None
+        adamw_mean = statistics.fmean(r["final_val_loss"] for r in adamw_runs.values()) if adamw_runs else None
         seeds = sorted({s for runs in rows.values() for s in runs})
         any_rec = next(iter(next(iter(rows.values())).values()))["config"]
         title = f"## P={stages} ({any_rec['blocks']} blocks), M={m}, {optimizer} (lr {lr:g})"
         if differing:
             title += " — " + ", ".join(f"{k}={json.loads(protocol).get(k)}" for k in differing)
+        extra = f" vs {BASELINE} adamw |" if adamw_mean else ""
         out += [title + note, "",
-                "| schedule | " + " | ".join(f"seed {s}" for s in seeds) + f" | mean | vs {BASELINE} |",
-                "|---|" + "---|" * len(seeds) + "---|---|"]
+                "| schedule | " + " | ".join(f"seed {s}" for s in seeds) + f" | mean | vs {BASELINE} |" + extra,
+                "|---|" + "---|" * len(seeds) + "---|---|" + ("---|" if adamw_mean else "")]
         for label in sorted(rows, key=_schedule_order):
             runs = rows[label]
             cells = [f"{runs[s]['final_val_loss']:.4f}" if s in runs else "—" for s in seeds]
             mean = statistics.fmean(r["final_val_loss"] for r in runs.values())
             rel = "n/a" if math.isnan(base_mean) else f"{100 * (mean / base_mean - 1):+.2f} %"
+            rel += f" | {100 * (mean / adamw_mean - 1):+.2f} %" if adamw_mean else ""
             n = f" ({len(runs)} seeds)" if len(runs) < len(seeds) else ""
             out.append(f"| {label} | " + " | ".join(cells) + f" | {mean:.4f}{n} | {rel} |")
         out.append("")
@@ -935,8 +943,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     choices=SCHEDULES)
     pr.add_argument("--stages", nargs="+", type=int, default=[2, 4, 8])
     pr.add_argument("--micro-batches", nargs="+", type=int, default=[4, 8])
-    pr.add_argument("--optimizers", nargs="+", default=["adamw", "sgd"], choices=["adamw", "sgd", "muon"],
-                    help="muon: torch.optim.Muon (momentum 0.95, Nesterov) for the blocks' matrices and AdamW "
+    pr.add_argument("--optimizers", nargs="+", default=["adamw", "sgd"], choices=["adamw", "nadamw", "sgd", "muon"],
+                    help="nadamw: torch.optim.NAdam with decoupled weight decay and betas (0.99, 0.999), the recipe of "
+                         "arXiv 2505.01099 (its official run script); muon: torch.optim.Muon (momentum 0.95, Nesterov) "
+                         "for the blocks' matrices and AdamW "
                          "(lr 2e-3) for embeddings, norms, biases and head, as one CombinedOptimizer")
     pr.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     pr.add_argument("--steps", type=int, default=400)
@@ -947,6 +957,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     pr.add_argument("--blocks-per-stage", type=int, default=2, help="transformer blocks per stage (default 2)")
     pr.add_argument("--dropout", type=float, default=0.0)
     pr.add_argument("--lr-adamw", type=float, default=DEFAULT_LR["adamw"])
+    pr.add_argument("--lr-nadamw", type=float, default=DEFAULT_LR["nadamw"])
     pr.add_argument("--lr-sgd", type=float, default=DEFAULT_LR["sgd"],
                     help="SGD learning rate (default 0.03: for 1f1b at P=2, 0.3 diverges and 0.1 is unstable)")
     pr.add_argument("--lr-muon", type=float, default=DEFAULT_LR["muon"], help="Muon learning rate (default 0.02)")
