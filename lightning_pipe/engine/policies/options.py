@@ -57,9 +57,10 @@ class XPipeOptions:
 
     Args:
         prediction: the update direction the prediction extrapolates: ``"adam"`` (Adam's bias-corrected
-            moments; also NAdam's under ``"auto"``), ``"muon"`` (Muon's orthogonalised momentum at its shape-adjusted learning rate),
-            ``"momentum"`` (SGD's momentum buffer), ``"sgd"`` (the last gradient) or ``"auto"`` (by the
-            optimizer's type, per member of a :class:`~lightning_pipe.optim.CombinedOptimizer`).
+            moments; NAdam's too), ``"muon"`` (Muon's orthogonalised momentum at its shape-adjusted
+            learning rate), ``"momentum"`` (SGD's momentum buffer), ``"sgd"`` (the last gradient) or
+            ``"auto"`` (by the optimizer's type, per member of a
+            :class:`~lightning_pipe.optim.CombinedOptimizer`).
     """
 
     prediction: Prediction = "auto"
