@@ -72,6 +72,7 @@ def run(args: argparse.Namespace) -> dict:
     torch.manual_seed(args.seed)
     model = classes["CharLM"](len(data.vocab), blocks=4)
     params = list(model.parameters())
+    delayed = [re.search(args.delayed, name) is not None for name, _ in model.named_parameters()]  # --delayed
     opts = optimizers(model, args)
     base_lrs = [[group["lr"] for group in o.param_groups] for o in opts]
     previous = [p.detach().clone() for p in params]  # W(t-1)
@@ -95,8 +96,8 @@ def run(args: argparse.Namespace) -> dict:
         with torch.no_grad():  # the weights the gradient is taken at
             if args.delay:
                 kappa = args.kappa if args.fix == "weight-extrapolation" else 0.0
-                for (name, p), w1, w2 in zip(model.named_parameters(), previous, before):
-                    if re.search(args.delayed, name):
+                for p, w1, w2, stale in zip(params, previous, before, delayed):
+                    if stale:
                         p.copy_(w1 + kappa * (w1 - w2))
         F.cross_entropy(model(x).flatten(0, 1), y.flatten()).backward()
         if t % 25 == 0:

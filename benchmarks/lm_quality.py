@@ -946,8 +946,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     pr.add_argument("--optimizers", nargs="+", default=["adamw", "sgd"], choices=["adamw", "nadamw", "sgd", "muon"],
                     help="nadamw: torch.optim.NAdam with decoupled weight decay and betas (0.99, 0.999), the recipe of "
                          "arXiv 2505.01099 (its official run script); muon: torch.optim.Muon (momentum 0.95, Nesterov) "
-                         "for the blocks' matrices and AdamW "
-                         "(lr 2e-3) for embeddings, norms, biases and head, as one CombinedOptimizer")
+                         "for the blocks' matrices and AdamW (lr 2e-3) for embeddings, norms, biases and head, as one "
+                         "CombinedOptimizer")
     pr.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     pr.add_argument("--steps", type=int, default=400)
     pr.add_argument("--batch-size", type=int, default=32)
