@@ -257,7 +257,7 @@ class Watchdog:
     def gone_peers(self) -> list[int]:
         """The ranks on this host whose processes no longer run (which peer a collective lost)."""
         here = socket.gethostname()
-        return [r for r, (host, pid) in enumerate(self.peers) if r != self.rank and host == here and not _alive(pid)]
+        return [r for r, (host, pid) in enumerate(self.peers) if r != self.rank and host == here and not process_alive(pid)]
 
     # ------------------------------------------------------------------ no orphans
     def end_stragglers(self, grace: float) -> None:
@@ -303,7 +303,7 @@ for pid in pids:
 """
 
 
-def _alive(pid: int) -> bool:
+def process_alive(pid: int) -> bool:
     """Whether process ``pid`` exists and has not exited (an exited child not yet reaped counts as exited)."""
     try:
         with open(f"/proc/{pid}/stat") as stat:

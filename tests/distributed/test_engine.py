@@ -64,10 +64,20 @@ def reference(steps: int, batches: list, lr: float = 0.1):
     return losses, {k: v.clone() for k, v in trunk.state_dict().items()}
 
 
-def pipeline_worker(rank: int, world: int, name: str, micro_batches: int, chunks: int, batches: list,
-                    nccl_rules: bool = False):
-    """One pipeline of ``world`` devices; returns losses (last device) and local weights. ``nccl_rules``:
-    the transport NCCL gets (no tags, one process group per channel), on gloo."""
+def make_transport(wire: str) -> Transport:
+    """``"gloo"``: the process group as is; ``"nccl"``: the transport NCCL gets (no tags, one process group per
+    channel), on gloo; ``"shm"``: shared memory between the processes (collective)."""
+    if wire == "shm":
+        from lightning_pipe.engine.shm import SharedMemoryTransport
+
+        return SharedMemoryTransport.create(torch.device("cpu"))
+    nccl_rules = wire == "nccl"
+    return Transport(torch.device("cpu"), tagged=not nccl_rules, channels=ChannelGroups.create() if nccl_rules else None)
+
+
+def pipeline_worker(rank: int, world: int, name: str, micro_batches: int, chunks: int, batches: list, wire: str = "gloo"):
+    """One pipeline of ``world`` devices over ``wire`` (:func:`make_transport`); returns losses (last
+    device) and local weights."""
     trunk = make_trunk()
     parts = world * chunks
     bounds = stage_bounds(resolve_balance("uniform", trunk, parts))
@@ -84,7 +94,7 @@ def pipeline_worker(rank: int, world: int, name: str, micro_batches: int, chunks
             loss_fn=loss_fn if vs == parts - 1 else None,
         ))
     opt = torch.optim.SGD(params, lr=0.1, momentum=0.9)
-    transport = Transport(torch.device("cpu"), tagged=not nccl_rules, channels=ChannelGroups.create() if nccl_rules else None)
+    transport = make_transport(wire)
     executor = Executor(rank, list(range(world)), stages, transport, Watchdog.from_process_group(60.0))
     losses = []
     for batch in batches:
@@ -101,19 +111,20 @@ def pipeline_worker(rank: int, world: int, name: str, micro_batches: int, chunks
 
 
 @pytest.mark.parametrize(
-    "name,world,micro_batches,chunks,nccl_rules",
-    [("gpipe", 2, 4, 1, False), ("1f1b", 2, 3, 1, False), ("interleaved_1f1b", 2, 4, 2, False), ("1f1b", 4, 6, 1, False),
-     ("interleaved_1f1b", 4, 4, 2, False), ("interleaved_1f1b", 2, 4, 2, True), ("1f1b", 4, 6, 1, True),
-     # 12 samples in 5 micro-batches (3, 3, 2, 2, 2): a shape header again mid-step, on both transports
-     ("1f1b", 2, 5, 1, False), ("gpipe", 3, 5, 1, True),
+    "name,world,micro_batches,chunks,wire",
+    [("gpipe", 2, 4, 1, "gloo"), ("1f1b", 2, 3, 1, "gloo"), ("interleaved_1f1b", 2, 4, 2, "gloo"), ("1f1b", 4, 6, 1, "gloo"),
+     ("interleaved_1f1b", 4, 4, 2, "gloo"), ("interleaved_1f1b", 2, 4, 2, "nccl"), ("1f1b", 4, 6, 1, "nccl"),
+     # 12 samples in 5 micro-batches (3, 3, 2, 2, 2): a shape header again mid-step, on every transport
+     ("1f1b", 2, 5, 1, "gloo"), ("gpipe", 3, 5, 1, "nccl"), ("1f1b", 2, 5, 1, "shm"),
+     ("interleaved_1f1b", 4, 4, 2, "shm"),
      # zero-bubble: split backward; zbv's V hands over in memory on device 1 and needs a group per channel on NCCL
-     ("zb_h1", 2, 5, 1, False), ("zbv", 2, 4, 2, True), ("zbv", 2, 2, 2, False),
-     ("dualpipev", 2, 5, 2, True)],
+     ("zb_h1", 2, 5, 1, "gloo"), ("zbv", 2, 4, 2, "nccl"), ("zbv", 2, 2, 2, "gloo"), ("zbv", 2, 4, 2, "shm"),
+     ("dualpipev", 2, 5, 2, "nccl")],
 )
-def test_pipeline_equals_single_device(name, world, micro_batches, chunks, nccl_rules):
+def test_pipeline_equals_single_device(name, world, micro_batches, chunks, wire):
     batches = [make_batch(seed=s) for s in range(3)]
     ref_losses, ref_state = reference(3, batches)
-    results = values(run_workers(pipeline_worker, world, name, micro_batches, chunks, batches, nccl_rules, timeout=120))
+    results = values(run_workers(pipeline_worker, world, name, micro_batches, chunks, batches, wire, timeout=120))
     losses = [r[0] for r in results if r[0]]
     assert len(losses) == 1
     torch.testing.assert_close(torch.tensor(losses[0]), torch.tensor(ref_losses), rtol=1e-5, atol=1e-7)

@@ -1,0 +1,117 @@
+"""The shared-memory transport, both ends in this process: order, exact bytes, growth, sends held
+beyond the ring, and the errors a dead, failed or hung peer gives (the multi-process exactness
+tests are in tests/distributed/test_engine.py)."""
+
+from __future__ import annotations
+
+import glob
+import os
+import secrets
+import socket
+import subprocess
+import sys
+from datetime import timedelta
+
+import pytest
+import torch
+
+from lightning_pipe.engine import shm
+from lightning_pipe.engine.shm import SharedMemoryTransport
+from lightning_pipe.engine.watchdog import Watchdog
+from lightning_pipe.errors import PeerFailure, PipelineTimeout
+
+pytestmark = pytest.mark.skipif(shm.available() is not None, reason=f"no shared memory here: {shm.available()}")
+CPU = torch.device("cpu")
+
+
+def pair(name: str, peer_pid: int | None = None, **kwargs) -> tuple[SharedMemoryTransport, SharedMemoryTransport]:
+    """Rank 0's and rank 1's transports; rank 1 says it runs as ``peer_pid`` (default: this process)."""
+    host = socket.gethostname()
+    hosts = [(host, os.getpid()), (host, peer_pid or os.getpid())]
+    token = f"test-{name}-{secrets.token_hex(4)}"
+    return (SharedMemoryTransport(CPU, 0, hosts, token, **kwargs), SharedMemoryTransport(CPU, 1, hosts, token, **kwargs))
+
+
+def exited_pid() -> int:
+    process = subprocess.Popen([sys.executable, "-c", "pass"])
+    process.wait()
+    return process.pid
+
+
+def test_messages_arrive_in_order_with_their_exact_bytes_and_slots_grow():
+    sender, receiver = pair("order")
+    sent = [torch.randn(3, 5), torch.arange(7, dtype=torch.int64), torch.randn(64, 300), torch.ones(2, dtype=torch.bool),
+            torch.randn(1000, 100, dtype=torch.float64)]  # 800 KB after small ones: a slot's next generation
+    works = [sender.isend(t, 1, tag=1) for t in sent]
+    gradient = torch.randn(4, 4)
+    sender_gets = receiver.isend(gradient, 0, tag=2)  # the other direction meanwhile
+    buffers = [torch.empty_like(t) for t in sent]
+    receives = [receiver.irecv(b, 0, tag=1) for b in buffers]
+    receives[-1].wait(timedelta(seconds=5))  # completes the earlier ones of the channel first
+    assert all(r.is_completed() for r in receives) and all(w.is_completed() for w in works)  # read: like gloo's
+    for expected, got in zip(sent, buffers):
+        assert torch.equal(expected, got)
+    back = torch.empty(4, 4)
+    sender.irecv(back, 1, tag=2).wait()
+    sender_gets.wait()
+    assert torch.equal(back, gradient)
+    # every file is gone once both ends opened it
+    assert not glob.glob(os.path.join(shm.SHM_DIR, f"lightning-pipe-{sender.token}-*"))
+
+
+def test_sends_beyond_the_ring_are_held_and_written_as_the_receiver_reads(monkeypatch):
+    monkeypatch.setattr(shm, "RING", 4)
+    sender, receiver = pair("ring")
+    sent = [torch.full((8,), float(i)) for i in range(10)]
+    works = [sender.isend(t, 1, tag=0) for t in sent]
+    assert [w.tensor is None for w in works] == [True] * 4 + [False] * 6  # written or held: the sender never blocks
+    for i, expected in enumerate(sent):
+        got = torch.empty(8)
+        receiver.irecv(got, 0, tag=0).wait(timedelta(seconds=5))  # the wait also writes this process's held sends
+        assert torch.equal(got, expected), i
+    assert all(w.is_completed() for w in works)
+
+
+def test_a_message_of_the_wrong_size_names_the_disagreement():
+    sender, receiver = pair("size")
+    sender.isend(torch.zeros(6), 1, tag=0)
+    with pytest.raises(RuntimeError, match="24 bytes arrived from rank 0 where 5 elements"):
+        receiver.irecv(torch.empty(5), 0, tag=0).wait()
+
+
+def test_a_peer_that_exited_ends_the_wait_as_a_closed_connection_does():
+    _, receiver = pair("dead", peer_pid=exited_pid())
+    work = receiver.irecv(torch.empty(3), 0, tag=0)  # rank 1 waits for "rank 0", which has exited
+    receiver.hosts[0] = receiver.hosts[1]
+    with pytest.raises(PeerFailure, match="rank 0 closed its connection"):
+        Watchdog(timeout=30.0, rank=1, grace=0.0).wait(work, "RECV_ACT0 from rank 0", peer=0)
+
+
+def test_a_reported_failure_and_a_hung_peer_end_the_wait():
+    report = "rank 0 raised ValueError: boom"
+    _, receiver = pair("told", peer_failed=lambda: report)
+    with pytest.raises(RuntimeError, match="boom"):
+        receiver.irecv(torch.empty(3), 0, tag=0).wait(timedelta(seconds=30))
+    _, receiver = pair("hung")
+    with pytest.raises(PipelineTimeout, match="waited 0 s for RECV_GRAD1 from rank 0"):
+        Watchdog(timeout=0.2, rank=1, grace=0.0).wait(receiver.irecv(torch.empty(3), 0, tag=2), "RECV_GRAD1 from rank 0", 0)
+
+
+def test_cuda_tensors_and_other_hosts_take_the_process_group():
+    sender, _ = pair("route")
+    sender.hosts[1] = ("another-host", 1)
+    assert not sender._shares_memory(1, torch.zeros(1))
+    assert sender._shares_memory(0, torch.zeros(1))
+    if torch.cuda.is_available():
+        assert not sender._shares_memory(0, torch.zeros(1, device="cuda"))
+
+
+def test_a_full_dev_shm_names_the_fix_instead_of_a_bus_error(monkeypatch):
+    def full(fd, offset, length):
+        raise OSError(28, "No space left on device")
+
+    sender, _ = pair("full")
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    with pytest.raises(RuntimeError, match=r"MiB free, too little .* --shm-size\) or use PipeStrategy\(transport='process_group'\)"):
+        sender.isend(torch.zeros(10), 1, tag=0)
+    assert not glob.glob(os.path.join(shm.SHM_DIR, f"lightning-pipe-{sender.token}-*"))
