@@ -71,6 +71,7 @@ class PipeOptions:
     sync_warmup_steps: int = 0
     pipedream_2bw: DoubleBufferOptions = field(default_factory=DoubleBufferOptions)
     shape_headers: Literal["on_change", "always"] = "on_change"
+    transport: Literal["auto", "shared_memory", "process_group"] = "auto"
 
     @property
     def spec(self) -> ScheduleSpec:
@@ -128,7 +129,7 @@ def resolve(
     schedule: str, micro_batches: int | str, stages: int | None, pipelines: int, balance: str | list[int], module: str | None,
     chunks_per_stage: int | None, checkpoint_activations: bool, timeouts: tuple[float, float, float], sync_warmup_epochs: int,
     groups: Mapping[str, Any], trace_dir: str | None, trace_steps: int, deprecated: Mapping[str, Any],
-    stage_metrics: bool = True, sync_warmup_steps: int = 0, shape_headers: str = "on_change",
+    stage_metrics: bool = True, sync_warmup_steps: int = 0, shape_headers: str = "on_change", transport: str = "auto",
 ) -> PipeOptions:
     """Check the arguments of ``PipeStrategy`` and return them as :class:`PipeOptions`."""
     row = spec(schedule)
@@ -140,7 +141,7 @@ def resolve(
         schedule, micro_batches, stages, pipelines, list(balance) if not isinstance(balance, str) else balance, module,  # type: ignore[arg-type]
         chunks_per_stage, checkpoint_activations, *map(float, timeouts), sync_warmup_epochs, resolved["pipemare"],
         resolved["xpipe"], resolved["avgpipe"], resolved["auto_balance"], trace_dir, trace_steps, stage_metrics,
-        sync_warmup_steps, resolved["pipedream_2bw"], shape_headers,  # type: ignore[arg-type]
+        sync_warmup_steps, resolved["pipedream_2bw"], shape_headers, transport,  # type: ignore[arg-type]
     )
     check(options)
     return options
@@ -190,6 +191,9 @@ def check(options: PipeOptions) -> None:
     if o.shape_headers not in ("on_change", "always"):
         raise PipeConfigError(f"shape_headers={o.shape_headers!r} is not known; use 'on_change' (send an activation's "
                               "shapes only when its micro-batch's differ from the previous one's) or 'always'.")
+    if o.transport not in ("auto", "shared_memory", "process_group"):
+        raise PipeConfigError(f"transport={o.transport!r} is not known; use 'auto' (shared memory between CPU processes "
+                              "of one host where it works), 'shared_memory' or 'process_group' (torch.distributed).")
 
 
 def _check_avgpipe(o: PipeOptions) -> None:

@@ -18,11 +18,13 @@ from __future__ import annotations
 import difflib
 import inspect
 import logging
+import secrets
 from contextlib import nullcontext
 from datetime import timedelta
 from typing import Any, ContextManager, Literal
 
 import torch
+import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.utilities.distributed import _sync_ddp_if_available
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
@@ -37,7 +39,7 @@ from torch import Tensor
 from torch.distributed import ReduceOp
 from torchmetrics import Metric
 
-from lightning_pipe.engine import Topology, Transport, Watchdog, batch_size
+from lightning_pipe.engine import Topology, Transport, Watchdog, batch_size, shm
 from lightning_pipe.engine.policies import AvgPipeOptions, DoubleBufferOptions, PipeMareOptions, XPipeOptions
 from lightning_pipe.engine.policies.options import Averaging, Prediction
 from lightning_pipe.engine.watchdog import FAILURE_GRACE
@@ -159,6 +161,11 @@ class PipeStrategy(DDPStrategy, metaclass=_NamesItsOptions):
             decide alike from the micro-batches they both hold. ``"always"``: every activation carries
             its shapes, for stages whose output shapes depend on the data, not only on the input shapes
             (an error says so when it happens).
+        transport: how CPU stages on one host exchange activations and gradients. ``"auto"``: through
+            shared memory where the host allows it (Linux, x86-64), else the process group;
+            ``"shared_memory"``: the same, and an error where it is unavailable; ``"process_group"``:
+            always ``torch.distributed`` (gloo). CUDA tensors and peers on other hosts always use the
+            process group. Shared memory skips gloo's loopback sockets (docs/benchmarks.md).
         pipemare_lr_reschedule: deprecated, use ``pipemare={"lr_reschedule": ...}``.
         pipemare_lr_warmup_steps: deprecated, use ``pipemare={"lr_warmup_steps": ...}``.
         pipemare_correction: deprecated, use ``pipemare={"correction": ...}``.
@@ -208,6 +215,7 @@ class PipeStrategy(DDPStrategy, metaclass=_NamesItsOptions):
         trace_steps: int = 3,
         stage_metrics: bool = True,
         shape_headers: Literal["on_change", "always"] = "on_change",
+        transport: Literal["auto", "shared_memory", "process_group"] = "auto",
         pipemare_lr_reschedule: bool | None = None,
         pipemare_lr_warmup_steps: int | None = None,
         pipemare_correction: bool | None = None,
@@ -236,7 +244,7 @@ class PipeStrategy(DDPStrategy, metaclass=_NamesItsOptions):
             (timeout, startup_timeout, checkpoint_timeout), sync_warmup_epochs,
             {"pipemare": pipemare, "xpipe": xpipe, "pipedream_2bw": pipedream_2bw, "avgpipe": avgpipe,
              "auto_balance": auto_balance},
-            trace_dir, trace_steps, deprecated, stage_metrics, sync_warmup_steps, shape_headers,
+            trace_dir, trace_steps, deprecated, stage_metrics, sync_warmup_steps, shape_headers, transport,
         )
         super().__init__(
             accelerator=accelerator,
@@ -254,6 +262,7 @@ class PipeStrategy(DDPStrategy, metaclass=_NamesItsOptions):
         self._measured: list[float] | None = None  # balance="auto" refined: each stage's measured time
         self._topology: Topology | None = None
         self._watchdog: Watchdog | None = None
+        self._transport: Transport | None = None
         self._pipeline: StagePipeline | None = None
         self._runtime: Runtime | None = None
         self._tracer: RunTracer | None = None
@@ -312,10 +321,9 @@ class PipeStrategy(DDPStrategy, metaclass=_NamesItsOptions):
         return self._get_process_group_backend() == "gloo" or self.num_stages == 1
 
     def transport(self) -> Transport | None:
-        """This rank's point-to-point layer (``None`` for a one-process pipeline)."""
-        if self.topology.stages == 1:
-            return None
-        return Transport(self.root_device, tagged=self.tagged, channels=self.topology.channel_groups)
+        """This rank's point-to-point layer (``None`` for a one-process pipeline); one per rank, since a
+        shared-memory channel counts its messages."""
+        return self._transport
 
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
@@ -348,6 +356,25 @@ class PipeStrategy(DDPStrategy, metaclass=_NamesItsOptions):
         self._topology = Topology(stages, self.num_pipelines, self.global_rank)
         with self._watchdog.guard("the other ranks to create the pipeline's process groups"):
             self._topology.create_groups(directional=not self.tagged)
+            if self._transport is None:  # the executors built at the first setup keep theirs
+                self._transport = self._create_transport()
+
+    def _create_transport(self) -> Transport | None:
+        """Collective: the point-to-point layer of this rank (see the ``transport`` option)."""
+        if self.topology.stages == 1:
+            return None
+        plain = Transport(self.root_device, tagged=self.tagged, channels=self.topology.channel_groups)
+        choice, reason = self.options.transport, shm.available()
+        if choice == "shared_memory" and reason is not None:
+            raise PipeConfigError(f"transport='shared_memory' cannot work here: {reason}. Use transport='auto'.")
+        if choice == "process_group" or reason is not None or self.root_device.type != "cpu":
+            return plain
+        token = [secrets.token_hex(8) if self.global_rank == 0 else None]
+        dist.broadcast_object_list(token, src=0)  # one name per job, unknown to stale files of earlier jobs
+        return shm.SharedMemoryTransport(
+            self.root_device, self.global_rank, self.watchdog.peers, token[0], tagged=self.tagged,
+            channels=self.topology.channel_groups, peer_failed=lambda: self.watchdog.heard,
+        )
 
     def setup(self, trainer: Trainer) -> None:
         assert self.accelerator is not None and self.model is not None

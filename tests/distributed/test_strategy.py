@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from lightning_pipe.engine import shm
 from tests.harness.launch import launch
 from tests.harness.lightning_run import train
 
@@ -48,10 +49,11 @@ def assert_matches(reference, records, pipeline_ranks, last_device=-1):
 @pytest.mark.parametrize(
     "schedule,micro_batches,extra",
     [("gpipe", 4, {}), ("1f1b", 4, {"checkpoint_activations": True}), ("interleaved_1f1b", 4, {"chunks_per_stage": 2}),
-     ("zb_h1", 4, {}), ("zbv", 4, {}), ("dualpipev", 4, {})],
+     ("zb_h1", 4, {}), ("zbv", 4, {}), ("dualpipev", 4, {}), ("1f1b", 4, {"transport": "process_group"})],
 )
 def test_two_stages_equal_one_device(schedule, micro_batches, extra):
-    """Training, mid-epoch validation (torchmetrics objects too), validate, test and predict."""
+    """Training, mid-epoch validation (torchmetrics objects too), validate, test and predict; over shared
+    memory (the default between CPU processes of one host) and over gloo."""
     common = {"max_steps": STEPS, "batch_size": 16, "model": {"optimizer": "adam"}, "evaluate": True,
               "trainer": {"val_check_interval": 2}}
     reference = train(common)
@@ -59,6 +61,8 @@ def test_two_stages_equal_one_device(schedule, micro_batches, extra):
         **common, "devices": 2, "strategy": {"schedule": schedule, "micro_batches": micro_batches, **extra},
     })
     assert code == 0, output[-3000:]
+    gloo = extra.get("transport") == "process_group" or shm.available() is not None
+    assert {r["transport"] for r in records} == {"Transport" if gloo else "SharedMemoryTransport"}
     assert_matches(reference, records, [0, 1], last_device=0 if schedule in ("zbv", "dualpipev") else -1)
     assert len(reference["val_metrics"]) == 3  # two mid-epoch checks + trainer.validate
     for record in records:

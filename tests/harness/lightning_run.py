@@ -264,6 +264,7 @@ def train(config: dict[str, Any]) -> dict[str, Any]:
         "global_step": trainer.global_step,
         "counts": getattr(trainer.strategy, "_counts", None),
         "avgpipe": avgpipe_values(trainer.strategy),
+        "transport": type(trainer.strategy.transport()).__name__ if hasattr(trainer.strategy, "transport") else None,
     }
 
 
