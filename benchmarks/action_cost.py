@@ -9,10 +9,11 @@ is timed three ways per micro-batch size ``b``, all in one run:
 * **loop**: forward, then backward, back to back, ``--repeats`` times (what the profiler sees);
 * **after idle**: the same with a ``--idle`` ms sleep before each forward and each backward (what a
   stage does while it waits for its peer);
-* **pipeline**: a 1F1B step of ``--micro-batches`` micro-batches of ``b`` samples on 2 gloo processes
+* **pipeline**: a 1F1B step of ``--micro-batches`` micro-batches of ``b`` samples on 2 processes
   (one stage each), every action recorded by the executor's ``ActionRecorder``; per-action medians
   over ``--steps`` steps after 3 warm-up steps, and the step time not covered by any action
-  (executor bookkeeping between actions).
+  (executor bookkeeping between actions, posting receives). Once per ``--transports``: gloo's
+  sockets, and shared memory (``PipeStrategy(transport="auto")``'s choice on one CPU host).
 
 Medians throughout. The processes run one after the other, never beside each other.
 """
@@ -68,7 +69,8 @@ def pipeline_worker(rank: int, port: int, b: int, args: argparse.Namespace, out:
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=STAGES, timeout=timedelta(seconds=120))
-    runner_args = argparse.Namespace(width=args.width, layers=args.layers, micro_batch_size=b)
+    runner_args = argparse.Namespace(width=args.width, layers=args.layers, micro_batch_size=b,
+                                     shared_memory=args.transport == "shared_memory")
     runner = Runner(Variant("1f1b", "1f1b", args.micro_batches), rank, runner_args)
     recorder = ActionRecorder(rank, clock=time.perf_counter)
     runner.executor.recorder = recorder
@@ -116,6 +118,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=200, help="timed iterations of the loops")
     p.add_argument("--idle", type=float, default=1.0, help="ms asleep before each action in the 'after idle' loop")
     p.add_argument("--steps", type=int, default=10, help="timed pipeline steps")
+    p.add_argument("--transports", nargs="+", choices=["gloo", "shared_memory"], default=["gloo", "shared_memory"],
+                   help="point-to-point layers of the pipeline runs")
     return p.parse_args(argv)
 
 
@@ -123,17 +127,19 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     print(f"one stage: {args.layers // 2} × (Linear({args.width}) + ReLU), one thread; pipeline: 1f1b, 2 stages on 2 "
           f"processes, {args.micro_batches} micro-batches; medians in ms\n")
-    print("| micro-batch | forward: loop / after idle / pipeline (rank 0, 1) | backward: loop / after idle / pipeline "
-          "(rank 0, 1) | pipeline step | not in any action |")
-    print("|---|---|---|---|---|")
+    print("| micro-batch | transport | forward: loop / after idle / pipeline (rank 0, 1) | backward: loop / after idle / "
+          "pipeline (rank 0, 1) | pipeline step | not in any action |")
+    print("|---|---|---|---|---|---|")
     with tempfile.TemporaryDirectory() as tmp:
         for b in args.sizes:
             loop_f, loop_b = loop_times(args, b, 0.0)
             idle_f, idle_b = loop_times(args, b, args.idle / 1e3)
-            ranks = pipeline_times(args, b, os.path.join(tmp, "rows.pt"))
-            ms = lambda key: ", ".join(f"{r[key] * 1e3:.2f}" for r in ranks)  # noqa: E731
-            print(f"| {b} | {loop_f * 1e3:.2f} / {idle_f * 1e3:.2f} / {ms('F')} | {loop_b * 1e3:.2f} / {idle_b * 1e3:.2f} / "
-                  f"{ms('B')} | {ms('step')} | {ms('uncovered')} |")
+            for transport in args.transports:
+                args.transport = transport
+                ranks = pipeline_times(args, b, os.path.join(tmp, "rows.pt"))
+                ms = lambda key: ", ".join(f"{r[key] * 1e3:.2f}" for r in ranks)  # noqa: E731
+                print(f"| {b} | {transport} | {loop_f * 1e3:.2f} / {idle_f * 1e3:.2f} / {ms('F')} | {loop_b * 1e3:.2f} / "
+                      f"{idle_b * 1e3:.2f} / {ms('B')} | {ms('step')} | {ms('uncovered')} |")
     print(f"\nload average at the end: {os.getloadavg()[0]:.1f} (other processes share the machine)")
 
 

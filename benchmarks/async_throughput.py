@@ -33,6 +33,7 @@ from throughput import (  # noqa: E402  (a sibling script)
 
 from lightning_pipe.engine import Executor, SequentialStage, Transport, Watchdog, split_micro_batches  # noqa: E402
 from lightning_pipe.engine.policies.options import AsyncOptions, DoubleBufferOptions  # noqa: E402
+from lightning_pipe.engine.shm import SharedMemoryTransport  # noqa: E402
 from lightning_pipe.registry import SCHEDULES  # noqa: E402
 from lightning_pipe.registry import names  # noqa: E402
 from lightning_pipe.schedules import async_schedule  # noqa: E402
@@ -44,8 +45,8 @@ class AsyncEngine(Variant):
     """One window of an asynchronous schedule per step (the stream never drains while timed)."""
 
     def __init__(self, schedule: str, workload: Workload, micro_batches: int, rank: int, group: Any,
-                 copy_loads: bool = False, lookahead: float | None = None) -> None:
-        self.name = f"ours {schedule}" + (" (copy loads)" if copy_loads else "")
+                 copy_loads: bool = False, lookahead: float | None = None, shared_memory: bool = True) -> None:
+        self.name = f"ours {schedule}" + (" (copy loads)" if copy_loads else "") + ("" if shared_memory else " (gloo)")
         if lookahead is not None:
             self.name += f" (lookahead {lookahead:g})"
         self.schedule = schedule
@@ -63,8 +64,9 @@ class AsyncEngine(Variant):
             input_fn=(lambda mb: mb[0]) if rank == 0 else None,
             loss_fn=(lambda output, mb: loss(output, mb[1])) if rank == STAGES - 1 else None,
         )
-        self.executor = Executor(rank, list(range(STAGES)), [stage], Transport(torch.device("cpu"), group=group),
-                                 Watchdog(timeout=300.0), policy=policy)
+        cpu = torch.device("cpu")  # shared memory: PipeStrategy's default on one CPU host
+        transport = SharedMemoryTransport.create(cpu) if shared_memory else Transport(cpu, group=group)
+        self.executor = Executor(rank, list(range(STAGES)), [stage], transport, Watchdog(timeout=300.0), policy=policy)
         self.batch = workload.make_batch(workload.batch)
         self.window = 0
 
@@ -85,6 +87,8 @@ def worker(rank: int, workload_name: str, micro_batches: int, args: dict[str, An
     ]
     for schedule in args["schedules"]:
         variants.append(AsyncEngine(schedule, workload, micro_batches, rank, dist.new_group(backend="gloo")))
+    for schedule in args["schedules"] if args["gloo"] else []:
+        variants.append(AsyncEngine(schedule, workload, micro_batches, rank, dist.new_group(backend="gloo"), shared_memory=False))
     for schedule in args["copy_loads"]:
         variants.append(AsyncEngine(schedule, workload, micro_batches, rank, dist.new_group(backend="gloo"), True))
     for lookahead in args["lookahead"]:
@@ -133,12 +137,15 @@ def main() -> None:
                         help="also time these live policies with copied instead of exchanged loads")
     parser.add_argument("--lookahead", type=float, nargs="*", default=[],
                         help="also time pipedream_2bw with these look-ahead values (its `lookahead` option)")
+    parser.add_argument("--gloo", action="store_true",
+                        help="also time each schedule over gloo ('ours' uses shared memory, PipeStrategy's default on one CPU host)")
     parser.add_argument("--windows", type=int, default=5, help="timed windows per variant")
     parser.add_argument("--steps-per-window", type=int, default=4)
     parser.add_argument("--warmup-steps", type=int, default=3)
     parser.add_argument("--timeout", type=float, default=1200.0, help="seconds per job before its processes are killed")
     args = parser.parse_args()
-    options = {k: getattr(args, k) for k in ("schedules", "copy_loads", "lookahead", "windows", "steps_per_window", "warmup_steps")}
+    options = {k: getattr(args, k) for k in ("schedules", "copy_loads", "lookahead", "windows", "steps_per_window", "warmup_steps",
+                                             "gloo")}
     jobs = []
     for workload in args.workloads:
         for m in args.micro_batches:

@@ -48,6 +48,7 @@ except ModuleNotFoundError:  # a source checkout without `pip install -e .`
 
 from lightning_pipe.engine import Executor, SequentialStage, Transport, Watchdog, split_micro_batches
 from lightning_pipe.engine.policies import ElasticAveraging
+from lightning_pipe.engine.shm import SharedMemoryTransport
 from lightning_pipe.registry import build_schedule
 from lightning_pipe.schedules import Kind, Schedule, build_avgpipe
 
@@ -111,7 +112,9 @@ class Runner:
             policy = ElasticAveraging(self.module, self.optimizer, rank, STAGES, variant.micro_batches, variant.replicas)
         stage = SequentialStage(self.module, input_fn=(lambda mb: mb[0]) if rank == 0 else None,
                                 loss_fn=(lambda out, mb: F.mse_loss(out, mb[1])) if rank == STAGES - 1 else None)
-        self.executor = Executor(rank, list(range(STAGES)), [stage], Transport(torch.device("cpu")),
+        cpu = torch.device("cpu")  # args.shared_memory: PipeStrategy's default on one CPU host (benchmarks/action_cost.py)
+        transport = SharedMemoryTransport.create(cpu) if getattr(args, "shared_memory", False) else Transport(cpu)
+        self.executor = Executor(rank, list(range(STAGES)), [stage], transport,
                                  Watchdog.from_process_group(300.0), policy=policy)
         g = torch.Generator().manual_seed(1)
         n = variant.micro_batches * args.micro_batch_size

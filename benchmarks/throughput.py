@@ -72,6 +72,7 @@ except ModuleNotFoundError:  # running from a source checkout without `pip insta
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from lightning_pipe.engine import Executor, SequentialStage, Transport, Watchdog, split_micro_batches
+from lightning_pipe.engine.shm import SharedMemoryTransport
 from lightning_pipe.registry import build_schedule
 
 STAGES = 2
@@ -323,8 +324,9 @@ class Engine(Variant):
     """lightning_pipe's executor with ``SequentialStage`` chunks (as in ``tests/distributed/test_engine.py``)."""
 
     def __init__(self, schedule: str, workload: Workload, micro_batches: int, rank: int, group: Any,
-                 shape_headers: str = "on_change") -> None:
-        self.name = f"ours {schedule}" + (" (headers always)" if shape_headers == "always" else "")
+                 shape_headers: str = "on_change", shared_memory: bool = True) -> None:
+        self.name = (f"ours {schedule}" + (" (headers always)" if shape_headers == "always" else "")
+                     + ("" if shared_memory else " (gloo)"))
         self.samples_per_step = workload.batch
         loss = workload.loss
         read_input, to_loss = (lambda mb: mb[0]), (lambda output, mb: loss(output, mb[1]))
@@ -340,10 +342,9 @@ class Engine(Variant):
         self.optimizer = sgd(self.layers.parameters())
         self.schedule = build_schedule(schedule, STAGES, micro_batches, len(chunks))
         self.micro_batches = micro_batches
-        self.executor = Executor(
-            rank, list(range(STAGES)), chunks, Transport(torch.device("cpu"), group=group), Watchdog(timeout=300.0),
-            shape_headers=shape_headers,
-        )
+        cpu = torch.device("cpu")  # PipeStrategy's default on one CPU host is shared memory (transport="auto")
+        transport = SharedMemoryTransport.create(cpu) if shared_memory else Transport(cpu, group=group)
+        self.executor = Executor(rank, list(range(STAGES)), chunks, transport, Watchdog(timeout=300.0), shape_headers=shape_headers)
         self.batch = workload.make_batch(workload.batch)
 
     def _optimizer_step(self) -> None:
@@ -494,6 +495,8 @@ def compare_worker(rank: int, workload_name: str, micro_batches: int, args: dict
         variants.append(Engine(schedule, workload, micro_batches, rank, dist.new_group(backend="gloo")))
         if args.get("headers_always"):
             variants.append(Engine(schedule, workload, micro_batches, rank, dist.new_group(backend="gloo"), "always"))
+        if args.get("gloo"):
+            variants.append(Engine(schedule, workload, micro_batches, rank, dist.new_group(backend="gloo"), shared_memory=False))
     first_losses: dict[str, float] = {}
     clocks = timed_windows(
         variants, args["windows"], args["steps_per_window"], max(1, args["warmup_steps"]), dist.barrier, first_losses
@@ -841,7 +844,7 @@ def report(jobs: list[dict[str, Any]], lightning: list[dict[str, Any]], skipped:
         for schedule in job["schedules"]:
             same = f"torch {schedule}" if f"torch {schedule}" in job["windows"] else None
             torch_tp = samples_per_s(job, same) if same else []
-            for name in (f"ours {schedule}", f"ours {schedule} (headers always)"):
+            for name in (f"ours {schedule}", f"ours {schedule} (headers always)", f"ours {schedule} (gloo)"):
                 if name not in job["windows"]:
                     continue
                 values = samples_per_s(job, name)
@@ -897,6 +900,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--windows", type=int, default=5, help="timed windows per variant")
     parser.add_argument("--headers-always", action="store_true",
                         help="also time our engine with a shape header on every activation (shape_headers='always')")
+    parser.add_argument("--gloo", action="store_true",
+                        help="also time our engine over gloo (transport='process_group'); 'ours' uses shared memory, "
+                             "PipeStrategy's default between CPU processes of one host")
     parser.add_argument("--steps-per-window", type=int, default=5, help="training steps per window")
     parser.add_argument("--warmup-steps", type=int, default=3, help="untimed steps per variant first")
     parser.add_argument("--lightning", choices=["1f1b", "gpipe", "both", "none"], default="1f1b",
@@ -946,7 +952,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.torch_schedules is None:
         args.torch_schedules = [s for s in args.schedules if s in ("gpipe", "1f1b", "zbv", "dualpipev")]
     job_args = {k: getattr(args, k) for k in ("schedules", "torch_schedules", "windows", "steps_per_window", "warmup_steps",
-                                              "headers_always")}
+                                              "headers_always", "gloo")}
     jobs, lightning = [], []
     for wl in args.workloads:
         for m in args.micro_batches or WORKLOADS[wl].default_micro_batches:
