@@ -50,6 +50,8 @@ def cases(timeout: float) -> list[Case]:
         Case("rank 1 asleep in its step", fault("sleep", 1), failed_rank=1),
         Case("rank 0 killed (SIGKILL)", fault("kill", 0), failed_rank=0, notes="rank 1's own parent is gone"),
         Case("rank 1 killed (SIGKILL)", fault("kill", 1), failed_rank=1),
+        Case("rank 1 killed (SIGKILL), over gloo", {**fault("kill", 1), "strategy": {**strategy, "transport": "process_group"}},
+             failed_rank=1, notes="transport='process_group': the connection closes"),
         Case("rank 0 raises in its step", {**base, "model": {"fail_at": 2, "fail_rank": 0}}, failed_rank=0),
         Case("rank 1 raises in its step", {**base, "model": {"fail_at": 2, "fail_rank": 1}}, failed_rank=1),
         Case("rank 0 raises in on_train_start", {**base, "model": {"fail_hook": "on_train_start", "fail_rank": 0}},
