@@ -920,7 +920,8 @@ def plot(panels: dict, protocols: list[str], path: Path) -> None:
             ax.set_xlabel("step")
             ax.set_ylabel("val loss (nats/char)")
             ax.grid(alpha=0.3)
-            ax.legend(fontsize=6, loc="upper right", framealpha=0.8)
+            if lows:  # a panel of diverged runs only has nothing to label
+                ax.legend(fontsize=6, loc="upper right", framealpha=0.8)
     fig.suptitle("Char-level LM on the Brown corpus: validation loss, mean over seeds", fontsize=11)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
