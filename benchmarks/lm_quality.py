@@ -87,7 +87,7 @@ MULTI_PROCESS = ("avgpipe",)
 #: option groups of PipeStrategy that belong to one schedule: given with --strategy-options, they are
 #: passed to (and part of the identity of) that schedule's runs only
 SCHEDULE_GROUPS = ("pipemare", "xpipe", "pipedream_2bw", "avgpipe")
-DEFAULT_LR = {"adamw": 2e-3, "nadamw": 2e-3, "sgd": 0.03, "muon": 0.02}
+DEFAULT_LR = {"adamw": 2e-3, "nadamw": 2e-3, "sgd": 0.03, "muon": 0.02, "basis_rotation": 2e-3}
 
 
 # ================================================================================================ data
@@ -178,10 +178,10 @@ def _lightning_classes() -> dict[str, Any]:
     from torch.utils.data import DataLoader, Dataset
 
     try:
-        from lightning_pipe.optim import CombinedOptimizer
+        from lightning_pipe.optim import BasisRotationAdam, CombinedOptimizer
     except ModuleNotFoundError:  # source checkout without `pip install -e .`
         sys.path.insert(0, str(REPO))
-        from lightning_pipe.optim import CombinedOptimizer
+        from lightning_pipe.optim import BasisRotationAdam, CombinedOptimizer
 
     class CausalSelfAttention(nn.Module):
         """Multi-head causal self-attention: one projection to q, k, v, one output projection."""
@@ -307,11 +307,18 @@ def _lightning_classes() -> dict[str, Any]:
                     torch.optim.Muon(matrices, lr=h.lr, momentum=0.95, weight_decay=h.weight_decay),
                     torch.optim.AdamW(rest, lr=DEFAULT_LR["adamw"], betas=(0.9, 0.95), weight_decay=h.weight_decay),
                 )
+            elif h.optimizer == "basis_rotation":  # arXiv 2602.03515 for the blocks' matrices, AdamW for the rest
+                matrices = [p for p in self.blocks.parameters() if p.ndim == 2]
+                rest = [p for p in self.parameters() if all(p is not m for m in matrices)]
+                opt = CombinedOptimizer(
+                    BasisRotationAdam(matrices, lr=h.lr, betas=(0.95, 0.95), weight_decay=h.weight_decay),
+                    torch.optim.AdamW(rest, lr=DEFAULT_LR["adamw"], betas=(0.9, 0.95), weight_decay=h.weight_decay),
+                )
             elif h.optimizer == "sgd":
                 opt = torch.optim.SGD(self.parameters(), lr=h.lr, momentum=h.momentum, nesterov=False,
                                       weight_decay=h.weight_decay)
             else:
-                raise ValueError(f"optimizer={h.optimizer!r}: choose adamw, nadamw, sgd or muon")
+                raise ValueError(f"optimizer={h.optimizer!r}: choose adamw, nadamw, sgd, muon or basis_rotation")
             if h.warmup_steps <= 0:
                 return opt
             scheduler = torch.optim.lr_scheduler.LambdaLR(opt, LinearWarmup(h.warmup_steps))
@@ -613,7 +620,8 @@ def plan(args: argparse.Namespace) -> tuple[list[dict[str, Any]], list[str]]:
                         if why:
                             skipped.append(f"{schedule} P={stages} M={m}: {why}")
                             continue
-                        lr = {"adamw": args.lr_adamw, "nadamw": args.lr_nadamw, "sgd": args.lr_sgd, "muon": args.lr_muon}[opt]
+                        lr = {"adamw": args.lr_adamw, "nadamw": args.lr_nadamw, "sgd": args.lr_sgd, "muon": args.lr_muon,
+                              "basis_rotation": args.lr_basis_rotation}[opt]
                         configs.append(full_config({
                             "schedule": schedule, "stages": stages, "micro_batches": m, "optimizer": opt, "seed": seed,
                             "steps": args.steps, "batch_size": args.batch_size, "context": args.context,
@@ -944,11 +952,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     choices=SCHEDULES)
     pr.add_argument("--stages", nargs="+", type=int, default=[2, 4, 8])
     pr.add_argument("--micro-batches", nargs="+", type=int, default=[4, 8])
-    pr.add_argument("--optimizers", nargs="+", default=["adamw", "sgd"], choices=["adamw", "nadamw", "sgd", "muon"],
+    pr.add_argument("--optimizers", nargs="+", default=["adamw", "sgd"],
+                    choices=["adamw", "nadamw", "sgd", "muon", "basis_rotation"],
                     help="nadamw: torch.optim.NAdam with decoupled weight decay and betas (0.99, 0.999), the recipe of "
                          "arXiv 2505.01099 (its official run script); muon: torch.optim.Muon (momentum 0.95, Nesterov) "
                          "for the blocks' matrices and AdamW (lr 2e-3) for embeddings, norms, biases and head, as one "
-                         "CombinedOptimizer")
+                         "CombinedOptimizer; basis_rotation: lightning_pipe.optim.BasisRotationAdam (arXiv 2602.03515, "
+                         "betas (0.95, 0.95), bases refreshed every 10 steps) for the blocks' matrices, AdamW for the rest")
     pr.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     pr.add_argument("--steps", type=int, default=400)
     pr.add_argument("--batch-size", type=int, default=32)
@@ -962,6 +972,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     pr.add_argument("--lr-sgd", type=float, default=DEFAULT_LR["sgd"],
                     help="SGD learning rate (default 0.03: for 1f1b at P=2, 0.3 diverges and 0.1 is unstable)")
     pr.add_argument("--lr-muon", type=float, default=DEFAULT_LR["muon"], help="Muon learning rate (default 0.02)")
+    pr.add_argument("--lr-basis-rotation", type=float, default=DEFAULT_LR["basis_rotation"],
+                    help="BasisRotationAdam learning rate (default 2e-3, AdamW's)")
     pr.add_argument("--weight-decay", type=float, default=0.0)
     pr.add_argument("--momentum", type=float, default=0.9, help="SGD momentum (default 0.9)")
     pr.add_argument("--warmup-steps", type=int, default=0, help="linear lr warm-up steps (default 0: none)")

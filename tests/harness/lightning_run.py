@@ -25,7 +25,7 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import lightning_pipe  # noqa: E402  (registers the strategy names)
-from lightning_pipe.optim import CombinedOptimizer  # noqa: E402
+from lightning_pipe.optim import BasisRotationAdam, CombinedOptimizer  # noqa: E402
 
 
 def muon_with_adam(parameters) -> CombinedOptimizer:
@@ -123,6 +123,10 @@ class TrunkModel(L.LightningModule):
             optimizer = torch.optim.Adam(self.parameters(), lr=1e-2)
         elif self.optimizer == "muon":
             optimizer = muon_with_adam(self.parameters())
+        elif self.optimizer == "basis_rotation":  # the matrices in their eigenbasis, Adam for the rest
+            matrices = [p for p in self.parameters() if p.ndim == 2]
+            optimizer = CombinedOptimizer(BasisRotationAdam(matrices, lr=1e-2),
+                                          torch.optim.Adam([p for p in self.parameters() if p.ndim != 2], lr=1e-2))
         else:
             optimizer = torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
         if not self.scheduler:

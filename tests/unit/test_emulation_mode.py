@@ -330,6 +330,13 @@ def test_an_explicit_xpipe_prediction_must_fit_the_optimizer(prediction, optimiz
         emulated("xpipe", 2, 4, model={"optimizer": optimizer}, strategy={"xpipe": {"prediction": prediction}})
 
 
+@pytest.mark.parametrize("prediction", ["auto", "adam"])
+def test_xpipe_does_not_predict_for_basis_rotation(prediction):
+    """BasisRotationAdam's second moment lives in the rotated basis: Adam's rule would read it as if it did not."""
+    with pytest.raises(ValueError, match="BasisRotationAdam"):
+        emulated("xpipe", 2, 4, model={"optimizer": "basis_rotation"}, strategy={"xpipe": {"prediction": prediction}})
+
+
 def test_a_short_last_batch_keeps_dualpipev_at_two_micro_batches_per_stage():
     """A short last batch splits into as many micro-batches as its samples allow while the schedule can run
     them (dualpipev: at least 2 × stages): 37 samples in batches of 16 end with 5, run as 5 micro-batches

@@ -15,6 +15,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_pipe import PipeStrategy
 from lightning_pipe.engine import split_micro_batches
 from lightning_pipe.engine.policies import AsyncOptions, DoubleBufferOptions
+from lightning_pipe.optim import BasisRotationAdam, CombinedOptimizer
 from tests.harness.lightning_run import Losses, muon_with_adam
 from tests.reference.async_reference import AsyncEmulator
 
@@ -79,6 +80,12 @@ class TinyLM(L.LightningModule):
 def make_optimizer(kind: str, parameters) -> torch.optim.Optimizer:
     if kind == "muon":
         return muon_with_adam(parameters)
+    if kind == "basis_rotation":  # arXiv 2602.03515: Adam in the matrices' eigenbasis (refreshed every 2 steps here)
+        parameters = list(parameters)
+        return CombinedOptimizer(
+            BasisRotationAdam([p for p in parameters if p.ndim == 2], lr=3e-3, precondition_frequency=2),
+            torch.optim.AdamW([p for p in parameters if p.ndim != 2], lr=3e-3, betas=(0.9, 0.95), weight_decay=0.01),
+        )
     if kind == "nadamw":  # arXiv 2505.01099's recipe: Nesterov momentum 0.99, decoupled weight decay
         return torch.optim.NAdam(parameters, lr=3e-3, betas=(0.99, 0.999), weight_decay=0.01, decoupled_weight_decay=True)
     return torch.optim.AdamW(parameters, lr=3e-3, betas=(0.9, 0.95), weight_decay=0.01)
@@ -130,7 +137,7 @@ def comparable(key: str, value: torch.Tensor) -> torch.Tensor:
 #: (schedule, optimizer, 2BW look-ahead); the other Muon cases: tests/unit/test_emulation_mode.py
 CASES = [("pipedream_2bw", "adamw", 1.0), ("pipedream_2bw", "muon", 1.0), ("xpipe", "muon", 0.0),
          ("pipedream", "nadamw", 0.0), ("pipemare", "nadamw", 0.0), ("pipedream_2bw", "nadamw", 1.0),
-         ("xpipe", "nadamw", 0.0)]
+         ("xpipe", "nadamw", 0.0), ("pipedream", "basis_rotation", 0.0), ("pipedream_2bw", "basis_rotation", 1.0)]
 
 
 @pytest.mark.parametrize("schedule,optimizer,lookahead", CASES)

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_pipe.optim import CombinedOptimizer
+from lightning_pipe.optim import BasisRotationAdam, CombinedOptimizer
 
 
 def model_and_optimizer() -> tuple[nn.Module, CombinedOptimizer]:
@@ -58,3 +58,36 @@ def test_a_parameter_in_two_members_is_refused():
     p = nn.Parameter(torch.zeros(2, 2))
     with pytest.raises(ValueError, match="is in two of the combined optimizers"):
         CombinedOptimizer(torch.optim.SGD([p], lr=0.1), torch.optim.AdamW([p], lr=0.1))
+
+
+def random_orthogonal(n: int, seed: int) -> torch.Tensor:
+    q, _ = torch.linalg.qr(torch.randn(n, n, dtype=torch.float64, generator=torch.Generator().manual_seed(seed)))
+    return q
+
+
+@pytest.mark.parametrize("frequency", [1, 3])
+def test_basis_rotation_is_adam_in_the_gradients_eigenbasis(frequency):
+    """Gradients U D_t Vᵀ with fixed orthogonal U, V and diagonal D_t: the bases find U and V, and each
+    step is U (Adam's step on the diagonal) Vᵀ, also across refreshes (which reorder the second moments)."""
+    u, v = random_orthogonal(5, 0), random_orthogonal(5, 1)
+    weight = nn.Parameter(torch.zeros(5, 5, dtype=torch.float64))
+    lr, (beta1, beta2), eps = 0.1, (0.9, 0.99), 1e-6  # eps keeps rounding noise off the diagonal (0/0) small
+    optimizer = BasisRotationAdam([weight], lr=lr, betas=(beta1, beta2), eps=eps, weight_decay=0.0,
+                                  precondition_frequency=frequency)
+    g = torch.Generator().manual_seed(2)
+    scale = torch.tensor([5.0, 4.0, 3.0, 2.0, 1.0], dtype=torch.float64)  # distinct, so the eigenbasis is unique
+    m = s = torch.zeros(5, dtype=torch.float64)
+    expected = torch.zeros(5, 5, dtype=torch.float64)
+    for step in range(1, 8):
+        d = scale * (1 + 0.1 * torch.rand(5, generator=g, dtype=torch.float64))  # the order stays
+        weight.grad = u @ torch.diag(d) @ v.T
+        optimizer.step()
+        m, s = beta1 * m + (1 - beta1) * d, beta2 * s + (1 - beta2) * d * d
+        step_size = lr * (1 - beta2**step) ** 0.5 / (1 - beta1**step)
+        expected -= step_size * u @ torch.diag(m / (s.sqrt() + eps)) @ v.T
+        torch.testing.assert_close(weight.detach(), expected, rtol=1e-7, atol=1e-9)
+
+
+def test_basis_rotation_refuses_what_is_not_a_matrix():
+    with pytest.raises(ValueError, match="2-D weight matrices.*CombinedOptimizer"):
+        BasisRotationAdam([nn.Parameter(torch.zeros(3))])

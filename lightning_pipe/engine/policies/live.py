@@ -22,6 +22,7 @@ from torch import Tensor, nn
 from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz
 
 from lightning_pipe.engine.policies.base import WeightPolicy, norm_of
+from lightning_pipe.optim import BasisRotationAdam
 
 
 def _exchangeable(a: Tensor, b: Tensor) -> bool:
@@ -211,7 +212,8 @@ class XPipePolicy(_LivePolicy):
     def _check_rule(self, rule: str, group: dict[str, Any]) -> None:
         owner = self._owner(group)
         fits = {
-            "adam": "betas" in group and "eps" in group,  # Adam-like state (exp_avg, exp_avg_sq)
+            # Adam-like state (exp_avg, exp_avg_sq); BasisRotationAdam's second moment lives in a rotated basis
+            "adam": "betas" in group and "eps" in group and not issubclass(owner, BasisRotationAdam),
             "momentum": group.get("momentum", 0) > 0 and not issubclass(owner, torch.optim.Muon),
             "muon": issubclass(owner, torch.optim.Muon),
             "sgd": True,  # the last gradient exists under any optimizer
@@ -224,6 +226,9 @@ class XPipePolicy(_LivePolicy):
 
     def _auto_rule(self, group: dict[str, Any]) -> str:
         owner = self._owner(group)
+        if issubclass(owner, BasisRotationAdam):
+            raise ValueError("xpipe has no prediction for BasisRotationAdam (its moments live in a rotated basis); "
+                             "use it with pipedream or pipedream_2bw, or set xpipe=XPipeOptions(prediction='sgd').")
         if issubclass(owner, torch.optim.Muon):
             return "muon"
         if issubclass(owner, (torch.optim.Adam, torch.optim.AdamW, torch.optim.NAdam)):
