@@ -91,6 +91,7 @@ def test_bad_configuration(make, kwargs, match):
         ({"pipedream_2bw": {"lookahead": -1}}, "pipedream_2bw lookahead=-1 must be a number >= 0"),
         ({"pipedream_2bw": {"look_ahead": 1}}, "pipedream_2bw= has no option look_ahead; DoubleBufferOptions takes lookahead"),
         ({"shape_headers": "never"}, "shape_headers='never' is not known; use 'on_change'"),
+        ({"transport": "tcp"}, "transport='tcp' is not known; use 'auto' .* 'shared_memory' or 'process_group'"),
     ],
 )
 def test_bad_options(options, match):
