@@ -24,12 +24,11 @@ import mmap
 import os
 import platform
 import secrets
-import socket
 import threading
 import time
 import weakref
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -60,6 +59,42 @@ def available() -> str | None:
     if platform.machine().lower() not in ("x86_64", "amd64"):
         return f"the CPU is {platform.machine()}: only x86-64 keeps stores in program order without a fence"
     return None
+
+
+def reachable_peers(token: str) -> dict[int, int]:
+    """Collective over the default process group: the ranks whose messages can go through shared
+    memory, with their process ids. Each rank leaves a file in ``/dev/shm`` naming its process (id and
+    start time) and looks for the others': a peer counts when its file is there (the same host, not a
+    container with a ``/dev/shm`` of its own) and this rank sees that very process (one process table,
+    so a wait can tell when the peer is gone)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    path = os.path.join(SHM_DIR, f"lightning-pipe-{token}-hello-{{}}")
+    with open(path.format(rank), "w") as hello:
+        hello.write(f"{os.getpid()} {_start_time(os.getpid())}")
+    try:
+        dist.barrier()
+        peers = {}
+        for peer in range(world):
+            try:
+                with open(path.format(peer)) as hello:
+                    pid, start = hello.read().split()
+            except FileNotFoundError:
+                continue
+            if peer != rank and _start_time(int(pid)) == start:
+                peers[peer] = int(pid)
+        dist.barrier()
+    finally:
+        _unlink(path.format(rank))
+    return peers
+
+
+def _start_time(pid: int) -> str | None:
+    """When process ``pid`` started, in clock ticks since boot (``None``: no such process here)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[19]
+    except OSError:
+        return None
 
 
 def _map(path: str, size: int, create: bool) -> mmap.mmap:
@@ -270,20 +305,22 @@ class _Channel:
 
 
 class SharedMemoryTransport(Transport):
-    """A :class:`~.p2p.Transport` whose CPU messages to peers on this host go through shared memory;
-    other messages (CUDA tensors, peers on other hosts) go through ``torch.distributed`` as before.
+    """A :class:`~.p2p.Transport` whose CPU messages to the ``peers`` go through shared memory; other
+    messages (CUDA tensors, ranks on other hosts or in other containers) go through
+    ``torch.distributed`` as before.
 
     Args:
         device, group, tagged, channels: as for :class:`~.p2p.Transport`.
         rank: this process's global rank.
-        hosts: ``(hostname, pid)`` of every global rank (e.g. :meth:`~.watchdog.Watchdog.learn_peers`).
+        peers: process id of every rank that shares this one's ``/dev/shm`` and process table
+            (:func:`reachable_peers`), by global rank.
         token: a name every rank of the job agrees on and no other job uses (e.g. broadcast from rank 0).
         peer_failed: returns a peer's reported failure, if one (e.g. the watchdog's ``heard``), so a
             wait ends at once instead of at its timeout.
     """
 
     def __init__(
-        self, device: torch.device, rank: int, hosts: Sequence[tuple[str, int]], token: str,
+        self, device: torch.device, rank: int, peers: Mapping[int, int], token: str,
         group: Any = None, tagged: bool = True, channels: ChannelGroups | None = None,
         peer_failed: Callable[[], str | None] | None = None,
     ) -> None:
@@ -292,7 +329,7 @@ class SharedMemoryTransport(Transport):
         if reason is not None:
             raise RuntimeError(f"shared-memory transport unavailable: {reason}. Use PipeStrategy(transport='process_group').")
         self.rank = rank
-        self.hosts = list(hosts)
+        self.peers = dict(peers)
         self.token = token
         self.peer_failed = peer_failed or (lambda: None)
         self._channels: dict[tuple[int, int, int], _Channel] = {}
@@ -303,16 +340,14 @@ class SharedMemoryTransport(Transport):
 
     @classmethod
     def create(cls, device: torch.device, **kwargs: Any) -> SharedMemoryTransport:
-        """Collective over the default process group: learn every rank's host and process, agree on a
-        token, and return this rank's transport (``kwargs`` as for the constructor)."""
-        hosts: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(hosts, (socket.gethostname(), os.getpid()))
+        """Collective over the default process group: agree on a token, find the ranks that share
+        memory with this one, and return this rank's transport (``kwargs`` as for the constructor)."""
         token = [secrets.token_hex(8)]
         dist.broadcast_object_list(token, src=0)
-        return cls(device, dist.get_rank(), hosts, token[0], **kwargs)
+        return cls(device, dist.get_rank(), reachable_peers(token[0]), token[0], **kwargs)
 
     def _shares_memory(self, peer: int, tensor: Tensor) -> bool:
-        return tensor.device.type == "cpu" and self.hosts[peer][0] == self.hosts[self.rank][0]
+        return tensor.device.type == "cpu" and peer in self.peers
 
     def _channel(self, src: int, dst: int, tag: int) -> _Channel:
         key = (src, dst, tag)
@@ -376,6 +411,6 @@ class SharedMemoryTransport(Transport):
         report = self.peer_failed()
         if report is not None:
             raise RuntimeError(f"Connection closed by peer: rank {peer}'s job reported a failure ({report})")
-        pid = self.hosts[peer][1]
+        pid = self.peers[peer]
         if not process_alive(pid):
             raise RuntimeError(f"Connection closed by peer: rank {peer} (pid {pid}) has exited")

@@ -18,13 +18,11 @@ from __future__ import annotations
 import difflib
 import inspect
 import logging
-import secrets
 from contextlib import nullcontext
 from datetime import timedelta
 from typing import Any, ContextManager, Literal
 
 import torch
-import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.utilities.distributed import _sync_ddp_if_available
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
@@ -369,11 +367,9 @@ class PipeStrategy(DDPStrategy, metaclass=_NamesItsOptions):
             raise PipeConfigError(f"transport='shared_memory' cannot work here: {reason}. Use transport='auto'.")
         if choice == "process_group" or reason is not None or self.root_device.type != "cpu":
             return plain
-        token = [secrets.token_hex(8) if self.global_rank == 0 else None]
-        dist.broadcast_object_list(token, src=0)  # one name per job, unknown to stale files of earlier jobs
-        return shm.SharedMemoryTransport(
-            self.root_device, self.global_rank, self.watchdog.peers, token[0], tagged=self.tagged,
-            channels=self.topology.channel_groups, peer_failed=lambda: self.watchdog.heard,
+        return shm.SharedMemoryTransport.create(  # CPU peers in another container still use the process group
+            self.root_device, tagged=self.tagged, channels=self.topology.channel_groups,
+            peer_failed=lambda: self.watchdog.heard,
         )
 
     def setup(self, trainer: Trainer) -> None:

@@ -68,9 +68,13 @@ def make_transport(wire: str) -> Transport:
     """``"gloo"``: the process group as is; ``"nccl"``: the transport NCCL gets (no tags, one process group per
     channel), on gloo; ``"shm"``: shared memory between the processes (collective)."""
     if wire == "shm":
+        import torch.distributed as dist
+
         from lightning_pipe.engine.shm import SharedMemoryTransport
 
-        return SharedMemoryTransport.create(torch.device("cpu"))
+        transport = SharedMemoryTransport.create(torch.device("cpu"))
+        assert set(transport.peers) == set(range(dist.get_world_size())) - {dist.get_rank()}  # no message takes gloo
+        return transport
     nccl_rules = wire == "nccl"
     return Transport(torch.device("cpu"), tagged=not nccl_rules, channels=ChannelGroups.create() if nccl_rules else None)
 

@@ -268,8 +268,14 @@ def train(config: dict[str, Any]) -> dict[str, Any]:
         "global_step": trainer.global_step,
         "counts": getattr(trainer.strategy, "_counts", None),
         "avgpipe": avgpipe_values(trainer.strategy),
-        "transport": type(trainer.strategy.transport()).__name__ if hasattr(trainer.strategy, "transport") else None,
+        "transport": transport_of(trainer.strategy),
     }
+
+
+def transport_of(strategy: Any) -> tuple[str, list[int]] | None:
+    """The strategy's transport class, and the ranks it reaches through shared memory."""
+    transport = strategy.transport() if hasattr(strategy, "transport") else None
+    return (type(transport).__name__, sorted(getattr(transport, "peers", {}))) if transport is not None else None
 
 
 def avgpipe_values(strategy: Any) -> tuple[int, int, int] | None:

@@ -7,7 +7,6 @@ from __future__ import annotations
 import glob
 import os
 import secrets
-import socket
 import subprocess
 import sys
 from datetime import timedelta
@@ -24,12 +23,12 @@ pytestmark = pytest.mark.skipif(shm.available() is not None, reason=f"no shared 
 CPU = torch.device("cpu")
 
 
-def pair(name: str, peer_pid: int | None = None, **kwargs) -> tuple[SharedMemoryTransport, SharedMemoryTransport]:
-    """Rank 0's and rank 1's transports; rank 1 says it runs as ``peer_pid`` (default: this process)."""
-    host = socket.gethostname()
-    hosts = [(host, os.getpid()), (host, peer_pid or os.getpid())]
+def pair(name: str, rank0_pid: int | None = None, **kwargs) -> tuple[SharedMemoryTransport, SharedMemoryTransport]:
+    """Rank 0's and rank 1's transports, both in this process; rank 1 believes rank 0 runs as
+    ``rank0_pid`` (default: this process)."""
     token = f"test-{name}-{secrets.token_hex(4)}"
-    return (SharedMemoryTransport(CPU, 0, hosts, token, **kwargs), SharedMemoryTransport(CPU, 1, hosts, token, **kwargs))
+    return (SharedMemoryTransport(CPU, 0, {1: os.getpid()}, token, **kwargs),
+            SharedMemoryTransport(CPU, 1, {0: rank0_pid or os.getpid()}, token, **kwargs))
 
 
 def exited_pid() -> int:
@@ -80,9 +79,8 @@ def test_a_message_of_the_wrong_size_names_the_disagreement():
 
 
 def test_a_peer_that_exited_ends_the_wait_as_a_closed_connection_does():
-    _, receiver = pair("dead", peer_pid=exited_pid())
+    _, receiver = pair("dead", rank0_pid=exited_pid())
     work = receiver.irecv(torch.empty(3), 0, tag=0)  # rank 1 waits for "rank 0", which has exited
-    receiver.hosts[0] = receiver.hosts[1]
     with pytest.raises(PeerFailure, match="rank 0 closed its connection"):
         Watchdog(timeout=30.0, rank=1, grace=0.0).wait(work, "RECV_ACT0 from rank 0", peer=0)
 
@@ -97,13 +95,13 @@ def test_a_reported_failure_and_a_hung_peer_end_the_wait():
         Watchdog(timeout=0.2, rank=1, grace=0.0).wait(receiver.irecv(torch.empty(3), 0, tag=2), "RECV_GRAD1 from rank 0", 0)
 
 
-def test_cuda_tensors_and_other_hosts_take_the_process_group():
+def test_cuda_tensors_and_unreachable_peers_take_the_process_group():
     sender, _ = pair("route")
-    sender.hosts[1] = ("another-host", 1)
-    assert not sender._shares_memory(1, torch.zeros(1))
-    assert sender._shares_memory(0, torch.zeros(1))
+    assert sender._shares_memory(1, torch.zeros(1))
     if torch.cuda.is_available():
-        assert not sender._shares_memory(0, torch.zeros(1, device="cuda"))
+        assert not sender._shares_memory(1, torch.zeros(1, device="cuda"))
+    del sender.peers[1]  # another host, or a container with a /dev/shm of its own (reachable_peers)
+    assert not sender._shares_memory(1, torch.zeros(1))
 
 
 def test_a_full_dev_shm_names_the_fix_instead_of_a_bus_error(monkeypatch):
