@@ -361,16 +361,14 @@ class PipeStrategy(DDPStrategy, metaclass=_NamesItsOptions):
         """Collective: the point-to-point layer of this rank (see the ``transport`` option)."""
         if self.topology.stages == 1:
             return None
-        plain = Transport(self.root_device, tagged=self.tagged, channels=self.topology.channel_groups)
         choice, reason = self.options.transport, shm.available()
         if choice == "shared_memory" and reason is not None:
             raise PipeConfigError(f"transport='shared_memory' cannot work here: {reason}. Use transport='auto'.")
+        common = {"tagged": self.tagged, "channels": self.topology.channel_groups}
         if choice == "process_group" or reason is not None or self.root_device.type != "cpu":
-            return plain
-        return shm.SharedMemoryTransport.create(  # CPU peers in another container still use the process group
-            self.root_device, tagged=self.tagged, channels=self.topology.channel_groups,
-            peer_failed=lambda: self.watchdog.heard,
-        )
+            return Transport(self.root_device, **common)
+        # CPU peers on other hosts, or in a container of their own, still go through the process group
+        return shm.SharedMemoryTransport.create(self.root_device, peer_failed=lambda: self.watchdog.heard, **common)
 
     def setup(self, trainer: Trainer) -> None:
         assert self.accelerator is not None and self.model is not None
