@@ -39,7 +39,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_pipe.engine.p2p import ChannelGroups, Transport
-from lightning_pipe.engine.watchdog import process_alive
+from lightning_pipe.engine.watchdog import process_alive, process_stat
 
 SHM_DIR = "/dev/shm"
 #: Messages a channel holds before its sends are kept back (far more than a schedule has in flight).
@@ -91,8 +91,7 @@ def reachable_peers(token: str) -> dict[int, int]:
 def _start_time(pid: int) -> str | None:
     """When process ``pid`` started, in clock ticks since boot (``None``: no such process here)."""
     try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rsplit(")", 1)[1].split()[19]
+        return process_stat(pid)[19]
     except OSError:
         return None
 
@@ -108,7 +107,8 @@ def _map(path: str, size: int, create: bool) -> mmap.mmap:
                 os.close(fd)
                 fd = -1
                 _unlink(path)
-                free = os.statvfs(SHM_DIR).f_bavail * os.statvfs(SHM_DIR).f_frsize
+                space = os.statvfs(SHM_DIR)
+                free = space.f_bavail * space.f_frsize
                 raise RuntimeError(
                     f"{SHM_DIR} has {free / 2**20:.0f} MiB free, too little for a {size / 2**20:.1f} MiB pipeline message "
                     f"({error.strerror}). Give it more (a container's --shm-size) or use "

@@ -303,11 +303,18 @@ for pid in pids:
 """
 
 
+def process_stat(pid: int) -> list[str]:
+    """The fields of ``/proc/<pid>/stat`` after the command name, the state first (the name may hold
+    spaces and parentheses, so it is cut at the last ``)``); ``FileNotFoundError`` when there is no such
+    process, another ``OSError`` when there is no ``/proc``."""
+    with open(f"/proc/{pid}/stat") as stat:
+        return stat.read().rsplit(")", 1)[1].split()
+
+
 def process_alive(pid: int) -> bool:
     """Whether process ``pid`` exists and has not exited (an exited child not yet reaped counts as exited)."""
     try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+        return process_stat(pid)[0] != "Z"
     except FileNotFoundError:
         return False
     except OSError:  # no /proc (not Linux): signal 0 tells whether it exists
