@@ -748,7 +748,7 @@ class AsyncEmulator:
                 if direction is None:
                     predicted[name] = p.detach().clone()
                 else:
-                    predicted[name] = p.detach() - (lr * distance) * direction
+                    predicted[name] = torch.add(p.detach(), direction, alpha=-(lr * distance))
         return predicted
 
     def _update_direction(self, st: _Stage, name: str, p: Tensor) -> Tensor | None:
@@ -763,16 +763,15 @@ class AsyncEmulator:
             scale = {None: math.sqrt(max(1.0, rows / cols)), "original": math.sqrt(max(1.0, rows / cols)),
                      "match_rms_adamw": 0.2 * math.sqrt(max(rows, cols))}.get(group["adjust_lr_fn"], 1.0)
             ortho = _zeropower_via_newtonschulz(state["momentum_buffer"], group["ns_coefficients"], group["ns_steps"], group["eps"])
-            return ortho * scale
+            return ortho.to(p.dtype) * scale
         if rule == "adam":
             if "exp_avg" not in state:
                 return None
             group = next(group for group in st.optimizer.param_groups if any(q is p for q in group["params"]))
             beta1, beta2 = group["betas"]
             c = float(state["step"])
-            m_hat = state["exp_avg"] / (1 - beta1**c)
-            v_hat = state["exp_avg_sq"] / (1 - beta2**c)
-            return m_hat / (v_hat.sqrt() + group["eps"])
+            # m_hat / (sqrt(v_hat) + eps), in the order torch's Adam computes it
+            return state["exp_avg"] / (state["exp_avg_sq"].sqrt() / math.sqrt(1 - beta2**c) + group["eps"]) / (1 - beta1**c)
         if rule == "momentum":
             return state.get("momentum_buffer")
         return st.last_grad.get(name)  # "sgd"

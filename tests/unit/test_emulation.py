@@ -145,7 +145,8 @@ def test_xpipe_single_stage_predicts_one_step_ahead(opt_kind):
     """P = 1, M = 3: s_f = s_b = 1, so each mini-batch's gradient is taken at Pred(W, 1) = W - lr * Delta.
 
     "muon" (Muon for the matrices, Adam for the biases, one combined optimizer): a matrix's Delta is
-    the Newton-Schulz orthogonalisation of Muon's momentum buffer scaled by sqrt(max(1, rows/cols))."""
+    the Newton-Schulz orthogonalisation of Muon's momentum buffer scaled by sqrt(max(1, rows/cols)),
+    added to the fp32 weights in fp32 (not rounded to bf16 first), as Muon's own step adds it."""
     M, T = 3, 4
     data = micro_batch_stream(2 * T * M)
     (ref,) = mlp_stages(1)
@@ -160,7 +161,7 @@ def test_xpipe_single_stage_predicts_one_step_ahead(opt_kind):
             if not state:
                 return torch.zeros_like(p)
             ortho = _zeropower_via_newtonschulz(state["momentum_buffer"], (3.4445, -4.775, 2.0315), 5, 1e-7)
-            return ortho * math.sqrt(max(1.0, p.shape[0] / p.shape[1]))
+            return ortho.float() * math.sqrt(max(1.0, p.shape[0] / p.shape[1]))  # added in fp32, as Muon's step does
         if opt_kind in ("adam", "muon"):
             if not state:
                 return torch.zeros_like(p)

@@ -94,6 +94,8 @@ class PipeMarePolicy(_LivePolicy):
         super().__init__(*args, **kwargs)
         self.delta = {n: torch.zeros_like(m) for n, m in self.masters.items()} if self.options.pipemare.correction else None
         self.correction_norm: Tensor | float = 0.0
+        self._delta_norm: Tensor | float = 0.0  # ||delta||, which changes only at a STEP
+        self._corrected_storage: dict[str, Tensor] | None = None
         # the parameters share the masters' storage: they hold W_s at all times, with no copies
         self.aliased = self.exchange_values and all(_exchangeable(m, torch.empty_like(m)) for m in self.masters.values())
         if self.aliased:
@@ -115,21 +117,24 @@ class PipeMarePolicy(_LivePolicy):
         if self.delta is None or tau == 0:
             self.load_masters()
             return context
+        self.correction_norm = self._delta_norm * tau
         if self.aliased:
-            self.correction_norm = norm_of(self.delta.values(), tau)
             return self._corrected(tau)
         with torch.no_grad():
             for name, p in self.params.items():
                 p.data.copy_(self.masters[name]).sub_(self.delta[name], alpha=tau)
         self._holding = None
-        self.correction_norm = norm_of(self.delta.values(), tau)
         return context
 
     @contextmanager
     def _corrected(self, tau: int) -> Iterator[None]:
         """During the backward the masters' storage (so the parameters') holds ``W_s - tau * delta_s``."""
+        if self._corrected_storage is None:  # kept: a weight-sized allocation per backward costs page faults
+            self._corrected_storage = {n: torch.empty_like(m, requires_grad=False) for n, m in self.masters.items()}
+        corrected = self._corrected_storage
         with torch.no_grad():
-            corrected = {n: torch.sub(m.detach(), self.delta[n], alpha=tau) for n, m in self.masters.items()}
+            for name, m in self.masters.items():
+                torch.sub(m.detach(), self.delta[name], alpha=tau, out=corrected[name])
         for name, m in self.masters.items():
             _exchange(m, corrected[name])
         try:
@@ -156,8 +161,11 @@ class PipeMarePolicy(_LivePolicy):
             gamma = self.options.pipemare.correction_decay
             for name, d in self.delta.items():
                 d.add_(self.masters[name].detach(), alpha=1 - gamma)
+            self._delta_norm = norm_of(self.delta.values())
 
     def copies(self) -> int:
+        # beyond the module's own: the masters (sharing the parameters' storage when aliased, then the
+        # corrected backward's weights take their place) and the velocity
         return 1 + (self.delta is not None)
 
     def diagnostics(self) -> dict[str, float]:
@@ -173,6 +181,7 @@ class PipeMarePolicy(_LivePolicy):
     def _load(self, state: dict[str, Any]) -> None:
         if self.delta is not None:
             self._restore(self.delta, state.get("delta"), "correction velocity")
+            self._delta_norm = norm_of(self.delta.values())
 
 
 def round_half_up(x: float) -> int:
@@ -193,6 +202,7 @@ class XPipePolicy(_LivePolicy):
         self.prediction_norm: Tensor | float = 0.0
         # which tensors hold each cached prediction's values (an exchange moves the values around)
         self._slots: dict[tuple[Any, ...], dict[str, Tensor]] = {}
+        self._spare: dict[str, Tensor] | None = None  # a released prediction's tensors, for the next one
 
     def _rules(self, rule: str) -> list[str]:
         """The prediction rule of each param group: ``rule``, or by the optimizer that owns the group
@@ -242,30 +252,31 @@ class XPipePolicy(_LivePolicy):
             "xpipe=XPipeOptions(prediction='adam', 'muon', 'momentum' or 'sgd')."
         )
 
-    def _direction(self, master: Tensor, group: dict[str, Any], rule: str, name: str) -> Tensor | None:
+    def _direction(self, master: Tensor, group: dict[str, Any], rule: str, name: str, scratch: Tensor) -> Tensor | None:
         """The update one STEP would apply to ``master`` per unit of learning rate, from the optimizer's
-        current state (``None`` before the state exists)."""
+        current state (``None`` before the state exists); adam's is computed in ``scratch``, a tensor
+        of ``master``'s shape whose values are not needed."""
         state = self.optimizer.state.get(master, {})
         if rule == "adam":
             if "exp_avg" not in state:
                 return None
             c = float(state["step"])
             beta1, beta2 = group["betas"]
-            # m_hat / (sqrt(v_hat) + eps), the same operations in place on two temporaries (not five)
-            m_hat = state["exp_avg"] / (1 - beta1**c)
-            v_hat = state["exp_avg_sq"] / (1 - beta2**c)
-            return m_hat.div_(v_hat.sqrt_().add_(group["eps"]))
-        if rule == "muon":  # the orthogonalised momentum, at Muon's shape-adjusted learning rate
+            # m_hat / (sqrt(v_hat) + eps) = m / (sqrt(v) / sqrt(1 - beta2^c) + eps) / (1 - beta1^c), as
+            # torch's Adam orders it, in one temporary
+            denom = torch.sqrt(state["exp_avg_sq"], out=scratch).div_(math.sqrt(1 - beta2**c)).add_(group["eps"])
+            return torch.div(state["exp_avg"], denom, out=denom).div_(1 - beta1**c)
+        if rule == "muon":  # the orthogonalised momentum (bf16) in the weights' precision, at Muon's shape-adjusted lr
             if "momentum_buffer" not in state:
                 return None
             update = _zeropower_via_newtonschulz(state["momentum_buffer"], group["ns_coefficients"], group["ns_steps"], group["eps"])
-            return update * (_adjust_lr(group["lr"], group["adjust_lr_fn"], master.shape) / group["lr"])
-        if rule == "momentum":
-            return state.get("momentum_buffer")
-        return self._last_grad.get(name)
+            return update.to(master.dtype).mul_(_adjust_lr(group["lr"], group["adjust_lr_fn"], master.shape) / group["lr"])
+        return state.get("momentum_buffer") if rule == "momentum" else self._last_grad.get(name)
 
     def predict(self, distance: int) -> dict[str, Tensor]:
+        """The masters ``distance`` STEPs ahead: ``W - lr * distance * direction`` per parameter."""
         name_of = {id(m): n for n, m in self.masters.items()}
+        storage = self._storage()
         predicted, norms = {}, []
         with torch.no_grad():
             for group, rule in zip(self.optimizer.param_groups, self.rules):
@@ -273,24 +284,33 @@ class XPipePolicy(_LivePolicy):
                     name = name_of.get(id(master))
                     if name is None:
                         continue
-                    direction = self._direction(master, group, rule, name)
+                    out = storage[name]
+                    direction = self._direction(master, group, rule, name, scratch=out)
                     if direction is None or distance == 0:
-                        predicted[name] = master.detach().clone()  # frozen at the bellwether, like a prediction
+                        predicted[name] = out.copy_(master)  # frozen at the bellwether, like a prediction
                         continue
                     scale = group["lr"] * distance
-                    # adam's and muon's directions are temporaries; momentum's and sgd's are state to keep
-                    step = direction.mul_(scale) if rule in ("adam", "muon") else direction * scale
-                    norms.append(torch.linalg.vector_norm(step).float())
-                    predicted[name] = master.detach() - step
+                    norms.append(torch.linalg.vector_norm(direction).float() * scale)
+                    predicted[name] = torch.add(master.detach(), direction, alpha=-scale, out=out)
             self.prediction_norm = torch.linalg.vector_norm(torch.stack(norms)) if norms else 0.0
         return predicted
+
+    def _storage(self) -> dict[str, Tensor]:
+        """Tensors for a new prediction: the spare ones a released prediction left, else new ones (a
+        weight-sized allocation per prediction costs page faults: the allocator returns large blocks to
+        the system)."""
+        if self._spare is not None:
+            storage, self._spare = self._spare, None
+            return storage
+        return {n: torch.empty_like(m, requires_grad=False) for n, m in self.masters.items()}
 
     def _use(self, which: str, g: int, distance: int) -> None:
         batch = g // self.micro_batches
         cached = self._cache[which]
         if cached is None or cached[0] != batch:  # the bellwether of a new mini-batch predicts
             if cached is not None:
-                self._slots.pop((which, cached[0]), None)
+                released = self._slots.pop((which, cached[0]), None)
+                self._spare = released if released is not None else self._spare
             cached = (batch, self.predict(distance))
             self._cache[which] = cached
             self._slots[(which, batch)] = cached[1]
@@ -311,6 +331,8 @@ class XPipePolicy(_LivePolicy):
         held = self._holding
         if held is not None and any(c is not None and (kind, c[0]) == held for kind, c in self._cache.items()):
             self._slots[held] = values  # now holds what the parameters held
+        else:
+            self._spare = values  # what the parameters held is needed no more
         self._holding = token
 
     def forward(self, g: int) -> ContextManager[Any]:
@@ -324,8 +346,10 @@ class XPipePolicy(_LivePolicy):
         return context
 
     def _before_update(self) -> None:
-        if "sgd" in self.rules:  # the gradient this STEP applies (after clipping)
-            self._last_grad = {n: m.grad.detach().clone() for n, m in self.masters.items() if m.grad is not None}
+        if "sgd" in self.rules:  # the gradient this STEP applies (after clipping), into last STEP's storage
+            kept = self._last_grad
+            self._last_grad = {n: kept[n].copy_(m.grad) if n in kept else m.grad.detach().clone()
+                               for n, m in self.masters.items() if m.grad is not None}
 
     def end_segment(self, mini_batches: int) -> None:
         super().end_segment(mini_batches)
