@@ -186,6 +186,12 @@ def check(options: PipeOptions) -> None:
     if not (isinstance(lookahead, (int, float)) and math.isfinite(lookahead) and lookahead >= 0):
         raise PipeConfigError(f"pipedream_2bw lookahead={lookahead!r} must be a number >= 0 (0: the paper's rule, "
                               "1, the default: extrapolate the stale version by one whole last update).")
+    compensation, decay = o.pipedream_2bw.delay_compensation, o.pipedream_2bw.delay_compensation_decay
+    if not (isinstance(compensation, (int, float)) and math.isfinite(compensation) and compensation >= 0):
+        raise PipeConfigError(f"pipedream_2bw delay_compensation={compensation!r} must be a number >= 0 (0, the default: "
+                              "off; docs/lm-quality.md measured 2000 on a language model).")
+    if not (isinstance(decay, (int, float)) and 0 <= decay < 1):
+        raise PipeConfigError(f"pipedream_2bw delay_compensation_decay={decay!r} must be in [0, 1) (DC-ASGD's 0.95).")
     _check_avgpipe(o)
     _check_trace(o.trace_dir, o.trace_steps)
     if o.shape_headers not in ("on_change", "always"):

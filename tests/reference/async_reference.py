@@ -220,6 +220,8 @@ class _Stage:
     prediction: dict[str, str] = field(default_factory=dict)  # xpipe: parameter name -> "adam", "muon", "momentum" or "sgd"
     last_grad: Weights = field(default_factory=dict)  # xpipe "sgd": the last applied gradient
     history: dict[int, Weights] = field(default_factory=dict)  # 2bw look-ahead: W(v) of every past version v
+    mean_square: Weights = field(default_factory=dict)  # 2bw delay compensation: the average of g * g
+    versions: dict[int, Weights] = field(default_factory=dict)  # 2bw delay compensation: every snapshot ever taken
     # statistics
     tau_sum: int = 0
     backwards: int = 0
@@ -599,6 +601,7 @@ class AsyncEmulator:
         """STEP: clip, ``optimizer.step()``, zero the accumulator, ``k_s += 1``, scheduler."""
         masters = st.masters()
         if self.schedule == "pipedream_2bw":
+            self._compensate_delay(st)
             self._keep_version_for_later_forwards(st)
         params = [p for p in masters.values() if p.grad is not None]
         if self.clip_val is not None and params:
@@ -633,6 +636,23 @@ class AsyncEmulator:
             st.scheduler.step()
         if self.schedule == "pipedream_2bw":
             self._free_unused_snapshots(st)
+
+    def _compensate_delay(self, st: _Stage) -> None:
+        """2bw's DC-ASGD-a: ``g <- g + lambda_0 * g * g * (W - W_used) / sqrt(MS)``, ``MS <- d MS + (1 - d) g * g``,
+        ``W_used`` the snapshot mini-batch ``K = k_s`` ran on (version ``max(K - 1, 0)``)."""
+        lambda_0 = self.options.pipedream_2bw.delay_compensation
+        if not lambda_0:
+            return
+        decay = self.options.pipedream_2bw.delay_compensation_decay
+        used = st.versions[max(st.steps - 1, 0)]
+        with torch.no_grad():
+            for name, p in st.masters().items():
+                if p.grad is None:
+                    continue
+                g = p.grad
+                ms = st.mean_square.setdefault(name, torch.zeros_like(p))
+                ms.mul_(decay).addcmul_(g, g, value=1 - decay)
+                g.add_(g * g * (p.detach() - used[name]) / (ms.sqrt() + 1e-12) * lambda_0)
 
     # ---------------------------------------------------------------------------- weight policies
 
@@ -686,7 +706,7 @@ class AsyncEmulator:
                     f"stage {st.index} needs weight version {version} but holds only the current one "
                     f"({st.steps}) and stashed {sorted(st.snapshots)}"
                 )
-            st.snapshots[version] = self._version_weights(st)
+            st.snapshots[version] = st.versions[version] = self._version_weights(st)
             st.snapshot_users[version] = 0
             self._check_snapshot_count(st)
             st.note_copies()
@@ -704,7 +724,7 @@ class AsyncEmulator:
         """2bw, before a STEP: stash the current version if a later forward still needs it."""
         oldest = self._oldest_version_for_later_forwards(st)
         if oldest is not None and oldest <= st.steps and st.steps not in st.snapshots:
-            st.snapshots[st.steps] = self._version_weights(st)
+            st.snapshots[st.steps] = st.versions[st.steps] = self._version_weights(st)
             st.snapshot_users[st.steps] = 0
             self._check_snapshot_count(st)
             st.note_copies()

@@ -155,3 +155,17 @@ def test_each_mitigation_moves_the_weights_as_its_reference_says(schedule, optim
     paper = AsyncOptions(pipedream_2bw=DoubleBufferOptions(lookahead=0.0))
     _, without = reference(schedule, "adamw" if not lookahead else optimizer, paper)
     assert any(not torch.allclose(got[k], without[k], atol=1e-4) for k in got)
+
+
+@pytest.mark.parametrize("lookahead", [0.0, 1.0])
+def test_2bw_delay_compensation_moves_the_weights_as_its_reference_says(lookahead):
+    """DC-ASGD-a on the stale gradient (``pipedream_2bw.delay_compensation``), with and without the
+    look-ahead: the engine equals the literal reference, and the correction is not a no-op."""
+    options = {"lookahead": lookahead, "delay_compensation": 2000.0}
+    got_losses, got = emulated("pipedream_2bw", "adamw", pipedream_2bw=options)
+    want_losses, want = reference("pipedream_2bw", "adamw", AsyncOptions(pipedream_2bw=DoubleBufferOptions(**options)))
+    assert got_losses == pytest.approx(want_losses, rel=1e-5)
+    for key, value in want.items():
+        torch.testing.assert_close(comparable(key, got[key]), comparable(key, value), rtol=1e-5, atol=1e-6, msg=key)
+    _, without = reference("pipedream_2bw", "adamw", AsyncOptions(pipedream_2bw=DoubleBufferOptions(lookahead=lookahead)))
+    assert any(not torch.allclose(got[k], without[k], atol=1e-4) for k in got)

@@ -46,9 +46,18 @@ class DoubleBufferOptions:
             not the paper's because every language-model measurement (docs/lm-quality.md: AdamW and
             Muon, P = 2, 4, 8) ends closer to synchronous training with it, at no measurable throughput
             cost (docs/async-throughput.md).
+        delay_compensation: ``lambda_0`` of DC-ASGD-a's correction of the stale gradient (Zheng et al.,
+            ICML 2017, arXiv 1609.08326; docs/algorithms.md §7): before each STEP a gradient ``g``
+            taken at weights ``W_used`` becomes ``g + lambda_0 * g * g * (W - W_used) / sqrt(MS)``
+            element-wise, ``W`` the weights it updates and ``MS`` an average of ``g * g`` (a
+            first-order Taylor step with the Hessian's diagonal approximated by ``g * g``). ``0`` (the
+            default) is off; costs one more weight-sized buffer. docs/lm-quality.md measures it.
+        delay_compensation_decay: how much of ``MS`` each STEP keeps (DC-ASGD-a's 0.95).
     """
 
     lookahead: float = 1.0
+    delay_compensation: float = 0.0
+    delay_compensation_decay: float = 0.95
 
 
 @dataclass(frozen=True)

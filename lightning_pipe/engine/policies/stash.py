@@ -134,6 +134,9 @@ class DoubleBufferPolicy(_SnapshotPolicy):
         # W(v-1) while the parameters hold W(v), what a snapshot extrapolates from; None until the
         # first update (or a resumed last update): extrapolate by 0
         self.previous: dict[str, Tensor] | None = None
+        self.compensation = self.options.pipedream_2bw.delay_compensation
+        # delay compensation's average of g * g (created at the first compensated STEP)
+        self.mean_square: dict[str, Tensor] | None = None
 
     def _delay(self, g: int, tau: int) -> int:
         # F and B both run on version K-1 (the same values: tau does not matter), and the gradient
@@ -165,7 +168,7 @@ class DoubleBufferPolicy(_SnapshotPolicy):
         return {n: p.detach() - self.previous[n] for n, p in self.params.items()}
 
     def copies(self) -> int:
-        return super().copies() + (self.previous is not None)
+        return super().copies() + (self.previous is not None) + (self.mean_square is not None)
 
     def diagnostics(self) -> dict[str, float]:
         values = super().diagnostics()
@@ -190,9 +193,26 @@ class DoubleBufferPolicy(_SnapshotPolicy):
         return super()._keep(version) or version >= self.steps - 1
 
     def _prepare_step(self) -> None:
+        if self.compensation:
+            self._compensate()
         if self.steps not in self.snapshots:
             self.snapshots[self.steps] = self._snapshot()
             self._track_copies()
+
+    def _compensate(self) -> None:
+        """DC-ASGD-a: ``g += lambda_0 * g * g * (W - W_used) / sqrt(MS)``, ``W_used`` the version this
+        mini-batch's forwards and backwards ran on."""
+        used = self.snapshots[max(self.steps - 1, 0)]
+        decay = self.options.pipedream_2bw.delay_compensation_decay
+        with torch.no_grad():
+            if self.mean_square is None:
+                self.mean_square = {n: torch.zeros_like(p, requires_grad=False) for n, p in self.params.items()}
+            for name, p in self.params.items():
+                g = p.grad
+                if g is None:
+                    continue
+                mean_square = self.mean_square[name].mul_(decay).addcmul_(g, g, value=1 - decay)
+                g.add_(g * g * (p.detach() - used[name]) / (mean_square.sqrt() + 1e-12) * self.compensation)
 
     def state_dict(self) -> dict[str, Any]:
         previous = self.snapshots.get(self.steps - 1)  # the next mini-batch's forwards need it
@@ -200,9 +220,16 @@ class DoubleBufferPolicy(_SnapshotPolicy):
         last_update = None if update is None else {n: u.cpu() for n, u in update.items()}
         if previous is not None:  # copied even on CPU: a snapshot's storage is reused by a later one
             previous = {n: t.detach().to("cpu", copy=True) for n, t in previous.items()}
-        return {**super().state_dict(), "previous": previous, "last_update": last_update}
+        mean_square = None if self.mean_square is None else {n: t.cpu() for n, t in self.mean_square.items()}
+        return {**super().state_dict(), "previous": previous, "last_update": last_update,
+                "delay_compensation_mean_square": mean_square}
 
     def _load(self, state: dict[str, Any]) -> None:
+        if self.compensation and state.get("delay_compensation_mean_square") is not None:
+            saved = self._own(state["delay_compensation_mean_square"], "delay compensation's mean square")
+            with torch.no_grad():  # a parameter without a saved average starts from 0
+                self.mean_square = {n: saved[n].clone() if n in saved else torch.zeros_like(p)
+                                    for n, p in self.params.items()}
         if self.lookahead and state.get("last_update") is not None:  # the weights are restored by now
             update = self._own(state["last_update"], "last update")
             with torch.no_grad():  # a parameter without a saved update extrapolates by 0
