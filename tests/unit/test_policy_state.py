@@ -49,3 +49,39 @@ def test_a_snapshot_reuses_the_storage_of_the_one_released_before_it():
     policy.snapshots = {2: new}
     saved = policy.state_dict()["previous"]["weight"]
     assert saved.data_ptr() != new["weight"].data_ptr()
+
+
+def test_delay_compensation_corrects_the_gradient_and_its_average_survives_a_resume():
+    """2BW's delay compensation: ``g + lambda_0 * g * g * (W - W_used) / (sqrt(MS) + 1e-12)`` before the
+    STEP, by hand on one layer; a policy resumed from the state continues with the same ``MS``."""
+    from torch import nn
+
+    from lightning_pipe.engine.policies import AsyncOptions
+    from lightning_pipe.engine.policies.options import DoubleBufferOptions
+    from lightning_pipe.engine.policies.stash import DoubleBufferPolicy
+
+    options = AsyncOptions(pipedream_2bw=DoubleBufferOptions(lookahead=0.0, delay_compensation=3.0,
+                                                             delay_compensation_decay=0.5))
+
+    def policy_for(layer: nn.Linear) -> DoubleBufferPolicy:
+        return DoubleBufferPolicy(layer, torch.optim.SGD(layer.parameters(), lr=1.0), 0, 2, 2, options)
+
+    torch.manual_seed(0)
+    layer = nn.Linear(3, 3)
+    policy = policy_for(layer)
+    used = {n: p.detach() - 0.25 for n, p in policy.params.items()}  # the version the gradient was taken at
+    policy.snapshots, policy.steps = {0: used, 1: policy._snapshot()}, 1
+    grads = {n: torch.randn_like(p) for n, p in policy.params.items()}
+    before = {n: p.detach().clone() for n, p in policy.params.items()}
+    for n, p in policy.params.items():
+        p.grad = grads[n].clone()
+    policy.step()
+    for n, p in policy.params.items():
+        g, ms = grads[n], 0.5 * grads[n] * grads[n]
+        want = g + 3.0 * g * g * 0.25 / (ms.sqrt() + 1e-12)  # W - W_used = 0.25 everywhere
+        torch.testing.assert_close(before[n] - p.detach(), want)  # SGD, lr 1: the update is the gradient
+        torch.testing.assert_close(policy.mean_square[n], ms)
+    resumed = policy_for(nn.Linear(3, 3))
+    resumed.load_state_dict(policy.state_dict())
+    for n in policy.params:
+        torch.testing.assert_close(resumed.mean_square[n], policy.mean_square[n])
