@@ -310,7 +310,8 @@ class XPipePolicy(_LivePolicy):
         if cached is None or cached[0] != batch:  # the bellwether of a new mini-batch predicts
             if cached is not None:
                 released = self._slots.pop((which, cached[0]), None)
-                self._spare = released if released is not None else self._spare
+                if released is not None:  # else the parameters hold it (and the spare, if any, stays)
+                    self._spare = released
             cached = (batch, self.predict(distance))
             self._cache[which] = cached
             self._slots[(which, batch)] = cached[1]

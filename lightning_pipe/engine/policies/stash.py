@@ -178,7 +178,12 @@ class DoubleBufferPolicy(_SnapshotPolicy):
         return values
 
     def _version(self, g: int) -> int:
-        return max(self.batches_before_segment + g // self.micro_batches - 1, 0)
+        return self._version_of_minibatch(self.batches_before_segment + g // self.micro_batches)
+
+    @staticmethod
+    def _version_of_minibatch(minibatch: int) -> int:
+        """The version every F and B of global mini-batch ``K`` runs on: ``V_{max(K-1, 0)}``."""
+        return max(minibatch - 1, 0)
 
     def begin(self, steps_done: int) -> None:
         # the first mini-batch after steps taken elsewhere has no older version: it uses the current
@@ -202,7 +207,7 @@ class DoubleBufferPolicy(_SnapshotPolicy):
     def _compensate(self) -> None:
         """DC-ASGD-a: ``g += lambda_0 * g * g * (W - W_used) / sqrt(MS)``, ``W_used`` the version this
         mini-batch's forwards and backwards ran on."""
-        used = self.snapshots[max(self.steps - 1, 0)]
+        used = self.snapshots[self._version_of_minibatch(self.steps)]  # this STEP's mini-batch is K = steps
         decay = self.options.pipedream_2bw.delay_compensation_decay
         with torch.no_grad():
             if self.mean_square is None:
