@@ -192,6 +192,9 @@ def check(options: PipeOptions) -> None:
                               "off; docs/lm-quality.md measured 2000 on a language model).")
     if not (isinstance(decay, (int, float)) and 0 <= decay < 1):
         raise PipeConfigError(f"pipedream_2bw delay_compensation_decay={decay!r} must be in [0, 1) (DC-ASGD's 0.95).")
+    if o.xpipe.distances not in ("paper", "exact"):
+        raise PipeConfigError(f"xpipe distances={o.xpipe.distances!r} is not known; use 'paper' (XPipe's formulas) or "
+                              "'exact' (predict the version each mini-batch's STEP updates).")
     _check_avgpipe(o)
     _check_trace(o.trace_dir, o.trace_steps)
     if o.shape_headers not in ("on_change", "always"):

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from lightning_pipe.engine import Executor, SequentialStage, Transport, Watchdog, split_micro_batches
-from lightning_pipe.engine.policies import AsyncOptions, DoubleBufferOptions, PipeMareOptions
+from lightning_pipe.engine.policies import AsyncOptions, DoubleBufferOptions, PipeMareOptions, XPipeOptions
 from lightning_pipe.partition import resolve_balance, stage_bounds
 from lightning_pipe.registry import SCHEDULES, names
 from lightning_pipe.schedules import async_schedule
@@ -25,8 +25,16 @@ SEGMENTS = (3, 2)  # windows per segment: a drain after 3 Lightning steps, then 
 OPTIONS = AsyncOptions(PipeMareOptions(lr_warmup_steps=4))  # T1 still rescheduling during the test
 
 
-def options(lookahead: float) -> AsyncOptions:
-    return replace(OPTIONS, pipedream_2bw=DoubleBufferOptions(lookahead=lookahead))
+#: a case's option variant: the papers' rules, 2BW's look-ahead, xpipe's exact distances
+VARIANTS = {
+    "paper": {"pipedream_2bw": DoubleBufferOptions(lookahead=0.0)},
+    "lookahead": {"pipedream_2bw": DoubleBufferOptions(lookahead=1.0)},
+    "exact": {"pipedream_2bw": DoubleBufferOptions(lookahead=0.0), "xpipe": XPipeOptions(distances="exact")},
+}
+
+
+def options(variant: str) -> AsyncOptions:
+    return replace(OPTIONS, **VARIANTS[variant])
 
 
 def make_trunk(stages: int) -> nn.Sequential:
@@ -56,20 +64,21 @@ def stage_modules(trunk: nn.Sequential, stages: int) -> list[nn.Sequential]:
     return [trunk[a:b] for a, b in stage_bounds(resolve_balance("uniform", trunk, stages))]
 
 
-#: (schedule, M, optimizer, 2BW look-ahead)
-CASES = [(*c, 0.0) for c in itertools.product(names("asynchronous"), (1, 2, 4), ("sgd", "adam", "muon"))]
-CASES += [("pipedream_2bw", 4, kind, 1.0) for kind in ("adam", "muon")]
+#: (schedule, M, optimizer, option variant)
+CASES = [(*c, "paper") for c in itertools.product(names("asynchronous"), (1, 2, 4), ("sgd", "adam", "muon"))]
+CASES += [("pipedream_2bw", 4, kind, "lookahead") for kind in ("adam", "muon")]
+CASES += [("xpipe", 4, kind, "exact") for kind in ("sgd", "adam")]
 
 
 def distributed(rank: int, world: int) -> dict:
     """Every case on this rank: losses of the last stage and final weights of this stage."""
     out = {}
-    for name, micro_batches, optimizer_kind, lookahead in CASES:
+    for name, micro_batches, optimizer_kind, variant in CASES:
         if name == "pipedream_2bw" and micro_batches < world:
             continue
         module = stage_modules(make_trunk(world), world)[rank]
         optimizer = make_optimizer(optimizer_kind, module.parameters())
-        policy = SCHEDULES[name].policy(module, optimizer, rank, world, micro_batches, options(lookahead))
+        policy = SCHEDULES[name].policy(module, optimizer, rank, world, micro_batches, options(variant))
         stage = SequentialStage(module, input_fn=(lambda mb: mb[0]) if rank == 0 else None,
                                 loss_fn=loss_fn if rank == world - 1 else None)
         executor = Executor(rank, list(range(world)), [stage], Transport(torch.device("cpu")),
@@ -85,7 +94,7 @@ def distributed(rank: int, world: int) -> dict:
             executor.run(async_schedule(name, world, micro_batches, None, windows), [], carry_over=True)
             executor.finish()
             policy.end_segment(windows)
-        out[(name, micro_batches, optimizer_kind, lookahead)] = {
+        out[(name, micro_batches, optimizer_kind, variant)] = {
             "losses": losses, "state": {k: v.clone() for k, v in module.state_dict().items()},
             "steps": policy.steps, "copies": policy.max_copies,
         }
@@ -93,10 +102,10 @@ def distributed(rank: int, world: int) -> dict:
 
 
 def reference(world: int, name: str, micro_batches: int, optimizer_kind: str,
-              lookahead: float) -> tuple[list[float], list[dict], AsyncEmulator]:
+              variant: str) -> tuple[list[float], list[dict], AsyncEmulator]:
     modules = stage_modules(make_trunk(world), world)
     optimizers = [make_optimizer(optimizer_kind, m.parameters()) for m in modules]
-    emulator = AsyncEmulator(name, modules, optimizers, micro_batches, lambda mb: mb[0], loss_fn, options(lookahead))
+    emulator = AsyncEmulator(name, modules, optimizers, micro_batches, lambda mb: mb[0], loss_fn, options(variant))
     losses, data, t = [], batches(micro_batches), 0
     for windows in SEGMENTS:
         for _ in range(windows):
@@ -111,10 +120,10 @@ def test_distributed_equals_reference(world):
     ranks = values(run_workers(distributed, world, timeout=300))
     checked = 0
     for case in CASES:
-        name, micro_batches, optimizer_kind, lookahead = case
+        name, micro_batches, optimizer_kind, variant = case
         if case not in ranks[0]:
             continue
-        want_losses, want_states, emulator = reference(world, name, micro_batches, optimizer_kind, lookahead)
+        want_losses, want_states, emulator = reference(world, name, micro_batches, optimizer_kind, variant)
         got = ranks[-1][case]
         assert got["losses"] == pytest.approx(want_losses, rel=1e-5, abs=1e-7), case
         for rank in range(world):
@@ -122,7 +131,7 @@ def test_distributed_equals_reference(world):
                 torch.testing.assert_close(ranks[rank][case]["state"][key], value, rtol=1e-5, atol=1e-6,
                                            msg=f"{case} stage {rank} {key}")
             assert ranks[rank][case]["steps"] == sum(SEGMENTS) == emulator.step_counts[rank]
-            bound = copy_bound(name, rank, world, micro_batches) + (lookahead != 0)  # the last update
+            bound = copy_bound(name, rank, world, micro_batches) + (variant == "lookahead")  # the last update
             assert ranks[rank][case]["copies"] <= bound, (case, rank)
         checked += 1
     assert checked == sum(case in ranks[0] for case in CASES) > 0

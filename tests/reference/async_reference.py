@@ -35,6 +35,9 @@ How it works, in short:
   xpipe          live storage holding Pred(W_s, s_f)   live storage holding Pred(W_s, s_b)
   ============== ===================================== =========================================
 
+  xpipe with ``distances="exact"``: ``s_f`` and ``s_b`` become ``K(t) - k_s``, the STEPs between
+  the weights at the bellwether and the version mini-batch ``t``'s STEP updates.
+
   "Bound": the graph of F(g) references tensors nobody writes to, so B(g) sees F's values.
   "Live": one storage per stage; before every F and B the wanted values are written into it through
   ``.data`` (autograd's version counters do not move), and a backward reads whatever the storage
@@ -669,8 +672,7 @@ class AsyncEmulator:
         # xpipe: the bellwether (first F of the mini-batch on this stage) computes Pred(W, s_f)
         t = g // self.micro_batches
         if t not in st.forward_cache:
-            s_f, _ = xpipe_distances(st.index, self.num_stages, self.micro_batches)
-            st.forward_cache[t] = self._predict(st, s_f)
+            st.forward_cache[t] = self._predict(st, self._xpipe_distance(st, g, "F"))
             st.note_copies()
         _write_live(st.live, st.forward_cache[t])
         return st.live, None
@@ -688,11 +690,22 @@ class AsyncEmulator:
         if self.schedule == "xpipe":
             t = g // self.micro_batches
             if t not in st.backward_cache:  # first B of the mini-batch on this stage
-                _, s_b = xpipe_distances(st.index, self.num_stages, self.micro_batches)
-                st.backward_cache[t] = self._predict(st, s_b)
+                st.backward_cache[t] = self._predict(st, self._xpipe_distance(st, g, "B"))
                 st.note_copies()
             _write_live(st.live, st.backward_cache[t])
         return False  # pipedream / 2bw: the graph is bound to its snapshot
+
+    def _xpipe_distance(self, st: _Stage, g: int, which: str) -> int:
+        """STEPs ahead of ``W_s`` the bellwether ``which`` (``"F"`` or ``"B"``) of ``g``'s mini-batch predicts:
+        XPipe's ``s_f`` / ``s_b``, or with ``distances="exact"`` up to ``V_K(t)``, the version its STEP updates."""
+        if self.options.xpipe.distances == "exact":
+            distance = self._global_minibatch(g) - st.steps
+            if distance < 0 or (which == "B" and distance != 0):  # a backward runs after the previous mini-batch's STEP
+                raise RuntimeError(f"stage {st.index}: {which} of mini-batch {g // self.micro_batches} "
+                                   f"is {distance} STEPs from its version")
+            return distance
+        s_f, s_b = xpipe_distances(st.index, self.num_stages, self.micro_batches)
+        return s_f if which == "F" else s_b
 
     def _global_minibatch(self, g: int) -> int:
         """``K(t)``: mini-batches trained before ``g``'s mini-batch since training start."""

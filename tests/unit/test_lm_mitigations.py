@@ -14,7 +14,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_pipe import PipeStrategy
 from lightning_pipe.engine import split_micro_batches
-from lightning_pipe.engine.policies import AsyncOptions, DoubleBufferOptions
+from lightning_pipe.engine.policies import AsyncOptions, DoubleBufferOptions, XPipeOptions
 from lightning_pipe.optim import BasisRotationAdam, CombinedOptimizer
 from tests.harness.lightning_run import Losses, muon_with_adam
 from tests.reference.async_reference import AsyncEmulator
@@ -155,6 +155,20 @@ def test_each_mitigation_moves_the_weights_as_its_reference_says(schedule, optim
     paper = AsyncOptions(pipedream_2bw=DoubleBufferOptions(lookahead=0.0))
     _, without = reference(schedule, "adamw" if not lookahead else optimizer, paper)
     assert any(not torch.allclose(got[k], without[k], atol=1e-4) for k in got)
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_xpipe_exact_distances_move_the_weights_as_their_reference_says(optimizer):
+    """``xpipe.distances="exact"``: every prediction targets the version its mini-batch's STEP updates;
+    the engine equals the literal reference, and differs from XPipe's own distances."""
+    got_losses, got = emulated("xpipe", optimizer, xpipe={"distances": "exact"})
+    want_losses, want = reference("xpipe", optimizer, AsyncOptions(xpipe=XPipeOptions(distances="exact")))
+    tolerance = 1e-4 if optimizer == "muon" else 1e-5
+    assert got_losses == pytest.approx(want_losses, rel=tolerance)
+    for key, value in want.items():
+        torch.testing.assert_close(comparable(key, got[key]), comparable(key, value), rtol=tolerance, atol=tolerance / 10, msg=key)
+    _, paper = reference("xpipe", optimizer, AsyncOptions())
+    assert any(not torch.allclose(got[k], paper[k], atol=1e-4) for k in got)
 
 
 @pytest.mark.parametrize("lookahead", [0.0, 1.0])

@@ -189,7 +189,8 @@ def round_half_up(x: float) -> int:
 
 
 class XPipePolicy(_LivePolicy):
-    """xpipe: forwards and backwards of a mini-batch see weights predicted ``s_f`` / ``s_b`` steps ahead."""
+    """xpipe: forwards and backwards of a mini-batch see weights predicted ``s_f`` / ``s_b`` steps ahead
+    (XPipe's formulas, or with ``distances="exact"`` up to the version the mini-batch's STEP updates)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -304,7 +305,14 @@ class XPipePolicy(_LivePolicy):
             return storage
         return {n: torch.empty_like(m, requires_grad=False) for n, m in self.masters.items()}
 
-    def _use(self, which: str, g: int, distance: int) -> None:
+    def _distance(self, which: str, batch: int) -> int:
+        """How many STEPs ahead the ``which`` (``"F"``/``"B"``) prediction of segment-local mini-batch
+        ``batch`` looks (``XPipeOptions.distances``)."""
+        if self.options.xpipe.distances == "exact":  # to the version this mini-batch's STEP updates
+            return self.batches_before_segment + batch - self.steps
+        return self.s_forward if which == "F" else self.s_backward
+
+    def _use(self, which: str, g: int) -> None:
         batch = g // self.micro_batches
         cached = self._cache[which]
         if cached is None or cached[0] != batch:  # the bellwether of a new mini-batch predicts
@@ -312,7 +320,7 @@ class XPipePolicy(_LivePolicy):
                 released = self._slots.pop((which, cached[0]), None)
                 if released is not None:  # else the parameters hold it (and the spare, if any, stays)
                     self._spare = released
-            cached = (batch, self.predict(distance))
+            cached = (batch, self.predict(self._distance(which, batch)))
             self._cache[which] = cached
             self._slots[(which, batch)] = cached[1]
             self._track_copies()
@@ -338,12 +346,12 @@ class XPipePolicy(_LivePolicy):
 
     def forward(self, g: int) -> ContextManager[Any]:
         context = super().forward(g)
-        self._use("F", g, self.s_forward)
+        self._use("F", g)
         return context
 
     def backward(self, g: int) -> ContextManager[Any]:
         context = super().backward(g)
-        self._use("B", g, self.s_backward)
+        self._use("B", g)
         return context
 
     def _before_update(self) -> None:

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 Prediction = Literal["auto", "adam", "muon", "momentum", "sgd"]
+Distances = Literal["paper", "exact"]
 Averaging = Literal["async", "sync"]
 
 
@@ -70,9 +71,17 @@ class XPipeOptions:
             learning rate), ``"momentum"`` (SGD's momentum buffer), ``"sgd"`` (the last gradient) or
             ``"auto"`` (by the optimizer's type, per member of a
             :class:`~lightning_pipe.optim.CombinedOptimizer`).
+        distances: how many STEPs ahead a mini-batch's predictions look. ``"paper"`` (the default):
+            XPipe's formulas ``s_f``, ``s_b`` per stage (docs/algorithms.md §9), which average the lag
+            over a mini-batch's micro-batches; with ``M > 1`` they can make its forward and its backward
+            target different versions, and the backward look a STEP beyond the weights its gradient
+            updates. ``"exact"``: both target the version the mini-batch's STEP updates, counted from
+            this stage's own STEPs: the forward predicts the STEPs its stage takes before then, the
+            backward runs on the weights as they are (docs/fidelity.md X8).
     """
 
     prediction: Prediction = "auto"
+    distances: Distances = "paper"
 
 
 @dataclass(frozen=True)
