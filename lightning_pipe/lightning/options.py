@@ -195,6 +195,9 @@ def check(options: PipeOptions) -> None:
     if o.xpipe.distances not in ("paper", "exact"):
         raise PipeConfigError(f"xpipe distances={o.xpipe.distances!r} is not known; use 'paper' (XPipe's formulas) or "
                               "'exact' (predict the version each mini-batch's STEP updates).")
+    if o.xpipe.momentum_direction not in ("buffer", "spectrain"):
+        raise PipeConfigError(f"xpipe momentum_direction={o.xpipe.momentum_direction!r} is not known; use 'buffer' (SGD's "
+                              "momentum buffer) or 'spectrain' (momentum * buffer + the last gradient).")
     _check_avgpipe(o)
     _check_trace(o.trace_dir, o.trace_steps)
     if o.shape_headers not in ("on_change", "always"):

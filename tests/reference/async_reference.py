@@ -612,7 +612,7 @@ class AsyncEmulator:
                 torch.nn.utils.clip_grad_norm_(params, self.clip_val)
             else:
                 torch.nn.utils.clip_grad_value_(params, self.clip_val)
-        if self.schedule == "xpipe" and "sgd" in st.prediction.values():
+        if self.schedule == "xpipe" and self._keeps_last_grad(st):
             st.last_grad.update({name: p.grad.detach().clone() for name, p in masters.items() if p.grad is not None})
         correcting = self.schedule == "pipemare" and st.delta is not None
         if correcting:
@@ -806,5 +806,14 @@ class AsyncEmulator:
             # m_hat / (sqrt(v_hat) + eps), in the order torch's Adam computes it
             return state["exp_avg"] / (state["exp_avg_sq"].sqrt() / math.sqrt(1 - beta2**c) + group["eps"]) / (1 - beta1**c)
         if rule == "momentum":
-            return state.get("momentum_buffer")
+            buffer, grad = state.get("momentum_buffer"), st.last_grad.get(name)
+            if self.options.xpipe.momentum_direction == "buffer" or buffer is None or grad is None:
+                return buffer
+            group = next(group for group in st.optimizer.param_groups if any(q is p for q in group["params"]))
+            return group["momentum"] * buffer + (1 - group["dampening"]) * grad  # SpecTrain's direction
         return st.last_grad.get(name)  # "sgd"
+
+    def _keeps_last_grad(self, st: _Stage) -> bool:
+        """xpipe: whether a prediction reads the last applied gradient ("sgd", or SpecTrain's momentum direction)."""
+        rules = set(st.prediction.values())
+        return "sgd" in rules or ("momentum" in rules and self.options.xpipe.momentum_direction == "spectrain")

@@ -93,6 +93,7 @@ def test_bad_configuration(make, kwargs, match):
         ({"pipedream_2bw": {"delay_compensation_decay": 1.0}}, "delay_compensation_decay=1.0 must be in \\[0, 1\\)"),
         ({"pipedream_2bw": {"look_ahead": 1}}, "pipedream_2bw= has no option look_ahead; DoubleBufferOptions takes .*lookahead"),
         ({"xpipe": {"distances": "rounded"}}, "xpipe distances='rounded' is not known; use 'paper' .* or 'exact'"),
+        ({"xpipe": {"momentum_direction": "nesterov"}}, "xpipe momentum_direction='nesterov' is not known; use 'buffer'"),
         ({"shape_headers": "never"}, "shape_headers='never' is not known; use 'on_change'"),
         ({"transport": "tcp"}, "transport='tcp' is not known; use 'auto' .* 'shared_memory' or 'process_group'"),
     ],

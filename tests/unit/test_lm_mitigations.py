@@ -88,6 +88,8 @@ def make_optimizer(kind: str, parameters) -> torch.optim.Optimizer:
         )
     if kind == "nadamw":  # arXiv 2505.01099's recipe: Nesterov momentum 0.99, decoupled weight decay
         return torch.optim.NAdam(parameters, lr=3e-3, betas=(0.99, 0.999), weight_decay=0.01, decoupled_weight_decay=True)
+    if kind == "sgd":
+        return torch.optim.SGD(parameters, lr=0.05, momentum=0.9)
     return torch.optim.AdamW(parameters, lr=3e-3, betas=(0.9, 0.95), weight_decay=0.01)
 
 
@@ -157,12 +159,14 @@ def test_each_mitigation_moves_the_weights_as_its_reference_says(schedule, optim
     assert any(not torch.allclose(got[k], without[k], atol=1e-4) for k in got)
 
 
-@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
-def test_xpipe_exact_distances_move_the_weights_as_their_reference_says(optimizer):
-    """``xpipe.distances="exact"``: every prediction targets the version its mini-batch's STEP updates;
-    the engine equals the literal reference, and differs from XPipe's own distances."""
-    got_losses, got = emulated("xpipe", optimizer, xpipe={"distances": "exact"})
-    want_losses, want = reference("xpipe", optimizer, AsyncOptions(xpipe=XPipeOptions(distances="exact")))
+@pytest.mark.parametrize("optimizer,options", [("adamw", {"distances": "exact"}), ("muon", {"distances": "exact"}),
+                                               ("sgd", {"momentum_direction": "spectrain"})])
+def test_xpipe_options_move_the_weights_as_their_reference_says(optimizer, options):
+    """``xpipe.distances="exact"`` (every prediction targets the version its mini-batch's STEP updates)
+    and ``xpipe.momentum_direction="spectrain"``: the engine equals the literal reference, and differs
+    from xpipe's defaults."""
+    got_losses, got = emulated("xpipe", optimizer, xpipe=options)
+    want_losses, want = reference("xpipe", optimizer, AsyncOptions(xpipe=XPipeOptions(**options)))
     tolerance = 1e-4 if optimizer == "muon" else 1e-5
     assert got_losses == pytest.approx(want_losses, rel=tolerance)
     for key, value in want.items():

@@ -198,6 +198,9 @@ class XPipePolicy(_LivePolicy):
         self.s_forward = round_half_up((K + T - 2 - math.ceil(k / 2)) / T)
         self.s_backward = round_half_up((T - 1 + k // 2) / T)
         self.rules = self._rules(self.options.xpipe.prediction)
+        # the plain-SGD prediction and SpecTrain's momentum direction read the last applied gradient
+        self._keeps_last_grad = "sgd" in self.rules or (
+            "momentum" in self.rules and self.options.xpipe.momentum_direction == "spectrain")
         self._last_grad: dict[str, Tensor] = {}
         self._cache: dict[str, tuple[int, dict[str, Tensor]] | None] = {"F": None, "B": None}
         self.prediction_norm: Tensor | float = 0.0
@@ -255,7 +258,7 @@ class XPipePolicy(_LivePolicy):
 
     def _direction(self, master: Tensor, group: dict[str, Any], rule: str, name: str, scratch: Tensor) -> Tensor | None:
         """The update one STEP would apply to ``master`` per unit of learning rate, from the optimizer's
-        current state (``None`` before the state exists); adam's is computed in ``scratch``, a tensor
+        current state (``None`` before the state exists); adam's and SpecTrain's are computed in ``scratch``, a tensor
         of ``master``'s shape whose values are not needed."""
         state = self.optimizer.state.get(master, {})
         if rule == "adam":
@@ -272,7 +275,13 @@ class XPipePolicy(_LivePolicy):
                 return None
             update = _zeropower_via_newtonschulz(state["momentum_buffer"], group["ns_coefficients"], group["ns_steps"], group["eps"])
             return update.to(master.dtype).mul_(_adjust_lr(group["lr"], group["adjust_lr_fn"], master.shape) / group["lr"])
-        return state.get("momentum_buffer") if rule == "momentum" else self._last_grad.get(name)
+        if rule == "momentum":
+            buffer, grad = state.get("momentum_buffer"), self._last_grad.get(name)
+            if self.options.xpipe.momentum_direction == "buffer" or buffer is None or grad is None:
+                return buffer
+            # SpecTrain: momentum * buf + (1 - dampening) * g, the step Nesterov's SGD would take
+            return torch.mul(buffer, group["momentum"], out=scratch).add_(grad, alpha=1 - group["dampening"])
+        return self._last_grad.get(name)
 
     def predict(self, distance: int) -> dict[str, Tensor]:
         """The masters ``distance`` STEPs ahead: ``W - lr * distance * direction`` per parameter."""
@@ -355,7 +364,7 @@ class XPipePolicy(_LivePolicy):
         return context
 
     def _before_update(self) -> None:
-        if "sgd" in self.rules:  # the gradient this STEP applies (after clipping), into last STEP's storage
+        if self._keeps_last_grad:  # the gradient this STEP applies (after clipping), into last STEP's storage
             kept = self._last_grad
             self._last_grad = {n: kept[n].copy_(m.grad) if n in kept else m.grad.detach().clone()
                                for n, m in self.masters.items() if m.grad is not None}
@@ -375,5 +384,5 @@ class XPipePolicy(_LivePolicy):
         return {**super().state_dict(), "last_grad": {n: g.cpu() for n, g in self._last_grad.items()}}
 
     def _load(self, state: dict[str, Any]) -> None:
-        if "sgd" in self.rules:  # only the plain-SGD prediction reads the last gradient
+        if self._keeps_last_grad:  # only the plain-SGD prediction and SpecTrain's direction read it
             self._last_grad = self._own(state.get("last_grad", {}), "last gradient")

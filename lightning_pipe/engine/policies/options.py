@@ -12,6 +12,7 @@ from typing import Literal
 
 Prediction = Literal["auto", "adam", "muon", "momentum", "sgd"]
 Distances = Literal["paper", "exact"]
+MomentumDirection = Literal["buffer", "spectrain"]
 Averaging = Literal["async", "sync"]
 
 
@@ -78,10 +79,15 @@ class XPipeOptions:
             updates. ``"exact"``: both target the version the mini-batch's STEP updates, counted from
             this stage's own STEPs: the forward predicts the STEPs its stage takes before then, the
             backward runs on the weights as they are (docs/fidelity.md X8).
+        momentum_direction: the ``"momentum"`` prediction's direction for SGD with momentum:
+            ``"buffer"`` (the default), the momentum buffer ``buf``; ``"spectrain"``, ``momentum * buf +
+            (1 - dampening) * g`` with ``g`` the last applied gradient, as SpecTrain's and PipeOptim's
+            published code predict (the step SGD with Nesterov momentum would take; docs/fidelity.md X6).
     """
 
     prediction: Prediction = "auto"
     distances: Distances = "paper"
+    momentum_direction: MomentumDirection = "buffer"
 
 
 @dataclass(frozen=True)
