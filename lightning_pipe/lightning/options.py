@@ -195,6 +195,9 @@ def check(options: PipeOptions) -> None:
     if o.xpipe.distances not in ("paper", "exact"):
         raise PipeConfigError(f"xpipe distances={o.xpipe.distances!r} is not known; use 'paper' (XPipe's formulas) or "
                               "'exact' (predict the version each mini-batch's STEP updates).")
+    if o.pipemare.correction_decay_rule not in ("fixed", "per_stage"):
+        raise PipeConfigError(f"pipemare correction_decay_rule={o.pipemare.correction_decay_rule!r} is not known; use 'fixed' "
+                              "(every stage decays by correction_decay) or 'per_stage' (correction_decay ** (1 / delay)).")
     if o.xpipe.momentum_direction not in ("buffer", "spectrain"):
         raise PipeConfigError(f"xpipe momentum_direction={o.xpipe.momentum_direction!r} is not known; use 'buffer' (SGD's "
                               "momentum buffer) or 'spectrain' (momentum * buffer + the last gradient).")

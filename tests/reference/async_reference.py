@@ -631,6 +631,8 @@ class AsyncEmulator:
 
         if correcting:
             gamma = self.options.pipemare.correction_decay
+            if self.options.pipemare.correction_decay_rule == "per_stage":  # gamma_s = D ** (1 / tau_hat_s)
+                gamma = gamma ** (1 / max(1, math.ceil(st.warmup / self.micro_batches)))
             with torch.no_grad():
                 for name, p in masters.items():
                     w_new, w_old = p.detach(), st.live[name].detach()

@@ -14,7 +14,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_pipe import PipeStrategy
 from lightning_pipe.engine import split_micro_batches
-from lightning_pipe.engine.policies import AsyncOptions, DoubleBufferOptions, XPipeOptions
+from lightning_pipe.engine.policies import AsyncOptions, DoubleBufferOptions, PipeMareOptions, XPipeOptions
 from lightning_pipe.optim import BasisRotationAdam, CombinedOptimizer
 from tests.harness.lightning_run import Losses, muon_with_adam
 from tests.reference.async_reference import AsyncEmulator
@@ -103,24 +103,24 @@ def windows() -> TensorDataset:
     return TensorDataset(torch.stack([ids[s:s + CONTEXT] for s in starts]), torch.stack([ids[s + 1:s + CONTEXT + 1] for s in starts]))
 
 
-def emulated(schedule: str, optimizer: str, **strategy) -> tuple[list[float], dict]:
+def emulated(schedule: str, optimizer: str, micro_batches: int = MICRO, **strategy) -> tuple[list[float], dict]:
     model, losses = TinyLM(optimizer), Losses()
     trainer = L.Trainer(accelerator="cpu", devices=1, max_epochs=1, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, callbacks=[losses], use_distributed_sampler=False,
-                        strategy=PipeStrategy(schedule=schedule, stages=STAGES, micro_batches=MICRO, **strategy))
+                        strategy=PipeStrategy(schedule=schedule, stages=STAGES, micro_batches=micro_batches, **strategy))
     trainer.fit(model, DataLoader(windows(), batch_size=BATCH))
     return losses.losses, model.state_dict()
 
 
-def reference(schedule: str, optimizer: str, options: AsyncOptions) -> tuple[list[float], dict]:
+def reference(schedule: str, optimizer: str, options: AsyncOptions, micro_batches: int = MICRO) -> tuple[list[float], dict]:
     """The same model cut into 4 stages (embeddings with the first block, the head with the last), each
     with its own optimizer, run by the literal reference."""
     model = TinyLM(optimizer)
     stages = [nn.Sequential(model.embed, model.blocks[0]), model.blocks[1], model.blocks[2],
               nn.Sequential(model.blocks[3], model.ln_f, model.head)]
-    emulator = AsyncEmulator(schedule, stages, [make_optimizer(optimizer, s.parameters()) for s in stages], MICRO, lambda mb: mb[0],
+    emulator = AsyncEmulator(schedule, stages, [make_optimizer(optimizer, s.parameters()) for s in stages], micro_batches, lambda mb: mb[0],
                              lambda out, mb: lm_loss(out, mb[1]), options)
-    losses = [sum(emulator.train_window(split_micro_batches(batch, MICRO))) / MICRO
+    losses = [sum(emulator.train_window(split_micro_batches(batch, micro_batches))) / micro_batches
               for batch in DataLoader(windows(), batch_size=BATCH)]
     emulator.drain()
     return losses, model.state_dict()
@@ -173,6 +173,19 @@ def test_xpipe_options_move_the_weights_as_their_reference_says(optimizer, optio
         torch.testing.assert_close(comparable(key, got[key]), comparable(key, value), rtol=tolerance, atol=tolerance / 10, msg=key)
     _, paper = reference("xpipe", optimizer, AsyncOptions())
     assert any(not torch.allclose(got[k], paper[k], atol=1e-4) for k in got)
+
+
+def test_pipemare_per_stage_decay_moves_the_weights_as_its_reference_says():
+    """``pipemare.correction_decay_rule="per_stage"`` at M = 1, where the 4 stages are 3, 2, 1 and 0 STEPs
+    stale: the engine equals the literal reference, and differs from one decay for every stage."""
+    options = {"correction_decay_rule": "per_stage"}
+    got_losses, got = emulated("pipemare", "adamw", micro_batches=1, pipemare=options)
+    want_losses, want = reference("pipemare", "adamw", AsyncOptions(pipemare=PipeMareOptions(**options)), micro_batches=1)
+    assert got_losses == pytest.approx(want_losses, rel=1e-5)
+    for key, value in want.items():
+        torch.testing.assert_close(comparable(key, got[key]), comparable(key, value), rtol=1e-5, atol=1e-6, msg=key)
+    _, fixed = reference("pipemare", "adamw", AsyncOptions(), micro_batches=1)
+    assert any(not torch.allclose(got[k], fixed[k], atol=1e-4) for k in got)
 
 
 @pytest.mark.parametrize("lookahead", [0.0, 1.0])

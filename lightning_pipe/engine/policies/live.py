@@ -143,22 +143,32 @@ class PipeMarePolicy(_LivePolicy):
             for name, m in self.masters.items():
                 _exchange(m, corrected[name])
 
+    @property
+    def _tau_hat(self) -> int:
+        """This stage's delay in STEPs, ``max(1, ceil(w_s / M))``."""
+        return max(1, math.ceil(self.warmup / self.micro_batches))
+
+    @property
+    def _gamma(self) -> float:
+        """T2's decay: ``correction_decay``, or ``correction_decay ** (1 / tau_hat_s)`` per stage."""
+        decay = self.options.pipemare.correction_decay
+        return decay ** (1 / self._tau_hat) if self.options.pipemare.correction_decay_rule == "per_stage" else decay
+
     def _lr_scale(self) -> float:
         if not self.options.pipemare.lr_reschedule:
             return 1.0
-        tau_hat = max(1, math.ceil(self.warmup / self.micro_batches))
         progress = min(self.steps / max(self.options.pipemare.lr_warmup_steps, 1), 1.0)
-        return tau_hat ** -(1.0 - progress)
+        return self._tau_hat ** -(1.0 - progress)
 
     def _before_update(self) -> None:
         if self.delta is not None:  # delta <- gamma delta + (1 - gamma)(W_new - W_old), without a copy of W_old
-            gamma = self.options.pipemare.correction_decay
+            gamma = self._gamma
             for name, d in self.delta.items():
                 d.mul_(gamma).sub_(self.masters[name].detach(), alpha=1 - gamma)
 
     def _after_update(self) -> None:
         if self.delta is not None:
-            gamma = self.options.pipemare.correction_decay
+            gamma = self._gamma
             for name, d in self.delta.items():
                 d.add_(self.masters[name].detach(), alpha=1 - gamma)
             self._delta_norm = norm_of(self.delta.values())

@@ -13,6 +13,7 @@ from typing import Literal
 Prediction = Literal["auto", "adam", "muon", "momentum", "sgd"]
 Distances = Literal["paper", "exact"]
 MomentumDirection = Literal["buffer", "spectrain"]
+DecayRule = Literal["fixed", "per_stage"]
 Averaging = Literal["async", "sync"]
 
 
@@ -27,12 +28,19 @@ class PipeMareOptions:
         correction: T2: backwards run with weights corrected by ``-tau * delta``, an exponential average
             of recent updates (one extra weight copy).
         correction_decay: decay ``gamma`` of T2's average.
+        correction_decay_rule: ``"fixed"`` (the default): every stage decays by ``correction_decay``;
+            ``"per_stage"``: stage ``s`` by ``correction_decay ** (1 / tau_hat_s)``, ``tau_hat_s`` its
+            delay in STEPs (the form recorded for the paper, not verified against its text;
+            docs/fidelity.md M6), so that a stage whose gradients are staler averages over more
+            STEPs. The two differ only where a stage is more than one STEP stale
+            (``stages - 1 - s > micro_batches``).
     """
 
     lr_reschedule: bool = True
     lr_warmup_steps: int = 100
     correction: bool = True
     correction_decay: float = 0.9
+    correction_decay_rule: DecayRule = "fixed"
 
 
 @dataclass(frozen=True)
