@@ -11,7 +11,7 @@ The engine, schedules, planning and simulation (``lightning_pipe.engine``, ``.sc
 
 from importlib.util import find_spec
 
-from lightning_pipe.engine.policies import AvgPipeOptions, DoubleBufferOptions, PipeMareOptions, XPipeOptions
+from lightning_pipe.engine.policies import AvgPipeOptions, DoubleBufferOptions, PipeDreamOptions, PipeMareOptions, XPipeOptions
 from lightning_pipe.errors import (
     BalanceError,
     CheckpointMismatchError,
@@ -40,6 +40,6 @@ if find_spec("lightning") is not None:
 __all__ = [
     "AutoBalanceOptions", "AvgPipeOptions", "BalanceError", "CheckpointMismatchError", "DoubleBufferOptions",
     "LightningPipeError", "PeerFailure",
-    "PipeConfigError", "PipeMareOptions", "PipeStrategy", "PipelineTimeout", "PlanError", "ScheduleError",
+    "PipeConfigError", "PipeDreamOptions", "PipeMareOptions", "PipeStrategy", "PipelineTimeout", "PlanError", "ScheduleError",
     "SharedParameterError", "StageOutputError", "TrunkError", "TrunkUsageError", "XPipeOptions", "__version__",
 ]

@@ -14,12 +14,19 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal, TypeVar
 
-from lightning_pipe.engine.policies import AsyncOptions, AvgPipeOptions, DoubleBufferOptions, PipeMareOptions, XPipeOptions
+from lightning_pipe.engine.policies import (
+    AsyncOptions,
+    AvgPipeOptions,
+    DoubleBufferOptions,
+    PipeDreamOptions,
+    PipeMareOptions,
+    XPipeOptions,
+)
 from lightning_pipe.errors import PipeConfigError
 from lightning_pipe.planning.auto_balance import AutoBalanceOptions
 from lightning_pipe.registry import DEFAULT, SCHEDULES, ScheduleSpec, spec
 
-Group = TypeVar("Group", PipeMareOptions, XPipeOptions, DoubleBufferOptions, AvgPipeOptions, AutoBalanceOptions)
+Group = TypeVar("Group", PipeMareOptions, XPipeOptions, DoubleBufferOptions, PipeDreamOptions, AvgPipeOptions, AutoBalanceOptions)
 
 #: The flat option names of lightning_pipe 0.1: ``name -> (group, field)``. They still work in 0.2,
 #: with a FutureWarning that names the group to use; 0.3 removes them.
@@ -41,7 +48,7 @@ DEPRECATED: dict[str, tuple[str, str]] = {
     "auto_balance_refine": ("auto_balance", "refine"),
 }
 _GROUPS = {"pipemare": PipeMareOptions, "xpipe": XPipeOptions, "avgpipe": AvgPipeOptions, "auto_balance": AutoBalanceOptions,
-           "pipedream_2bw": DoubleBufferOptions}
+           "pipedream_2bw": DoubleBufferOptions, "pipedream": PipeDreamOptions}
 _CLASS_NAMES = {group: cls.__name__ for group, cls in _GROUPS.items()}
 
 
@@ -70,6 +77,7 @@ class PipeOptions:
     stage_metrics: bool = True
     sync_warmup_steps: int = 0
     pipedream_2bw: DoubleBufferOptions = field(default_factory=DoubleBufferOptions)
+    pipedream: PipeDreamOptions = field(default_factory=PipeDreamOptions)
     shape_headers: Literal["on_change", "always"] = "on_change"
     transport: Literal["auto", "shared_memory", "process_group"] = "auto"
 
@@ -87,7 +95,7 @@ class PipeOptions:
     @property
     def asynchronous(self) -> AsyncOptions:
         """What the asynchronous weight policies read."""
-        return AsyncOptions(self.pipemare, self.xpipe, self.pipedream_2bw)
+        return AsyncOptions(self.pipemare, self.xpipe, self.pipedream_2bw, self.pipedream)
 
     @property
     def tuned(self) -> bool:
@@ -141,7 +149,7 @@ def resolve(
         schedule, micro_batches, stages, pipelines, list(balance) if not isinstance(balance, str) else balance, module,  # type: ignore[arg-type]
         chunks_per_stage, checkpoint_activations, *map(float, timeouts), sync_warmup_epochs, resolved["pipemare"],
         resolved["xpipe"], resolved["avgpipe"], resolved["auto_balance"], trace_dir, trace_steps, stage_metrics,
-        sync_warmup_steps, resolved["pipedream_2bw"], shape_headers, transport,  # type: ignore[arg-type]
+        sync_warmup_steps, resolved["pipedream_2bw"], resolved["pipedream"], shape_headers, transport,  # type: ignore[arg-type]
     )
     check(options)
     return options
@@ -195,6 +203,8 @@ def check(options: PipeOptions) -> None:
     if o.xpipe.distances not in ("paper", "exact"):
         raise PipeConfigError(f"xpipe distances={o.xpipe.distances!r} is not known; use 'paper' (XPipe's formulas) or "
                               "'exact' (predict the version each mini-batch's STEP updates).")
+    if not isinstance(o.pipedream.vertical_sync, bool):
+        raise PipeConfigError(f"pipedream vertical_sync={o.pipedream.vertical_sync!r} must be True or False.")
     if o.pipemare.correction_decay_rule not in ("fixed", "per_stage"):
         raise PipeConfigError(f"pipemare correction_decay_rule={o.pipemare.correction_decay_rule!r} is not known; use 'fixed' "
                               "(every stage decays by correction_decay) or 'per_stage' (correction_decay ** (1 / delay)).")

@@ -38,7 +38,7 @@ from torch.distributed import ReduceOp
 from torchmetrics import Metric
 
 from lightning_pipe.engine import Topology, Transport, Watchdog, batch_size, shm
-from lightning_pipe.engine.policies import AvgPipeOptions, DoubleBufferOptions, PipeMareOptions, XPipeOptions
+from lightning_pipe.engine.policies import AvgPipeOptions, DoubleBufferOptions, PipeDreamOptions, PipeMareOptions, XPipeOptions
 from lightning_pipe.engine.policies.options import Averaging, Prediction
 from lightning_pipe.engine.watchdog import FAILURE_GRACE
 from lightning_pipe.errors import LightningPipeError, PipeConfigError
@@ -141,6 +141,7 @@ class PipeStrategy(DDPStrategy, metaclass=_NamesItsOptions):
             (:class:`~lightning_pipe.PipeMareOptions`; a dict of its fields works too).
         xpipe: XPipe's weight prediction (:class:`~lightning_pipe.XPipeOptions`).
         pipedream_2bw: 2BW's look-ahead along the last update (:class:`~lightning_pipe.DoubleBufferOptions`).
+        pipedream: PipeDream's optional vertical sync (:class:`~lightning_pipe.PipeDreamOptions`).
         avgpipe: avgpipe's parallel pipelines, averaging and tuner (:class:`~lightning_pipe.AvgPipeOptions`).
         auto_balance: ``balance="auto"``'s memory limits, device speeds, profile cache and refinement
             (:class:`~lightning_pipe.AutoBalanceOptions`); avgpipe's tuner obeys its memory limits too.
@@ -207,6 +208,7 @@ class PipeStrategy(DDPStrategy, metaclass=_NamesItsOptions):
         pipemare: PipeMareOptions = PipeMareOptions(),
         xpipe: XPipeOptions = XPipeOptions(),
         pipedream_2bw: DoubleBufferOptions = DoubleBufferOptions(),
+        pipedream: PipeDreamOptions = PipeDreamOptions(),
         avgpipe: AvgPipeOptions = AvgPipeOptions(),
         auto_balance: AutoBalanceOptions = AutoBalanceOptions(),
         trace_dir: str | None = None,
@@ -240,7 +242,7 @@ class PipeStrategy(DDPStrategy, metaclass=_NamesItsOptions):
         self.options: PipeOptions = options_module.resolve(
             schedule, micro_batches, stages, pipelines, balance, module, chunks_per_stage, checkpoint_activations,
             (timeout, startup_timeout, checkpoint_timeout), sync_warmup_epochs,
-            {"pipemare": pipemare, "xpipe": xpipe, "pipedream_2bw": pipedream_2bw, "avgpipe": avgpipe,
+            {"pipemare": pipemare, "xpipe": xpipe, "pipedream_2bw": pipedream_2bw, "pipedream": pipedream, "avgpipe": avgpipe,
              "auto_balance": auto_balance},
             trace_dir, trace_steps, deprecated, stage_metrics, sync_warmup_steps, shape_headers, transport,
         )

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from lightning_pipe.engine import Executor, SequentialStage, Transport, Watchdog, split_micro_batches
-from lightning_pipe.engine.policies import AsyncOptions, DoubleBufferOptions, PipeMareOptions, XPipeOptions
+from lightning_pipe.engine.policies import AsyncOptions, DoubleBufferOptions, PipeDreamOptions, PipeMareOptions, XPipeOptions
 from lightning_pipe.partition import resolve_balance, stage_bounds
 from lightning_pipe.registry import SCHEDULES, names
 from lightning_pipe.schedules import async_schedule
@@ -26,12 +26,13 @@ OPTIONS = AsyncOptions(PipeMareOptions(lr_warmup_steps=4))  # T1 still reschedul
 
 
 #: a case's option variant: the papers' rules, 2BW's look-ahead, xpipe's exact distances and SpecTrain's
-#: direction, pipemare's per-stage decay
+#: direction, pipemare's per-stage decay, pipedream's vertical sync
 VARIANTS = {
     "paper": {"pipedream_2bw": DoubleBufferOptions(lookahead=0.0)},
     "lookahead": {"pipedream_2bw": DoubleBufferOptions(lookahead=1.0)},
     "exact": {"pipedream_2bw": DoubleBufferOptions(lookahead=0.0), "xpipe": XPipeOptions(distances="exact")},
     "spectrain": {"pipedream_2bw": DoubleBufferOptions(lookahead=0.0), "xpipe": XPipeOptions(momentum_direction="spectrain")},
+    "vertical_sync": {"pipedream_2bw": DoubleBufferOptions(lookahead=0.0), "pipedream": PipeDreamOptions(vertical_sync=True)},
     "per_stage": {"pipedream_2bw": DoubleBufferOptions(lookahead=0.0),
                   "pipemare": replace(OPTIONS.pipemare, correction_decay_rule="per_stage")},
 }
@@ -73,6 +74,7 @@ CASES = [(*c, "paper") for c in itertools.product(names("asynchronous"), (1, 2, 
 CASES += [("pipedream_2bw", 4, kind, "lookahead") for kind in ("adam", "muon")]
 CASES += [("xpipe", 4, kind, "exact") for kind in ("sgd", "adam")] + [("xpipe", 2, "sgd", "spectrain")]
 CASES += [("pipemare", 1, "adam", "per_stage")]  # M = 1: stage 0 of 4 is 3 STEPs stale
+CASES += [("pipedream", m, "adam", "vertical_sync") for m in (1, 2)]
 
 
 def distributed(rank: int, world: int) -> dict:
@@ -137,6 +139,8 @@ def test_distributed_equals_reference(world):
                                            msg=f"{case} stage {rank} {key}")
             assert ranks[rank][case]["steps"] == sum(SEGMENTS) == emulator.step_counts[rank]
             bound = copy_bound(name, rank, world, micro_batches) + (variant == "lookahead")  # the last update
+            if variant == "vertical_sync":  # the versions between stage 0's and its own, and one STEP's new one
+                bound += -(-rank // micro_batches) + 1
             assert ranks[rank][case]["copies"] <= bound, (case, rank)
         checked += 1
     assert checked == sum(case in ranks[0] for case in CASES) > 0

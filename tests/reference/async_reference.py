@@ -35,6 +35,7 @@ How it works, in short:
   xpipe          live storage holding Pred(W_s, s_f)   live storage holding Pred(W_s, s_b)
   ============== ===================================== =========================================
 
+  pipedream with ``vertical_sync``: F(g) on every stage binds the version stage 0 ran F(g) on.
   xpipe with ``distances="exact"``: ``s_f`` and ``s_b`` become ``K(t) - k_s``, the STEPs between
   the weights at the bellwether and the version mini-batch ``t``'s STEP updates.
 
@@ -224,7 +225,7 @@ class _Stage:
     last_grad: Weights = field(default_factory=dict)  # xpipe "sgd": the last applied gradient
     history: dict[int, Weights] = field(default_factory=dict)  # 2bw look-ahead: W(v) of every past version v
     mean_square: Weights = field(default_factory=dict)  # 2bw delay compensation: the average of g * g
-    versions: dict[int, Weights] = field(default_factory=dict)  # 2bw delay compensation: every snapshot ever taken
+    versions: dict[int, Weights] = field(default_factory=dict)  # 2bw delay compensation, pipedream vertical sync: every version
     # statistics
     tau_sum: int = 0
     backwards: int = 0
@@ -412,6 +413,7 @@ class AsyncEmulator:
 
         self._windows_before_segment = 0  # mini-batches trained in earlier segments (global K offset)
         self._windows_in_segment = 0  # T so far in the current segment
+        self._input_versions: dict[int, int] = {}  # pipedream's vertical sync: the version stage 0 ran F(g) on
         self._short: int | None = None  # micro-batches of a short last window (it ends the segment)
         self._short_end: int | None = None  # its last micro-batch
         # Mailboxes, keyed by (receiving stage, micro-batch).
@@ -463,6 +465,7 @@ class AsyncEmulator:
         self._short = self._short_end = None
         self._windows_before_segment += T
         self._windows_in_segment = 0
+        self._input_versions.clear()
         for st in self._stages:
             st.forwards = 0
             assert not st.in_flight and not st.forward_cache and not st.backward_cache, "drain left work behind"
@@ -628,6 +631,8 @@ class AsyncEmulator:
             st.optimizer.step()
         st.optimizer.zero_grad(set_to_none=True)
         st.steps += 1
+        if self.schedule == "pipedream" and self.options.pipedream.vertical_sync:
+            st.versions[st.steps] = _copy_weights(masters)  # every version, for later forwards of older micro-batches
 
         if correcting:
             gamma = self.options.pipemare.correction_decay
@@ -663,6 +668,13 @@ class AsyncEmulator:
 
     def _forward_weights(self, st: _Stage, g: int) -> tuple[Weights, int | None]:
         """The tensors F(g) runs on, and the snapshot version it holds (pipedream / 2bw)."""
+        if self.schedule == "pipedream" and self.options.pipedream.vertical_sync:
+            if st.index == 0:
+                self._input_versions[g] = st.steps
+            version = self._input_versions[g]  # the version stage 0 ran F(g) on
+            if version not in st.snapshots and version != st.steps:  # an older version this stage kept from its STEP
+                st.snapshots[version], st.snapshot_users[version] = st.versions[version], 0
+            return self._bind_snapshot(st, version), version
         if self.schedule == "pipedream":
             return self._bind_snapshot(st, st.steps), st.steps
         if self.schedule == "pipedream_2bw":

@@ -95,6 +95,7 @@ def test_bad_configuration(make, kwargs, match):
         ({"xpipe": {"distances": "rounded"}}, "xpipe distances='rounded' is not known; use 'paper' .* or 'exact'"),
         ({"xpipe": {"momentum_direction": "nesterov"}}, "xpipe momentum_direction='nesterov' is not known; use 'buffer'"),
         ({"pipemare": {"correction_decay_rule": "adaptive"}}, "pipemare correction_decay_rule='adaptive' is not known; use 'fixed'"),
+        ({"pipedream": {"vertical_sync": "yes"}}, "pipedream vertical_sync='yes' must be True or False"),
         ({"shape_headers": "never"}, "shape_headers='never' is not known; use 'on_change'"),
         ({"transport": "tcp"}, "transport='tcp' is not known; use 'auto' .* 'shared_memory' or 'process_group'"),
     ],

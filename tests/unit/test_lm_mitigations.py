@@ -14,7 +14,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_pipe import PipeStrategy
 from lightning_pipe.engine import split_micro_batches
-from lightning_pipe.engine.policies import AsyncOptions, DoubleBufferOptions, PipeMareOptions, XPipeOptions
+from lightning_pipe.engine.policies import AsyncOptions, DoubleBufferOptions, PipeDreamOptions, PipeMareOptions, XPipeOptions
 from lightning_pipe.optim import BasisRotationAdam, CombinedOptimizer
 from tests.harness.lightning_run import Losses, muon_with_adam
 from tests.reference.async_reference import AsyncEmulator
@@ -173,6 +173,19 @@ def test_xpipe_options_move_the_weights_as_their_reference_says(optimizer, optio
         torch.testing.assert_close(comparable(key, got[key]), comparable(key, value), rtol=tolerance, atol=tolerance / 10, msg=key)
     _, paper = reference("xpipe", optimizer, AsyncOptions())
     assert any(not torch.allclose(got[k], paper[k], atol=1e-4) for k in got)
+
+
+def test_pipedream_vertical_sync_moves_the_weights_as_its_reference_says():
+    """``pipedream.vertical_sync``: every stage runs a micro-batch on the version stage 0 ran it on; the
+    engine equals the literal reference (which records that version when stage 0 runs the forward),
+    and differs from PipeDream's default (each stage's newest weights)."""
+    got_losses, got = emulated("pipedream", "adamw", pipedream={"vertical_sync": True})
+    want_losses, want = reference("pipedream", "adamw", AsyncOptions(pipedream=PipeDreamOptions(vertical_sync=True)))
+    assert got_losses == pytest.approx(want_losses, rel=1e-5)
+    for key, value in want.items():
+        torch.testing.assert_close(comparable(key, got[key]), comparable(key, value), rtol=1e-5, atol=1e-6, msg=key)
+    _, default = reference("pipedream", "adamw", AsyncOptions())
+    assert any(not torch.allclose(got[k], default[k], atol=1e-4) for k in got)
 
 
 def test_pipemare_per_stage_decay_moves_the_weights_as_its_reference_says():

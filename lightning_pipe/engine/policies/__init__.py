@@ -11,6 +11,7 @@ from lightning_pipe.engine.policies.options import (
     AsyncOptions,
     AvgPipeOptions,
     DoubleBufferOptions,
+    PipeDreamOptions,
     PipeMareOptions,
     XPipeOptions,
 )
@@ -18,5 +19,6 @@ from lightning_pipe.engine.policies.stash import DoubleBufferPolicy, StashPolicy
 
 __all__ = [
     "AsyncOptions", "AvgPipeOptions", "Binding", "Clip", "DoubleBufferOptions", "DoubleBufferPolicy", "ElasticAveraging",
-    "PipeMareOptions", "PipeMarePolicy", "StashPolicy", "WeightPolicy", "XPipeOptions", "XPipePolicy", "make_clip", "merge_states",
+    "PipeDreamOptions", "PipeMareOptions", "PipeMarePolicy", "StashPolicy", "WeightPolicy", "XPipeOptions", "XPipePolicy",
+    "make_clip", "merge_states",
 ]

@@ -18,6 +18,22 @@ Averaging = Literal["async", "sync"]
 
 
 @dataclass(frozen=True)
+class PipeDreamOptions:
+    """pipedream's options (docs/algorithms.md §6).
+
+    Args:
+        vertical_sync: PipeDream's optional *vertical sync*: every stage runs a micro-batch's forward
+            and backward on the weight version the first stage used for it (each stage keeps the
+            versions it will still need), so that all stages compute one mini-batch's gradient on one
+            consistent version; the last stages' gradients then become as stale as the first's. Off
+            (the default) as in the paper's default configuration: each stage uses its newest
+            weights at the forward and stashes them for the backward.
+    """
+
+    vertical_sync: bool = False
+
+
+@dataclass(frozen=True)
 class PipeMareOptions:
     """PipeMare's two techniques (docs/algorithms.md §8).
 
@@ -105,6 +121,7 @@ class AsyncOptions:
     pipemare: PipeMareOptions = field(default_factory=PipeMareOptions)
     xpipe: XPipeOptions = field(default_factory=XPipeOptions)
     pipedream_2bw: DoubleBufferOptions = field(default_factory=DoubleBufferOptions)
+    pipedream: PipeDreamOptions = field(default_factory=PipeDreamOptions)
 
 
 @dataclass(frozen=True)

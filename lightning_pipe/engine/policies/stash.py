@@ -107,21 +107,53 @@ class StashPolicy(_SnapshotPolicy):
     A forward whose backward comes before the stage's next STEP (``tau_s(g) = 0``: always on the
     last stage) needs no stash: it runs on the parameters themselves, which cannot change before
     its backward.
+
+    With ``pipedream.vertical_sync`` F(g) uses the version stage 0 used for micro-batch ``g``
+    instead, known without messages because every stage follows the same order: the stage
+    snapshots each version at its STEP and keeps it until no later forward needs it.
     """
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.vertical_sync = self.options.pipedream.vertical_sync
+        self._next_forward = 0  # segment-local index of the stage's next forward
+
+    def _input_version(self, g: int) -> int:
+        """The version stage 0 runs F(g) on: its STEPs before F(g), one per mini-batch whose last
+        backward came before it (stage 0 runs ``P - 1`` forwards ahead of its backwards)."""
+        return self.batches_before_segment + max(0, g - (self.stages - 1)) // self.micro_batches
+
     def _version(self, g: int) -> int:
-        return self.steps
+        return self._input_version(g) if self.vertical_sync else self.steps
 
     def _steps_before_backward(self, g: int) -> bool:
         M = self.micro_batches
         return any(n % M == M - 1 for n in range(max(0, g - self.warmup), g))
 
     def forward(self, g: int) -> ContextManager[Any]:
-        if self._steps_before_backward(g):
+        self._next_forward = g + 1
+        if self.vertical_sync or self._steps_before_backward(g):
             return super().forward(g)
         WeightPolicy.forward(self, g)
         self.version_of[g] = None
         return nullcontext()
+
+    def _delay(self, g: int, tau: int) -> int:
+        version = self.version_of[g]
+        return tau if version is None else self.steps - version  # vertical sync: older than F's own STEP count
+
+    def _keep(self, version: int) -> bool:
+        return super()._keep(version) or (self.vertical_sync and version >= self._input_version(self._next_forward))
+
+    def _after_update(self) -> None:
+        if self.vertical_sync and self.steps not in self.snapshots:  # a later forward will run on this version
+            self.snapshots[self.steps] = self._snapshot()
+            self._track_copies()
+        super()._after_update()
+
+    def end_segment(self, mini_batches: int) -> None:
+        self._next_forward = 0
+        super().end_segment(mini_batches)
 
 
 class DoubleBufferPolicy(_SnapshotPolicy):
