@@ -97,9 +97,9 @@ def test_an_xpipe_prediction_is_written_into_the_storage_the_last_one_released()
     layer = nn.Linear(4, 4)
     policy = XPipePolicy(layer, torch.optim.SGD(layer.parameters(), lr=0.1, momentum=0.9), 0, 2, 2)
     first = layer.weight.data_ptr()
-    policy._use("F", 0, 1)  # mini-batch 0: a new prediction is exchanged into the parameters
+    policy._use("F", 0)  # mini-batch 0: a new prediction is exchanged into the parameters
     second = layer.weight.data_ptr()
     assert second != first and policy._spare["weight"].data_ptr() == first
-    policy._use("F", 2, 1)  # mini-batch 1: written into the spare, then exchanged in
+    policy._use("F", 2)  # mini-batch 1: written into the spare, then exchanged in
     assert layer.weight.data_ptr() == first and policy._spare["weight"].data_ptr() == second
     torch.testing.assert_close(layer.weight.detach(), policy.masters["weight"].detach())  # no state yet: W itself
