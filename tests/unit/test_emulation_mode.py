@@ -347,3 +347,13 @@ def test_a_short_last_batch_keeps_dualpipev_at_two_micro_batches_per_stage():
     assert [m["train_loss"] for m in got["metrics"]] == pytest.approx([m["train_loss"] for m in one["metrics"]], rel=1e-5)
     for key, value in one["state"].items():
         torch.testing.assert_close(got["state"][key], value, rtol=1e-5, atol=1e-6, msg=key)
+
+
+def test_vertical_sync_makes_the_last_stage_as_stale_as_the_first():
+    """``pipedream.vertical_sync``: the last stage runs each micro-batch on the version stage 0 used, so
+    its ``staleness`` metric (STEPs between that version and the weights the gradient updates) is no
+    longer 0, and at most stage 0's; without it the last stage's gradients are always fresh."""
+    plain = emulated("pipedream", 4, 1)["metrics"][-1]
+    synced = emulated("pipedream", 4, 1, strategy={"pipedream": {"vertical_sync": True}})["metrics"][-1]
+    assert plain["pipe/stage3/staleness"] == 0.0 and plain["pipe/stage0/staleness"] > 0
+    assert 0 < synced["pipe/stage3/staleness"] <= synced["pipe/stage0/staleness"]
