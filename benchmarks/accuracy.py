@@ -6,6 +6,7 @@ batch 128, 4 micro-batches, 2 stages in 2 CPU processes, 10 epochs, seeds 0, 1, 
 
 * ``gpipe``, ``1f1b``: flushing schedules (both equal one-device training);
 * ``pipedream``, ``pipedream_2bw``, ``xpipe``: asynchronous schedules with their defaults;
+* ``pipedream_2bw_lookahead1``: 2BW with look-ahead 1.0 (its default until 0.2.0's look-ahead 2.0);
 * ``pipedream_2bw_paper``: 2BW with the paper's rule (no look-ahead);
 * ``pipemare``: PipeMare with T1 (lr rescheduling) and T2 (discrepancy correction), the defaults;
 * ``pipemare_plain``: PipeMare without either technique;
@@ -48,8 +49,9 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "gpipe": {"schedule": "gpipe"},
     "1f1b": {"schedule": "1f1b"},
     "pipedream": {"schedule": "pipedream"},
-    # the look-ahead is 2BW's default since 0.2.0; spelled out so records of the old default are not reused
-    "pipedream_2bw": {"schedule": "pipedream_2bw", "pipedream_2bw": {"lookahead": 1.0}},
+    # 2BW's default look-ahead, spelled out so that records of an older default are not reused
+    "pipedream_2bw": {"schedule": "pipedream_2bw", "pipedream_2bw": {"lookahead": 2.0}},
+    "pipedream_2bw_lookahead1": {"schedule": "pipedream_2bw", "pipedream_2bw": {"lookahead": 1.0}},
     "pipedream_2bw_paper": {"schedule": "pipedream_2bw", "pipedream_2bw": {"lookahead": 0.0}},
     "pipemare": {"schedule": "pipemare"},  # T1 + T2, the defaults
     "pipemare_plain": {"schedule": "pipemare", "pipemare": {"lr_reschedule": False, "correction": False}},
@@ -450,7 +452,8 @@ def plot(args: argparse.Namespace, results: dict[str, dict[int, dict[str, Any]]]
 
     data = curves(args, results)
     styles = {"gpipe": ("black", "-"), "1f1b": ("tab:gray", ":"), "pipedream": ("tab:blue", "-"),
-              "pipedream_2bw": ("tab:orange", "-"), "pipedream_2bw_paper": ("tab:orange", "--"), "pipemare": ("tab:green", "-"),
+              "pipedream_2bw": ("tab:orange", "-"), "pipedream_2bw_lookahead1": ("tab:orange", ":"),
+              "pipedream_2bw_paper": ("tab:orange", "--"), "pipemare": ("tab:green", "-"),
               "pipemare_plain": ("tab:green", "--"), "xpipe": ("tab:red", "-")}
     fig, axes = plt.subplots(1, 2, figsize=(13, 5), gridspec_kw={"width_ratios": [1.4, 1]})
     zoom_from = max(1, args.epochs - 4)
@@ -568,9 +571,10 @@ a fixed wall-clock budget) and over several seeds.
 {cfg}
 
 Variants: `gpipe` and `1f1b` (flushing, synchronous), `pipedream` (weight stashing), `pipedream_2bw`
-(double-buffered weights, 1-step delay, with its default look-ahead 1.0), `pipedream_2bw_paper` (the
-paper's rule, `pipedream_2bw={{"lookahead": 0.0}}`: 2BW's default until 0.2.0, whose runs were recorded
-as `pipedream_2bw` then and relabelled when the default changed), `pipemare` (T1 lr rescheduling + T2 discrepancy correction,
+(double-buffered weights, 1-step delay, with its default look-ahead 2.0), `pipedream_2bw_lookahead1` (look-ahead
+1.0, the default before 2.0), `pipedream_2bw_paper` (the paper's rule, `pipedream_2bw={{"lookahead": 0.0}}`; both
+were recorded as `pipedream_2bw` when they were the default and relabelled when it changed), `pipemare` (T1 lr
+rescheduling + T2 discrepancy correction,
 the defaults: `pipemare=PipeMareOptions(lr_warmup_steps=100, correction_decay=0.9)`), `pipemare_plain` (PipeMare
 with `pipemare=PipeMareOptions(lr_reschedule=False, correction=False)`), `xpipe` (weight prediction from Adam's
 moments). No synchronous warm-up (`sync_warmup_epochs=0`). Exact semantics: [async-semantics.md](async-semantics.md).

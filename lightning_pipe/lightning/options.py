@@ -193,7 +193,7 @@ def check(options: PipeOptions) -> None:
     lookahead = o.pipedream_2bw.lookahead
     if not (isinstance(lookahead, (int, float)) and math.isfinite(lookahead) and lookahead >= 0):
         raise PipeConfigError(f"pipedream_2bw lookahead={lookahead!r} must be a number >= 0 (0: the paper's rule, "
-                              "1, the default: extrapolate the stale version by one whole last update).")
+                              "2, the default: extrapolate the stale version by twice the last update).")
     compensation, decay = o.pipedream_2bw.delay_compensation, o.pipedream_2bw.delay_compensation_decay
     if not (isinstance(compensation, (int, float)) and math.isfinite(compensation) and compensation >= 0):
         raise PipeConfigError(f"pipedream_2bw delay_compensation={compensation!r} must be a number >= 0 (0, the default: "

@@ -66,12 +66,14 @@ class DoubleBufferOptions:
     Args:
         lookahead: extrapolate the one-step-stale version along the last update: every forward and
             backward of mini-batch ``K`` runs on ``W(K-1) + lookahead * (W(K-1) - W(K-2))`` instead of
-            ``W(K-1)``. ``1.0`` (the default) predicts ``W(K)`` when two consecutive updates are equal
-            (a weight prediction that needs no optimizer formula, so it works with any optimizer); it
-            costs one more weight-sized copy (``W(K-2)``). ``0.0`` is the paper's rule. The default is
-            not the paper's because every language-model measurement (docs/lm-quality.md: AdamW and
-            Muon, P = 2, 4, 8) ends closer to synchronous training with it, at no measurable throughput
-            cost (docs/async-throughput.md).
+            ``W(K-1)``. ``1.0`` predicts ``W(K)``, the weights the gradient updates, when two
+            consecutive updates are equal (a weight prediction that needs no optimizer formula, so it
+            works with any optimizer); ``2.0`` (the default) looks one update further, as a Nesterov
+            step evaluates the gradient ahead of the weights it updates. It costs one more
+            weight-sized copy (``W(K-2)``). ``0.0`` is the paper's rule. The default is not the paper's
+            because the language-model benchmark (docs/lm-quality.md) ends closer to synchronous
+            training with it: with AdamW and Muon at P = 2 and 4, 2.0 better than 1.0 and 1.0 better
+            than 0.0; at no measurable throughput cost (docs/async-throughput.md).
         delay_compensation: ``lambda_0`` of DC-ASGD-a's correction of the stale gradient (Zheng et al.,
             ICML 2017, arXiv 1609.08326; docs/algorithms.md §7): before each STEP a gradient ``g``
             taken at weights ``W_used`` becomes ``g + lambda_0 * g * g * (W - W_used) / sqrt(MS)``
@@ -81,7 +83,7 @@ class DoubleBufferOptions:
         delay_compensation_decay: how much of ``MS`` each STEP keeps (DC-ASGD-a's 0.95).
     """
 
-    lookahead: float = 1.0
+    lookahead: float = 2.0
     delay_compensation: float = 0.0
     delay_compensation_decay: float = 0.95
 
