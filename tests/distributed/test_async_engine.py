@@ -26,15 +26,15 @@ OPTIONS = AsyncOptions(PipeMareOptions(lr_warmup_steps=4))  # T1 still reschedul
 
 
 #: a case's option variant: the papers' rules, 2BW's look-ahead, xpipe's exact distances and SpecTrain's
-#: direction, pipemare's per-stage decay, pipedream's vertical sync
+#: direction, pipemare's single decay for every stage, pipedream's vertical sync
 VARIANTS = {
     "paper": {"pipedream_2bw": DoubleBufferOptions(lookahead=0.0)},
     "lookahead": {"pipedream_2bw": DoubleBufferOptions(lookahead=1.0)},
     "exact": {"pipedream_2bw": DoubleBufferOptions(lookahead=0.0), "xpipe": XPipeOptions(distances="exact")},
     "spectrain": {"pipedream_2bw": DoubleBufferOptions(lookahead=0.0), "xpipe": XPipeOptions(momentum_direction="spectrain")},
     "vertical_sync": {"pipedream_2bw": DoubleBufferOptions(lookahead=0.0), "pipedream": PipeDreamOptions(vertical_sync=True)},
-    "per_stage": {"pipedream_2bw": DoubleBufferOptions(lookahead=0.0),
-                  "pipemare": replace(OPTIONS.pipemare, correction_decay_rule="per_stage")},
+    "fixed_decay": {"pipedream_2bw": DoubleBufferOptions(lookahead=0.0),
+                    "pipemare": replace(OPTIONS.pipemare, correction_decay_rule="fixed")},
 }
 
 
@@ -73,7 +73,7 @@ def stage_modules(trunk: nn.Sequential, stages: int) -> list[nn.Sequential]:
 CASES = [(*c, "paper") for c in itertools.product(names("asynchronous"), (1, 2, 4), ("sgd", "adam", "muon"))]
 CASES += [("pipedream_2bw", 4, kind, "lookahead") for kind in ("adam", "muon")]
 CASES += [("xpipe", 4, kind, "exact") for kind in ("sgd", "adam")] + [("xpipe", 2, "sgd", "spectrain")]
-CASES += [("pipemare", 1, "adam", "per_stage")]  # M = 1: stage 0 of 4 is 3 STEPs stale
+CASES += [("pipemare", 1, "adam", "fixed_decay")]  # M = 1: stage 0 of 4 is 3 STEPs stale
 CASES += [("pipedream", m, "adam", "vertical_sync") for m in (1, 2)]
 
 

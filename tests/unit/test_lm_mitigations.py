@@ -188,17 +188,19 @@ def test_pipedream_vertical_sync_moves_the_weights_as_its_reference_says():
     assert any(not torch.allclose(got[k], default[k], atol=1e-4) for k in got)
 
 
-def test_pipemare_per_stage_decay_moves_the_weights_as_its_reference_says():
-    """``pipemare.correction_decay_rule="per_stage"`` at M = 1, where the 4 stages are 3, 2, 1 and 0 STEPs
-    stale: the engine equals the literal reference, and differs from one decay for every stage."""
-    options = {"correction_decay_rule": "per_stage"}
+@pytest.mark.parametrize("rule, other", [("per_stage", "fixed"), ("fixed", "per_stage")])
+def test_pipemare_decay_rules_move_the_weights_as_their_reference_says(rule, other):
+    """``pipemare.correction_decay_rule`` at M = 1, where the 4 stages are 3, 2, 1 and 0 STEPs stale: the
+    engine equals the literal reference under either rule, and the two rules differ."""
+    options = {"correction_decay_rule": rule}
     got_losses, got = emulated("pipemare", "adamw", micro_batches=1, pipemare=options)
     want_losses, want = reference("pipemare", "adamw", AsyncOptions(pipemare=PipeMareOptions(**options)), micro_batches=1)
     assert got_losses == pytest.approx(want_losses, rel=1e-5)
     for key, value in want.items():
         torch.testing.assert_close(comparable(key, got[key]), comparable(key, value), rtol=1e-5, atol=1e-6, msg=key)
-    _, fixed = reference("pipemare", "adamw", AsyncOptions(), micro_batches=1)
-    assert any(not torch.allclose(got[k], fixed[k], atol=1e-4) for k in got)
+    _, other_rule = reference("pipemare", "adamw", AsyncOptions(pipemare=PipeMareOptions(correction_decay_rule=other)),
+                              micro_batches=1)
+    assert any(not torch.allclose(got[k], other_rule[k], atol=1e-4) for k in got)
 
 
 @pytest.mark.parametrize("lookahead", [0.0, 1.0])
