@@ -137,6 +137,12 @@ class PipeStrategy(DDPStrategy, metaclass=_NamesItsOptions):
         sync_warmup_steps: asynchronous schedules only: train the first optimizer steps with ``1f1b``,
             then switch at the next batch, also within an epoch (with ``sync_warmup_epochs``, the
             warm-up lasts until both are reached).
+        delay_warmup_steps: asynchronous schedules with stale gradients (pipedream, pipedream_2bw,
+            pipemare, xpipe): a learning-rate warm-up scaled by each stage's delay. A stage whose
+            gradients are ``tau_s >= 1`` STEPs stale multiplies its learning rate by
+            ``min(1, (k + 1) / (delay_warmup_steps * tau_s))`` at its ``k``-th optimizer step (on top of
+            the user's scheduler and PipeMare's T1); stages with fresh gradients are untouched. ``0``
+            (the default): off (docs/lm-quality.md measures it).
         pipemare: PipeMare's learning-rate rescheduling and discrepancy correction
             (:class:`~lightning_pipe.PipeMareOptions`; a dict of its fields works too).
         xpipe: XPipe's weight prediction (:class:`~lightning_pipe.XPipeOptions`).
@@ -205,6 +211,7 @@ class PipeStrategy(DDPStrategy, metaclass=_NamesItsOptions):
         checkpoint_timeout: float = 3600.0,
         sync_warmup_epochs: int = 0,
         sync_warmup_steps: int = 0,
+        delay_warmup_steps: int = 0,
         pipemare: PipeMareOptions = PipeMareOptions(),
         xpipe: XPipeOptions = XPipeOptions(),
         pipedream_2bw: DoubleBufferOptions = DoubleBufferOptions(),
@@ -245,6 +252,7 @@ class PipeStrategy(DDPStrategy, metaclass=_NamesItsOptions):
             {"pipemare": pipemare, "xpipe": xpipe, "pipedream_2bw": pipedream_2bw, "pipedream": pipedream, "avgpipe": avgpipe,
              "auto_balance": auto_balance},
             trace_dir, trace_steps, deprecated, stage_metrics, sync_warmup_steps, shape_headers, transport,
+            delay_warmup_steps,
         )
         super().__init__(
             accelerator=accelerator,

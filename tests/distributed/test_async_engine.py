@@ -26,7 +26,7 @@ OPTIONS = AsyncOptions(PipeMareOptions(lr_warmup_steps=4))  # T1 still reschedul
 
 
 #: a case's option variant: the papers' rules, 2BW's look-ahead, xpipe's exact distances and SpecTrain's
-#: direction, pipemare's single decay for every stage, pipedream's vertical sync
+#: direction, pipemare's single decay for every stage, pipedream's vertical sync, the delay-scaled warm-up
 VARIANTS = {
     "paper": {"pipedream_2bw": DoubleBufferOptions(lookahead=0.0)},
     "lookahead": {"pipedream_2bw": DoubleBufferOptions(lookahead=1.0)},
@@ -35,6 +35,7 @@ VARIANTS = {
     "vertical_sync": {"pipedream_2bw": DoubleBufferOptions(lookahead=0.0), "pipedream": PipeDreamOptions(vertical_sync=True)},
     "fixed_decay": {"pipedream_2bw": DoubleBufferOptions(lookahead=0.0),
                     "pipemare": replace(OPTIONS.pipemare, correction_decay_rule="fixed")},
+    "delay_warmup": {"pipedream_2bw": DoubleBufferOptions(lookahead=0.0), "delay_warmup_steps": 2},
 }
 
 
@@ -75,6 +76,7 @@ CASES += [("pipedream_2bw", 4, kind, "lookahead") for kind in ("adam", "muon")]
 CASES += [("xpipe", 4, kind, "exact") for kind in ("sgd", "adam")] + [("xpipe", 2, "sgd", "spectrain")]
 CASES += [("pipemare", 1, "adam", "fixed_decay")]  # M = 1: stage 0 of 4 is 3 STEPs stale
 CASES += [("pipedream", m, "adam", "vertical_sync") for m in (1, 2)]
+CASES += [("pipedream", 1, "adam", "delay_warmup"), ("pipedream_2bw", 4, "sgd", "delay_warmup")]
 
 
 def distributed(rank: int, world: int) -> dict:

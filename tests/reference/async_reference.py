@@ -128,6 +128,13 @@ def pipemare_lr_factor(step: int, warmup: int, micro_batches: int, warmup_steps:
     return float(tau_hat) ** -(1.0 - progress)
 
 
+def delay_warmup_factor(step: int, delay: int, warmup_steps: int) -> float:
+    """The delay-scaled warm-up's lr multiplier ``min(1, (k + 1) / (K * tau_s))`` at global STEP ``k``
+    (0-based) of a stage whose gradients are ``tau_s = delay`` STEPs stale; 1 when ``K * tau_s = 0``."""
+    length = warmup_steps * delay
+    return 1.0 if length == 0 else min(1.0, (step + 1) / length)
+
+
 # --------------------------------------------------------------------------------------------
 # Action lists (the async 1F1B core)
 # --------------------------------------------------------------------------------------------
@@ -625,6 +632,7 @@ class AsyncEmulator:
         if self.schedule == "pipemare" and self.options.pipemare.lr_reschedule:
             warmup_steps = self.options.pipemare.lr_warmup_steps
             lr_factor = pipemare_lr_factor(st.steps, st.warmup, self.micro_batches, warmup_steps)
+        lr_factor *= delay_warmup_factor(st.steps, self._gradient_delay(st), self.options.delay_warmup_steps)
         if self.schedule == "pipedream_2bw" and self.options.pipedream_2bw.lookahead:
             st.history[st.steps] = {n: p.detach().clone() for n, p in masters.items()}  # W(k_s), for look-ahead
         with _lr_scaled(st.optimizer, lr_factor):
@@ -646,6 +654,15 @@ class AsyncEmulator:
             st.scheduler.step()
         if self.schedule == "pipedream_2bw":
             self._free_unused_snapshots(st)
+
+    def _gradient_delay(self, st: _Stage) -> int:
+        """``tau_s``, the STEPs by which the stage's gradients lag the weights they update, at most: one on
+        every stage of 2BW; with vertical sync stage 0's on every stage; else ``ceil(w_s / M)``."""
+        if self.schedule == "pipedream_2bw":
+            return 1
+        if self.schedule == "pipedream" and self.options.pipedream.vertical_sync:
+            return max_staleness(self.num_stages - 1, self.micro_batches)
+        return max_staleness(st.warmup, self.micro_batches)
 
     def _compensate_delay(self, st: _Stage) -> None:
         """2bw's DC-ASGD-a: ``g <- g + lambda_0 * g * g * (W - W_used) / sqrt(MS)``, ``MS <- d MS + (1 - d) g * g``,

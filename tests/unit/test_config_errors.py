@@ -96,6 +96,9 @@ def test_bad_configuration(make, kwargs, match):
         ({"xpipe": {"momentum_direction": "nesterov"}}, "xpipe momentum_direction='nesterov' is not known; use 'buffer'"),
         ({"pipemare": {"correction_decay_rule": "adaptive"}}, "pipemare correction_decay_rule='adaptive' is not known; use 'fixed'"),
         ({"pipedream": {"vertical_sync": "yes"}}, "pipedream vertical_sync='yes' must be True or False"),
+        ({"schedule": "pipedream", "delay_warmup_steps": -5}, "delay_warmup_steps=-5 must be a whole number, at least 0"),
+        ({"schedule": "gpipe", "delay_warmup_steps": 50}, "delay_warmup_steps=50 warms up stages whose gradients are stale, "
+                                                          "which only the schedules 'pipedream', .* have; leave it at 0 for 'gpipe'"),
         ({"shape_headers": "never"}, "shape_headers='never' is not known; use 'on_change'"),
         ({"transport": "tcp"}, "transport='tcp' is not known; use 'auto' .* 'shared_memory' or 'process_group'"),
     ],

@@ -346,8 +346,10 @@ def test_pipemare_scalar_trace_M1_P2(correction):
 def test_pipemare_scalar_trace_M1_P3_with_T1_and_T2():
     """P=3, M=1: stage s forwards at W after g-w_s STEPs and backwards at W_g - tau_s(g) * delta_g,
     tau_s(g) = min(g, w_s). T1 scales stage 0's lr (tau_hat = 2) by 2 ** -(1 - min(k/K, 1)); stages 1, 2 have tau_hat 1.
+    T2's per-stage decay (the default) averages stage 0's velocity with gamma ** (1 / 2), stage 1's with gamma.
     """
     gamma, K, T = 0.9, 3, 7
+    gamma0 = gamma ** (1 / 2)
     a, b, c = [1.2], [0.7], [-0.8]
     da, db = [0.0], [0.0]  # velocities of stages 0 and 1 (stage 2 has tau = 0, its velocity is never used)
     expected_losses = []
@@ -368,7 +370,7 @@ def test_pipemare_scalar_trace_M1_P3_with_T1_and_T2():
         a_bwd = a[g] - min(g, 2) * da[g]
         lr0 = LR * 2 ** -(1 - min(g / K, 1))  # stage 0's STEP number g
         a.append(a[g] - lr0 * dy0 * 2 * a_bwd * x)
-        da.append(gamma * da[g] + (1 - gamma) * (a[g + 1] - a[g]))
+        da.append(gamma0 * da[g] + (1 - gamma0) * (a[g + 1] - a[g]))
 
     stages = [Square(1.2), Scale(0.7), Scale(-0.8)]
     emu = AsyncEmulator(

@@ -215,3 +215,18 @@ def test_2bw_delay_compensation_moves_the_weights_as_its_reference_says(lookahea
         torch.testing.assert_close(comparable(key, got[key]), comparable(key, value), rtol=1e-5, atol=1e-6, msg=key)
     _, without = reference("pipedream_2bw", "adamw", AsyncOptions(pipedream_2bw=DoubleBufferOptions(lookahead=lookahead)))
     assert any(not torch.allclose(got[k], without[k], atol=1e-4) for k in got)
+
+
+@pytest.mark.parametrize("schedule,micro_batches", [("pipedream", 4), ("pipedream", 1), ("pipedream_2bw", 4),
+                                                    ("pipemare", 1), ("xpipe", 4)])
+def test_delay_scaled_warmup_moves_the_weights_as_its_reference_says(schedule, micro_batches):
+    """``delay_warmup_steps``: each stale stage ramps its learning rate over ``K * tau_s`` STEPs (at M = 1
+    the 4 stages are 3, 2, 1 and 0 STEPs stale; pipemare's T1 multiplies on top). The engine equals the
+    literal reference, and the warm-up is not a no-op."""
+    got_losses, got = emulated(schedule, "adamw", micro_batches=micro_batches, delay_warmup_steps=2)
+    want_losses, want = reference(schedule, "adamw", AsyncOptions(delay_warmup_steps=2), micro_batches=micro_batches)
+    assert got_losses == pytest.approx(want_losses, rel=1e-5)
+    for key, value in want.items():
+        torch.testing.assert_close(comparable(key, got[key]), comparable(key, value), rtol=1e-5, atol=1e-6, msg=key)
+    _, without = reference(schedule, "adamw", AsyncOptions(), micro_batches=micro_batches)
+    assert any(not torch.allclose(got[k], without[k], atol=1e-4) for k in got)

@@ -10,6 +10,7 @@ by other tensors (:class:`Binding`), whose graph the backward then reuses; *live
 
 from __future__ import annotations
 
+import math
 import warnings
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager, nullcontext
@@ -74,6 +75,12 @@ class WeightPolicy:
     @property
     def warmup(self) -> int:
         return self.stages - 1 - self.stage
+
+    @property
+    def delay_steps(self) -> int:
+        """How many STEPs this stage's gradients lag the weights they update, at most: ``ceil(w_s / M)``
+        (0 on the last stage); the delay-scaled warm-up stretches over this many times its length."""
+        return math.ceil(self.warmup / self.micro_batches)
 
     def begin(self, steps_done: int) -> None:
         """Start after ``steps_done`` steps taken elsewhere (a synchronous warm-up, or before a resume
@@ -193,7 +200,9 @@ class WeightPolicy:
     def _after_update(self) -> None: ...
 
     def _lr_scale(self) -> float:
-        return 1.0
+        """The delay-scaled warm-up's factor (``AsyncOptions.delay_warmup_steps``) for the coming STEP."""
+        length = self.options.delay_warmup_steps * self.delay_steps
+        return min(1.0, (self.steps + 1) / length) if length > 0 else 1.0
 
     def copies(self) -> int:
         """Weight-sized copies held beyond the module's own parameters."""

@@ -155,10 +155,11 @@ class PipeMarePolicy(_LivePolicy):
         return decay ** (1 / self._tau_hat) if self.options.pipemare.correction_decay_rule == "per_stage" else decay
 
     def _lr_scale(self) -> float:
+        """T1's factor (when on) times the delay-scaled warm-up's."""
         if not self.options.pipemare.lr_reschedule:
-            return 1.0
+            return super()._lr_scale()
         progress = min(self.steps / max(self.options.pipemare.lr_warmup_steps, 1), 1.0)
-        return self._tau_hat ** -(1.0 - progress)
+        return self._tau_hat ** -(1.0 - progress) * super()._lr_scale()
 
     def _before_update(self) -> None:
         if self.delta is not None:  # delta <- gamma delta + (1 - gamma)(W_new - W_old), without a copy of W_old

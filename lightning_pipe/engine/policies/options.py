@@ -119,12 +119,22 @@ class XPipeOptions:
 
 @dataclass(frozen=True)
 class AsyncOptions:
-    """The options every asynchronous weight policy is given (each reads its own group)."""
+    """The options every asynchronous weight policy is given (each reads its own group).
+
+    Args:
+        delay_warmup_steps: ``K`` of the delay-scaled learning-rate warm-up, read by every stale
+            schedule (pipedream, pipedream_2bw, pipemare, xpipe): a stage whose gradients are
+            ``tau_s >= 1`` STEPs stale (``ceil(w_s / M)``; 1 on every stage of 2BW) multiplies its
+            learning rate by ``min(1, (k + 1) / (K * tau_s))`` at its ``k``-th STEP, a linear warm-up
+            over ``K * tau_s`` STEPs; fresh stages (``tau_s = 0``, e.g. pipedream's last) are untouched.
+            ``0`` (the default): off. docs/algorithms.md §5.
+    """
 
     pipemare: PipeMareOptions = field(default_factory=PipeMareOptions)
     xpipe: XPipeOptions = field(default_factory=XPipeOptions)
     pipedream_2bw: DoubleBufferOptions = field(default_factory=DoubleBufferOptions)
     pipedream: PipeDreamOptions = field(default_factory=PipeDreamOptions)
+    delay_warmup_steps: int = 0
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,7 @@ updates the real parameters in place. Snapshot gradients land in the real parame
 
 from __future__ import annotations
 
+import math
 from contextlib import nullcontext
 from typing import Any, ContextManager
 
@@ -142,6 +143,11 @@ class StashPolicy(_SnapshotPolicy):
         version = self.version_of[g]
         return tau if version is None else self.steps - version  # vertical sync: older than F's own STEP count
 
+    @property
+    def delay_steps(self) -> int:
+        # vertical sync: every stage's gradients are as stale as stage 0's
+        return math.ceil((self.stages - 1) / self.micro_batches) if self.vertical_sync else super().delay_steps
+
     def _keep(self, version: int) -> bool:
         return super()._keep(version) or (self.vertical_sync and version >= self._input_version(self._next_forward))
 
@@ -174,6 +180,10 @@ class DoubleBufferPolicy(_SnapshotPolicy):
         # F and B both run on version K-1 (the same values: tau does not matter), and the gradient
         # updates the current weights: one STEP stale on every stage, the last one included
         return self.steps - self.version_of[g]
+
+    @property
+    def delay_steps(self) -> int:
+        return 1
 
     def _snapshot(self) -> dict[str, nn.Parameter]:
         if self.previous is None:
