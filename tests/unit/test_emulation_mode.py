@@ -357,3 +357,15 @@ def test_vertical_sync_makes_the_last_stage_as_stale_as_the_first():
     synced = emulated("pipedream", 4, 1, strategy={"pipedream": {"vertical_sync": True}})["metrics"][-1]
     assert plain["pipe/stage3/staleness"] == 0.0 and plain["pipe/stage0/staleness"] > 0
     assert 0 < synced["pipe/stage3/staleness"] <= synced["pipe/stage0/staleness"]
+
+
+def test_the_lr_scale_metric_shows_the_delay_scaled_warm_up():
+    """With ``delay_warmup_steps`` each stage logs the factor its last STEP applied: at M = 1 the 4 stages
+    are 3, 2, 1 and 0 STEPs stale, so they ramp over 300, 200 and 100 STEPs and the last stage keeps 1;
+    without the option pipedream logs no ``lr_scale`` (pipemare does: its T1 scales the rate)."""
+    last = emulated("pipedream", 4, 1, strategy={"delay_warmup_steps": 100})["metrics"][-1]
+    scales = [last[f"pipe/stage{s}/lr_scale"] for s in range(4)]
+    assert 0 < scales[0] < scales[1] < scales[2] < scales[3] == 1.0
+    assert "pipe/stage0/lr_scale" not in emulated("pipedream", 4, 1)["metrics"][-1]
+    pipemare = emulated("pipemare", 4, 1, strategy={"pipemare": {"lr_warmup_steps": 100}})["metrics"][-1]
+    assert pipemare["pipe/stage0/lr_scale"] < 1.0

@@ -71,6 +71,7 @@ class WeightPolicy:
         self.staleness_sum = 0
         self.backwards = 0
         self.used_names: set[str] = set()  # parameters that received a gradient
+        self.lr_scale = 1.0  # the factor the last STEP applied to the learning rate
 
     @property
     def warmup(self) -> int:
@@ -116,7 +117,7 @@ class WeightPolicy:
         self.used_names |= {n for n, t in zip(self.params, tensors) if t.grad is not None}
         if self.clip is not None:
             self.clip([t for t in tensors if t.grad is not None])
-        scale = self._lr_scale()
+        scale = self.lr_scale = self._lr_scale()
         saved = [group["lr"] for group in self.optimizer.param_groups]
         for group in self.optimizer.param_groups:
             group["lr"] = group["lr"] * scale
@@ -138,8 +139,17 @@ class WeightPolicy:
 
     def diagnostics(self) -> dict[str, float]:
         """What the per-stage metrics log for this stage (docs/metrics.md): the mean staleness of its
-        backwards, the most weight-sized copies it held, and what a subclass adds."""
-        return {"staleness": self.staleness_sum / max(self.backwards, 1), "weight_copies": float(self.max_copies)}
+        backwards, the most weight-sized copies it held, the factor its last STEP applied to the learning
+        rate (when the policy scales it), and what a subclass adds."""
+        values = {"staleness": self.staleness_sum / max(self.backwards, 1), "weight_copies": float(self.max_copies)}
+        if self._scales_lr:
+            values["lr_scale"] = self.lr_scale
+        return values
+
+    @property
+    def _scales_lr(self) -> bool:
+        """Whether :meth:`_lr_scale` can differ from 1 (then the metrics show its last value)."""
+        return self.options.delay_warmup_steps > 0
 
     def state_dict(self) -> dict[str, Any]:
         """What a resumed run needs beyond weights and optimizer state (saved at drain points).

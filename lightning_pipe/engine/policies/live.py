@@ -161,6 +161,10 @@ class PipeMarePolicy(_LivePolicy):
         progress = min(self.steps / max(self.options.pipemare.lr_warmup_steps, 1), 1.0)
         return self._tau_hat ** -(1.0 - progress) * super()._lr_scale()
 
+    @property
+    def _scales_lr(self) -> bool:
+        return self.options.pipemare.lr_reschedule or super()._scales_lr
+
     def _before_update(self) -> None:
         if self.delta is not None:  # delta <- gamma delta + (1 - gamma)(W_new - W_old), without a copy of W_old
             gamma = self._gamma
