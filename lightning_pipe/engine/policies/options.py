@@ -50,7 +50,8 @@ class PipeMareOptions:
             gradients are staler averages over more STEPs; ``"fixed"``: every stage by
             ``correction_decay`` (the earlier default). The two differ only where a stage is more
             than one STEP stale (``stages - 1 - s > micro_batches``, e.g. P = 8 at M = 4), where the
-            language-model benchmark ends closer to synchronous training with ``"per_stage"``.
+            language-model benchmark ends closer to synchronous training with ``"per_stage"`` under
+            AdamW and SGD, slightly further under Muon (docs/lm-quality.md).
     """
 
     lr_reschedule: bool = True
