@@ -145,8 +145,8 @@ class PipeMarePolicy(_LivePolicy):
 
     @property
     def _tau_hat(self) -> int:
-        """This stage's delay in STEPs, ``max(1, ceil(w_s / M))``."""
-        return max(1, math.ceil(self.warmup / self.micro_batches))
+        """This stage's delay in STEPs as T1 and T2 count it, ``max(1, ceil(w_s / M))``."""
+        return max(1, self.delay_steps)
 
     @property
     def _gamma(self) -> float:
