@@ -24,7 +24,7 @@ from lightning_pipe.engine.policies import (
 )
 from lightning_pipe.errors import PipeConfigError
 from lightning_pipe.planning.auto_balance import AutoBalanceOptions
-from lightning_pipe.registry import DEFAULT, SCHEDULES, ScheduleSpec, spec
+from lightning_pipe.registry import DEFAULT, SCHEDULES, ScheduleSpec, names, spec
 
 Group = TypeVar("Group", PipeMareOptions, XPipeOptions, DoubleBufferOptions, PipeDreamOptions, AvgPipeOptions, AutoBalanceOptions)
 
@@ -194,7 +194,7 @@ def check(options: PipeOptions) -> None:
         if not isinstance(getattr(o, name), int) or getattr(o, name) < 0:
             raise PipeConfigError(f"{name}={getattr(o, name)!r} must be a whole number, at least 0.")
     if o.delay_warmup_steps and row.family != "asynchronous":
-        stale = ", ".join(repr(name) for name, other in SCHEDULES.items() if other.family == "asynchronous")
+        stale = ", ".join(map(repr, names("asynchronous")))
         raise PipeConfigError(f"delay_warmup_steps={o.delay_warmup_steps} warms up stages whose gradients are stale, which "
                               f"only the schedules {stale} have; leave it at 0 for {o.schedule!r}.")
     lookahead = o.pipedream_2bw.lookahead
