@@ -46,6 +46,11 @@ class TrunkUsageError(LightningPipeError, RuntimeError):
     """The partitioned trunk was called outside a pipelined step."""
 
 
+class MessageMismatchError(LightningPipeError, RuntimeError):
+    """What arrived from a neighbouring stage is not what this stage's schedule expects (its size, or the
+    micro-batch it belongs to): the ranks disagree on the micro-batches or on the schedule."""
+
+
 class CheckpointMismatchError(LightningPipeError, KeyError):
     """A checkpoint does not belong to this model."""
 
@@ -63,6 +68,7 @@ class PipelineTimeout(LightningPipeError, TimeoutError):
 
 
 __all__ = [
-    "BalanceError", "CheckpointMismatchError", "LightningPipeError", "PeerFailure", "PipeConfigError", "PipelineTimeout",
-    "PlanError", "ScheduleError", "SharedParameterError", "StageOutputError", "TrunkError", "TrunkUsageError",
+    "BalanceError", "CheckpointMismatchError", "LightningPipeError", "MessageMismatchError", "PeerFailure",
+    "PipeConfigError", "PipelineTimeout", "PlanError", "ScheduleError", "SharedParameterError", "StageOutputError",
+    "TrunkError", "TrunkUsageError",
 ]

@@ -36,13 +36,13 @@ from lightning_pipe.engine.p2p import (
     ShapeCache,
     Transport,
     is_differentiable,
-    replica_tag,
+    lane_tag,
 )
 from lightning_pipe.engine.policies import WeightPolicy
 from lightning_pipe.engine.recorder import ActionRecorder
 from lightning_pipe.engine.split_backward import backward_input
 from lightning_pipe.engine.watchdog import Watchdog
-from lightning_pipe.errors import StageOutputError
+from lightning_pipe.errors import MessageMismatchError, StageOutputError
 from lightning_pipe.schedules.ir import Action, Kind, Schedule
 
 StageFn = Callable[[Any, Any], Any]
@@ -64,7 +64,8 @@ class _InFlight:
 class _PendingReceive:
     kind: Kind
     src: int
-    replica: int = 0
+    lane: int = 0  # the link's tag lane (lane_tag)
+    micro_batch: int = 0
     channel: tuple[int, int] | None = None  # an activation's (replica, sending virtual stage)
     header: tuple[Any, Tensor] | None = None
     decoded: Header | None = None
@@ -306,12 +307,14 @@ class Executor:
                 self._shapes.check(self._shapes.header(channel), flight.header, self._name(action.chunk))
             peer = self._peer_rank(action)
             with self.watchdog.guard(f"rank {peer} to take {action}", peer):  # gloo may fail at the post itself
-                self._sends += self.transport.send_activation(flight.output, peer, action.replica, header=header)
+                self._sends += self.transport.send_activation(flight.output, peer, self._lane(action), header=header,
+                                                              micro_batch=action.micro_batch)
         elif kind is Kind.SEND_GRADIENT:
             flight = self._in_flight.pop((action.replica, action.chunk, action.micro_batch))
             peer = self._peer_rank(action)
             with self.watchdog.guard(f"rank {peer} to take {action}", peer):
-                self._sends += self.transport.send_gradients(flight.input_grads, self._peer_rank(action), action.replica)
+                self._sends += self.transport.send_gradients(flight.input_grads, peer, self._lane(action),
+                                                             micro_batch=action.micro_batch)
         elif kind.is_recv:
             pass  # consumed by the compute action that needs it (see _take)
         elif kind is Kind.STEP:
@@ -331,6 +334,13 @@ class Executor:
 
     def _virtual_stage(self, chunk: int) -> int:
         return self._schedule.virtual_stage(self.device_index, chunk)
+
+    def _lane(self, action: Action) -> int:
+        """The lane (:func:`~.p2p.lane_tag`) of the link a communication action's message travels on:
+        its replica and the virtual stage that sends it."""
+        vs = self._virtual_stage(action.chunk)
+        sender = vs - 1 if action.kind is Kind.RECV_ACTIVATION else vs + 1 if action.kind is Kind.RECV_GRADIENT else vs
+        return action.replica * self._schedule.virtual_stages + sender
 
     def _slot(self, action: Action) -> int:
         """Index of the action's micro-batch in this run's ``micro_batches`` and ``loss_weights``."""
@@ -445,7 +455,7 @@ class Executor:
         if key in self._received or key in self._taken:
             return True
         src = self._peer_rank(action)
-        pending = _PendingReceive(action.kind, src, action.replica)
+        pending = _PendingReceive(action.kind, src, self._lane(action), action.micro_batch)
         if action.kind is Kind.RECV_ACTIVATION:
             pending.channel = (action.replica, self._virtual_stage(action.chunk) - 1)
             header = self._header_decisions.pop(key, None)
@@ -458,17 +468,19 @@ class Executor:
                 return False
             with self.watchdog.guard(f"{action} from rank {src}", src):
                 if header:
-                    pending.header = self.transport.post_header(src, action.replica)
+                    pending.header = self.transport.post_header(src, pending.lane)
                 else:
                     pending.decoded = known
-                    pending.payload = self.transport.post_payload(known.metas, src, replica_tag(ACTIVATION_TAG, action.replica))
+                    pending.payload = self.transport.post_payload(known.metas, src, lane_tag(ACTIVATION_TAG, pending.lane),
+                                                                  action.micro_batch)
         else:
             flight = self._in_flight.get((action.replica, action.chunk, action.micro_batch))
             if flight is None:
                 return False
             metas = [m for m in flight.header.metas if is_differentiable(m)]
             with self.watchdog.guard(f"{action} from rank {src}", src):
-                pending.payload = self.transport.post_payload(metas, src, replica_tag(GRADIENT_TAG, action.replica))
+                pending.payload = self.transport.post_payload(metas, src, lane_tag(GRADIENT_TAG, pending.lane),
+                                                              action.micro_batch)
         self._received[key] = pending
         return True
 
@@ -477,7 +489,7 @@ class Executor:
         self._shapes.remember(pending.channel, pending.decoded)
         with self.watchdog.guard(f"an activation from rank {pending.src}", pending.src):
             pending.payload = self.transport.post_payload(
-                pending.decoded.metas, pending.src, replica_tag(ACTIVATION_TAG, pending.replica)
+                pending.decoded.metas, pending.src, lane_tag(ACTIVATION_TAG, pending.lane), pending.micro_batch
             )
 
     def _take(self, action: Action) -> _PendingReceive:
@@ -489,11 +501,20 @@ class Executor:
         self._taken.add(key)
         what = f"{action} from rank {pending.src}"
         start = self._recording.clock() if self._recording is not None else 0.0
-        if pending.payload is None:
-            self.watchdog.wait(pending.header[0], f"the header of {what}", pending.src)
-            self._post_payload(pending)
-        for work, _ in pending.payload:
-            self.watchdog.wait(work, what, pending.src)
+        try:
+            if pending.payload is None:
+                self.watchdog.wait(pending.header[0], f"the header of {what}", pending.src)
+                self._post_payload(pending)
+            for work, _ in pending.payload:
+                self.watchdog.wait(work, what, pending.src)
+        except MessageMismatchError as error:
+            expected = [m.shape for m in pending.decoded.metas] if pending.decoded is not None else "its shapes"
+            message = "activation" if action.kind is Kind.RECV_ACTIVATION else "gradient"
+            raise MessageMismatchError(
+                f"{self._name(action.chunk)} expected micro-batch {action.micro_batch}'s {message} ({action}) with shapes "
+                f"{expected}, but {error}: the ranks disagree on the micro-batches (does every rank of a pipeline load "
+                "the same batches, with the same sizes?) or on the schedule."
+            ) from error
         if self._recording is not None:  # the wait, then the compute that needed it
             self._started = self._recording.clock()
             self._recording.record(action, start, self._started)

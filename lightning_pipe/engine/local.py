@@ -26,8 +26,9 @@ from typing import Any
 from torch import Tensor
 
 from lightning_pipe.engine.executor import Executor
-from lightning_pipe.engine.p2p import ACTIVATION_TAG, GRADIENT_TAG, Header, TensorMeta
+from lightning_pipe.engine.p2p import ACTIVATION_TAG, GRADIENT_TAG, TAGS_PER_LANE, Header, TensorMeta
 from lightning_pipe.engine.watchdog import Watchdog
+from lightning_pipe.errors import MessageMismatchError
 from lightning_pipe.schedules.communication import peer
 from lightning_pipe.schedules.ir import Kind, Placement, Schedule, locate_virtual_stage, virtual_stage_of
 
@@ -94,18 +95,19 @@ class LocalTransport:
         request.received = True
         return message
 
-    # ``replica`` (avgpipe) is accepted for the Transport interface; emulation runs one replica (0)
-    def send_activation(self, value: Tensor | tuple[Tensor, ...], dst: int, replica: int = 0,
-                        header: bool = True) -> list[tuple[Any, Tensor]]:
+    # ``lane`` is accepted for the Transport interface; a channel here is already one link's queue
+    def send_activation(self, value: Tensor | tuple[Tensor, ...], dst: int, lane: int = 0,
+                        header: bool = True, micro_batch: int = -1) -> list[tuple[Any, Tensor]]:
         tensors = tuple(t.detach() for t in (value if isinstance(value, tuple) else (value,)))
         encoded = Header.of(value).encode(tensors[0].device) if header else None
         return [(self._put(dst, "activation", (encoded, tensors)), tensors[0])]
 
-    def send_gradients(self, grads: Sequence[Tensor], dst: int, replica: int = 0) -> list[tuple[Any, Tensor]]:
+    def send_gradients(self, grads: Sequence[Tensor], dst: int, lane: int = 0,
+                       micro_batch: int = -1) -> list[tuple[Any, Tensor]]:
         grads = tuple(g.detach() for g in grads)
         return [(self._put(dst, "gradient", grads), grads[0] if grads else None)]
 
-    def post_header(self, src: int, replica: int = 0) -> tuple[Any, Tensor]:
+    def post_header(self, src: int, lane: int = 0) -> tuple[Any, Tensor]:
         header, tensors = self._take(src, "activation")
         if header is None:
             raise RuntimeError(f"device {self.rank} reads a shape header device {src} did not send: the two disagree "
@@ -113,20 +115,25 @@ class LocalTransport:
         self._payload[src] = tensors
         return _Done(), header
 
-    def post_payload(self, metas: Sequence[TensorMeta], src: int, tag: int) -> list[tuple[Any, Tensor]]:
-        if tag == ACTIVATION_TAG and src in self._payload:  # its header was read
+    def post_payload(self, metas: Sequence[TensorMeta], src: int, tag: int,
+                     micro_batch: int = -1) -> list[tuple[Any, Tensor]]:
+        kind = tag % TAGS_PER_LANE
+        if kind == ACTIVATION_TAG and src in self._payload:  # its header was read
             tensors = self._payload.pop(src)
-        elif tag == ACTIVATION_TAG:
+        elif kind == ACTIVATION_TAG:
             header, tensors = self._take(src, "activation")
             if header is not None:
                 raise RuntimeError(f"device {self.rank} skips a shape header device {src} sent: the two disagree on "
                                    "which activations carry one.")
-        elif tag == GRADIENT_TAG:
+        elif kind == GRADIENT_TAG:
             tensors = self._take(src, "gradient")
         else:  # pragma: no cover - the executor only receives these two
             raise ValueError(f"unknown tag {tag}")
         if len(tensors) != len(metas):
             raise RuntimeError(f"device {self.rank} expected {len(metas)} tensors from device {src}, got {len(tensors)}.")
+        arrived = [tuple(t.shape) for t in tensors]
+        if arrived != [meta.shape for meta in metas]:  # what a receive buffer of the wrong size would hold
+            raise MessageMismatchError(f"device {src} sent shapes {arrived} where {[m.shape for m in metas]} were expected")
         return [(_Done(), t) for t in tensors]
 
 

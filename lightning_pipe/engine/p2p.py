@@ -11,6 +11,13 @@ be posted ahead of time. NCCL ignores tags; there the receiver posts the payload
 the header, everything stays in one order per channel (the schedule validator proves it), and each
 channel, a direction of a pair and a message kind, has its own process group (:class:`ChannelGroups`)
 so that NCCL's rendezvous sends cannot deadlock (:mod:`lightning_pipe.schedules.rendezvous`).
+
+gloo puts a shorter message into a longer receive buffer without a word, so on gloo every
+activation and gradient ends with a two-slot trailer, ``[micro-batch, bytes sent]``, that the
+receiver checks (:class:`MessageMismatchError` names both sides' view). A longer message than the
+buffer aborts gloo's receiving process; the trailer cannot prevent that, only the schedule's and the
+shape cache's agreement does. On NCCL a check would cost a host synchronisation per message, so there
+is none.
 """
 
 from __future__ import annotations
@@ -24,7 +31,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.utils._pytree import tree_leaves
 
-from lightning_pipe.errors import StageOutputError
+from lightning_pipe.errors import MessageMismatchError, StageOutputError
 
 HEADER_SLOTS = 256
 
@@ -37,12 +44,22 @@ _DTYPE_CODE = {dtype: code for code, dtype in enumerate(_DTYPES)}
 ACTIVATION_HEADER_TAG = 0
 ACTIVATION_TAG = 1
 GRADIENT_TAG = 2
-TAGS_PER_REPLICA = 3  # avgpipe: replica r uses tags 3r .. 3r+2, so replicas' messages never match each other
+TAGS_PER_LANE = 3  # lane l uses tags 3l .. 3l+2
 
 
-def replica_tag(tag: int, replica: int) -> int:
-    """The tag of message kind ``tag`` for pipeline replica ``replica`` (avgpipe; 0 elsewhere)."""
-    return tag + TAGS_PER_REPLICA * replica
+#: the slots of the trailer that follows an activation's or gradient's tensors on gloo
+TRAILER_SLOTS = 2
+
+
+def lane_tag(tag: int, lane: int) -> int:
+    """The tag of message kind ``tag`` on ``lane``.
+
+    A lane is one link of the pipeline: a replica (avgpipe) and the virtual stage that sends. On a
+    tagged transport each lane is its own queue, so the messages of two links between the same two
+    ranks (interleaved 1F1B, the V placement, avgpipe's replicas) never take each other's receive
+    buffers, even when a payload is posted late because its shape header was read late.
+    """
+    return tag + TAGS_PER_LANE * lane
 
 
 @dataclass(frozen=True)
@@ -126,12 +143,14 @@ class ShapeCache:
     def __init__(self, always: bool = False) -> None:
         self.always = always
         self._signatures: dict[Any, tuple[Any, ...]] = {}
-        self._headers: dict[Any, Header | None] = {}  # None: announced, not yet read (receiver)
+        self._headers: dict[Any, Header] = {}  # the last header read (receiver) or sent (sender)
+        self._unread: dict[Any, int] = {}  # headers announced on the channel and not read yet
 
     def reset(self) -> None:
         """Forget every channel (where sender and receiver both are between messages: a flush)."""
         self._signatures.clear()
         self._headers.clear()
+        self._unread.clear()
 
     def needs_header(self, channel: Any, micro_batch: Any) -> bool:
         """Decide for the channel's next activation (call once per message, in the channel's order)."""
@@ -139,15 +158,21 @@ class ShapeCache:
         needed = self.always or self._signatures.get(channel) != key
         self._signatures[channel] = key
         if needed:
-            self._headers[channel] = None
+            self._unread[channel] = self._unread.get(channel, 0) + 1
         return needed
 
     def header(self, channel: Any) -> Header | None:
-        """The shapes the channel's activations without a header have (``None``: not read yet)."""
-        return self._headers.get(channel)
+        """The shapes the channel's activations without a header have (``None``: not read yet).
+
+        While a header announced on the channel is unread, an earlier one that is read meanwhile
+        does not describe the messages after the unread one: receives post ahead of the reads, so
+        two headers can be in flight on one channel (micro-batches of 6, 5 and 5 samples).
+        """
+        return None if self._unread.get(channel, 0) else self._headers.get(channel)
 
     def remember(self, channel: Any, header: Header) -> None:
-        """After a header was sent or read on ``channel``."""
+        """After a header was sent or read on ``channel`` (headers are read in the channel's order)."""
+        self._unread[channel] -= 1
         self._headers[channel] = header
 
     @staticmethod
@@ -225,7 +250,7 @@ class Transport:
     def _group(self, src: int, dst: int, tag: int) -> dist.ProcessGroup | None:
         if self.channels is None:
             return self.group
-        return self.channels.pick(downward=dst < src, gradient=tag % TAGS_PER_REPLICA == GRADIENT_TAG)
+        return self.channels.pick(downward=dst < src, gradient=tag % TAGS_PER_LANE == GRADIENT_TAG)
 
     def isend(self, tensor: Tensor, dst: int, tag: int) -> dist.Work:
         return dist.isend(tensor, dst, group=self._group(self.rank, dst, tag), tag=self._tag(tag))
@@ -233,35 +258,76 @@ class Transport:
     def irecv(self, tensor: Tensor, src: int, tag: int) -> dist.Work:
         return dist.irecv(tensor, src, group=self._group(src, self.rank, tag), tag=self._tag(tag))
 
+    def checks_sizes(self, peer: int, tensor: Tensor) -> bool:
+        """Whether messages to or from ``peer`` like ``tensor`` carry a size trailer (gloo: CPU tensors on
+        a tagged backend; a transport that checks sizes itself says ``False``)."""
+        return self.tagged and tensor.device.type == "cpu"
+
+    def _send_tensors(self, tensors: Sequence[Tensor], dst: int, tag: int, micro_batch: int) -> list[tuple[dist.Work, Tensor]]:
+        out = []
+        for tensor in tensors:
+            buffer = tensor.detach().contiguous()
+            out.append((self.isend(buffer, dst, tag), buffer))
+        if out and self.checks_sizes(dst, out[0][1]):
+            sent = sum(b.numel() * b.element_size() for _, b in out)
+            trailer = torch.tensor([micro_batch, sent], dtype=torch.int64)
+            out.append((self.isend(trailer, dst, tag), trailer))
+        return out
+
     def send_activation(
-        self, value: Tensor | tuple[Tensor, ...], dst: int, replica: int = 0, header: bool = True
+        self, value: Tensor | tuple[Tensor, ...], dst: int, lane: int = 0, header: bool = True, micro_batch: int = -1,
     ) -> list[tuple[dist.Work, Tensor]]:
         """Post the header (unless the receiver knows the shapes: ``header=False``) and every tensor of
-        ``value``; return requests with the buffers they use."""
+        ``value`` (of ``micro_batch``, which a size trailer names) on ``lane`` (:func:`lane_tag`); return
+        requests with the buffers they use."""
         tensors = value if isinstance(value, tuple) else (value,)
         out = []
         if header:
             encoded = Header.of(value).encode(self.device)
-            out.append((self.isend(encoded, dst, replica_tag(ACTIVATION_HEADER_TAG, replica)), encoded))
-        for tensor in tensors:
-            buffer = tensor.detach().contiguous()
-            out.append((self.isend(buffer, dst, replica_tag(ACTIVATION_TAG, replica)), buffer))
-        return out
+            out.append((self.isend(encoded, dst, lane_tag(ACTIVATION_HEADER_TAG, lane)), encoded))
+        return out + self._send_tensors(tensors, dst, lane_tag(ACTIVATION_TAG, lane), micro_batch)
 
-    def send_gradients(self, grads: Sequence[Tensor], dst: int, replica: int = 0) -> list[tuple[dist.Work, Tensor]]:
-        out = []
-        for grad in grads:
-            buffer = grad.detach().contiguous()
-            out.append((self.isend(buffer, dst, replica_tag(GRADIENT_TAG, replica)), buffer))
-        return out
+    def send_gradients(self, grads: Sequence[Tensor], dst: int, lane: int = 0, micro_batch: int = -1,
+                       ) -> list[tuple[dist.Work, Tensor]]:
+        return self._send_tensors(grads, dst, lane_tag(GRADIENT_TAG, lane), micro_batch)
 
-    def post_header(self, src: int, replica: int = 0) -> tuple[dist.Work, Tensor]:
+    def post_header(self, src: int, lane: int = 0) -> tuple[dist.Work, Tensor]:
         header = torch.empty(HEADER_SLOTS, dtype=torch.int64, device=self.device)
-        return self.irecv(header, src, replica_tag(ACTIVATION_HEADER_TAG, replica)), header
+        return self.irecv(header, src, lane_tag(ACTIVATION_HEADER_TAG, lane)), header
 
-    def post_payload(self, metas: Sequence[TensorMeta], src: int, tag: int) -> list[tuple[dist.Work, Tensor]]:
-        out = []
+    def post_payload(self, metas: Sequence[TensorMeta], src: int, tag: int, micro_batch: int = -1,
+                     ) -> list[tuple[Any, Tensor]]:
+        """Post a receive per tensor of ``metas`` (of ``micro_batch``); with a size trailer, waiting for
+        the last one checks that the sender sent that micro-batch and that many bytes."""
+        out: list[tuple[Any, Tensor]] = []
         for meta in metas:
             buffer = torch.empty(meta.shape, dtype=meta.dtype, device=self.device)
             out.append((self.irecv(buffer, src, tag), buffer))
+        if out and self.checks_sizes(src, out[0][1]):
+            trailer = torch.empty(TRAILER_SLOTS, dtype=torch.int64)
+            expected = (micro_batch, sum(b.numel() * b.element_size() for _, b in out))
+            work, last = out[-1]
+            out[-1] = (_CheckedReceive(work, self.irecv(trailer, src, tag), trailer, expected, src), last)
         return out
+
+
+@dataclass
+class _CheckedReceive:
+    """The last tensor's receive and its trailer: waiting for it checks what the sender sent."""
+
+    last: Any
+    trailer_work: Any
+    trailer: Tensor
+    expected: tuple[int, int]  # (micro-batch, bytes)
+    src: int
+
+    def wait(self, *timeout: Any) -> bool:
+        self.last.wait(*timeout)
+        self.trailer_work.wait(*timeout)
+        micro_batch, sent = (int(v) for v in self.trailer)
+        if (micro_batch, sent) != self.expected:
+            raise MessageMismatchError(
+                f"rank {self.src} sent {sent} bytes of micro-batch {micro_batch} where {self.expected[1]} bytes of "
+                f"micro-batch {self.expected[0]} were expected"
+            )
+        return True

@@ -40,6 +40,7 @@ from torch import Tensor
 
 from lightning_pipe.engine.p2p import ChannelGroups, Transport
 from lightning_pipe.engine.watchdog import process_alive, process_stat
+from lightning_pipe.errors import MessageMismatchError
 
 SHM_DIR = "/dev/shm"
 #: Messages a channel holds before its sends are kept back (far more than a schedule has in flight).
@@ -295,9 +296,9 @@ class _Channel:
             _unlink(path)  # both ends hold it now
             slot = self.mapped[index] = _Slot(memory, torch.frombuffer(memory, dtype=torch.uint8), generation)
         if size != work.buffer.numel() * work.buffer.element_size():
-            raise RuntimeError(
-                f"a message of {size} bytes arrived from rank {self.peer} where {work.buffer.numel()} elements of "
-                f"{work.buffer.dtype} were expected: the two ranks disagree on the schedule or the shapes."
+            raise MessageMismatchError(
+                f"rank {self.peer} sent {size} bytes where {work.buffer.numel()} elements of {work.buffer.dtype} "
+                f"({work.buffer.numel() * work.buffer.element_size()} bytes) were expected"
             )
         _bytes_of(work.buffer).copy_(slot.data[:size])
         self.control[_READ] = work.sequence + 1
@@ -356,6 +357,9 @@ class SharedMemoryTransport(Transport):
             path = os.path.join(SHM_DIR, f"lightning-pipe-{self.token}-{src}-{dst}-{tag}")
             channel = self._channels[key] = _Channel.open(path, dst if src == self.rank else src, self._created)
         return channel
+
+    def checks_sizes(self, peer: int, tensor: Tensor) -> bool:
+        return not self._shares_memory(peer, tensor) and super().checks_sizes(peer, tensor)  # shm checks each message
 
     def isend(self, tensor: Tensor, dst: int, tag: int) -> Any:
         if not self._shares_memory(dst, tensor):

@@ -34,7 +34,7 @@ from typing import Any, TypeVar
 
 import torch.distributed as dist
 
-from lightning_pipe.errors import PeerFailure, PipelineTimeout
+from lightning_pipe.errors import LightningPipeError, PeerFailure, PipelineTimeout
 
 _ERROR_KEY = "lightning_pipe/error"
 _STOP = b"\0stop"  # what a listener's own rank pushes into its inbox to end it
@@ -217,6 +217,8 @@ class Watchdog:
         """
         try:
             work.wait(timedelta(seconds=self.timeout))
+        except LightningPipeError:
+            raise  # already says what went wrong (a message of the wrong size)
         except RuntimeError as error:
             raise self.explain(error, what, peer) from error
 

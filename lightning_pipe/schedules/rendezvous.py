@@ -1,7 +1,7 @@
 """Dry run under NCCL's point-to-point rules: prove a schedule cannot deadlock on GPUs.
 
 The validator's first dry run (:func:`~lightning_pipe.schedules.validate.dry_run`) models gloo: a
-send never blocks, and each message kind has its own tag. NCCL is stricter:
+send never blocks, and each link and message kind has its own tag (:func:`~lightning_pipe.engine.p2p.lane_tag`). NCCL is stricter:
 
 * **rendezvous**: a send completes only when the peer runs the matching receive, and vice versa;
 * **one order per stream**: the operations a rank issues on one stream run in issue order, so an

@@ -3,6 +3,8 @@ reference of each asynchronous update rule, the distributed run, and (sync sched
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 from torch import nn
@@ -369,3 +371,43 @@ def test_the_lr_scale_metric_shows_the_delay_scaled_warm_up():
     assert "pipe/stage0/lr_scale" not in emulated("pipedream", 4, 1)["metrics"][-1]
     pipemare = emulated("pipemare", 4, 1, strategy={"pipemare": {"lr_warmup_steps": 100}})["metrics"][-1]
     assert pipemare["pipe/stage0/lr_scale"] < 1.0
+
+
+UNEVEN_BATCH_SIZES = (7, 10, 16)
+
+
+def evaluate_emulated(schedule: str | None, micro_batches: int = 3) -> dict[int, tuple[dict, torch.Tensor]]:
+    """``trainer.validate`` and ``trainer.predict`` of an untrained model at each of ``UNEVEN_BATCH_SIZES``, on
+    one device or through the 2-stage emulation (3 micro-batches are uneven at every one of those sizes)."""
+    import lightning as L
+    from torch.utils.data import DataLoader
+
+    import lightning_pipe
+
+    strategy = "auto" if schedule is None else lightning_pipe.PipeStrategy(schedule=schedule, stages=2, micro_batches=micro_batches)
+    trainer = L.Trainer(accelerator="cpu", devices=1, strategy=strategy, logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, enable_checkpointing=False)
+    model = TrunkModel()
+    results = {}
+    for size in UNEVEN_BATCH_SIZES:
+        loader = DataLoader(make_data(40, seed=1), batch_size=size)
+        results[size] = trainer.validate(model, loader, verbose=False)[0], torch.cat(trainer.predict(model, loader))
+    return results
+
+
+@functools.cache
+def one_device_evaluation() -> dict[int, tuple[dict, torch.Tensor]]:
+    return evaluate_emulated(None)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zbv", "dualpipev", "pipedream",
+                                      "pipedream_2bw", "pipemare", "xpipe"])
+def test_emulated_evaluation_takes_uneven_micro_batches(schedule):
+    """Every schedule that emulates validates and predicts like one device when micro_batches does not
+    divide the batch (avgpipe cannot be emulated: tests/distributed/test_uneven_evaluation.py). Interleaved
+    1F1B and DualPipeV train with a multiple of the stages: 4 micro-batches, uneven at 7 and 10 samples."""
+    want = one_device_evaluation()
+    got = evaluate_emulated(schedule, 4 if schedule in ("interleaved_1f1b", "dualpipev") else 3)
+    for size in UNEVEN_BATCH_SIZES:
+        assert got[size][0] == pytest.approx(want[size][0], rel=1e-5, abs=1e-6), size
+        torch.testing.assert_close(got[size][1], want[size][1], rtol=1e-5, atol=1e-6)

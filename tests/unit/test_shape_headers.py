@@ -20,6 +20,8 @@ def test_sender_and_receiver_decide_alike():
     decisions = [(sender.needs_header("link", mb), receiver.needs_header("link", mb)) for mb in parts]
     assert decisions == [(True, True), (False, False), (True, True), (False, False)]
     assert receiver.header("link") is None  # announced, not read yet: no payload can be posted
+    receiver.remember("link", Header.of(torch.zeros(4, 5)))
+    assert receiver.header("link") is None  # the second header (3 samples) is still unread
     receiver.remember("link", Header.of(torch.zeros(3, 5)))
     assert receiver.header("link") == Header.of(torch.zeros(3, 5))
     receiver.reset()
@@ -41,9 +43,9 @@ def emulated_headers(batch_rows: int, micro_batches: int, always: bool = False, 
     counted = []
     original = LocalTransport.send_activation
 
-    def counting(self, value, dst, replica=0, header=True):
+    def counting(self, value, dst, lane=0, header=True, micro_batch=-1):
         counted.append(header)
-        return original(self, value, dst, replica, header)
+        return original(self, value, dst, lane, header, micro_batch)
 
     LocalTransport.send_activation = counting
     try:

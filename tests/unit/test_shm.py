@@ -17,7 +17,7 @@ import torch
 from lightning_pipe.engine import shm
 from lightning_pipe.engine.shm import SharedMemoryTransport
 from lightning_pipe.engine.watchdog import Watchdog
-from lightning_pipe.errors import PeerFailure, PipelineTimeout
+from lightning_pipe.errors import MessageMismatchError, PeerFailure, PipelineTimeout
 
 pytestmark = pytest.mark.skipif(shm.available() is not None, reason=f"no shared memory here: {shm.available()}")
 CPU = torch.device("cpu")
@@ -74,7 +74,7 @@ def test_sends_beyond_the_ring_are_held_and_written_as_the_receiver_reads(monkey
 def test_a_message_of_the_wrong_size_names_the_disagreement():
     sender, receiver = pair("size")
     sender.isend(torch.zeros(6), 1, tag=0)
-    with pytest.raises(RuntimeError, match="24 bytes arrived from rank 0 where 5 elements"):
+    with pytest.raises(MessageMismatchError, match=r"rank 0 sent 24 bytes where 5 elements of torch.float32 \(20 bytes\)"):
         receiver.irecv(torch.empty(5), 0, tag=0).wait()
 
 
