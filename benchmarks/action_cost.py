@@ -13,7 +13,8 @@ is timed three ways per micro-batch size ``b``, all in one run:
   (one stage each), every action recorded by the executor's ``ActionRecorder``; per-action medians
   over ``--steps`` steps after 3 warm-up steps, and the step time not covered by any action
   (executor bookkeeping between actions, posting receives). Once per ``--transports``: gloo's
-  sockets, and shared memory (``PipeStrategy(transport="auto")``'s choice on one CPU host).
+  sockets, and shared memory (``PipeStrategy(transport="auto")``'s choice on one CPU host);
+  ``gloo_unchecked`` is gloo without the size trailer after each message (what checking sizes costs).
 
 Medians throughout. The processes run one after the other, never beside each other.
 """
@@ -37,7 +38,7 @@ import torch.multiprocessing as mp
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks.avgpipe, and a source checkout
 
 from benchmarks.avgpipe import STAGES, Runner, Variant, free_port, make_trunk  # noqa: E402
-from lightning_pipe.engine import ActionRecorder  # noqa: E402
+from lightning_pipe.engine import ActionRecorder, Transport  # noqa: E402
 
 
 def loop_times(args: argparse.Namespace, b: int, idle: float) -> tuple[float, float]:
@@ -69,6 +70,8 @@ def pipeline_worker(rank: int, port: int, b: int, args: argparse.Namespace, out:
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=STAGES, timeout=timedelta(seconds=120))
+    if args.transport == "gloo_unchecked":  # what the 16-byte size trailer after each gloo message costs
+        Transport.checks_sizes = lambda self, peer, tensor: False
     runner_args = argparse.Namespace(width=args.width, layers=args.layers, micro_batch_size=b,
                                      shared_memory=args.transport == "shared_memory")
     runner = Runner(Variant("1f1b", "1f1b", args.micro_batches), rank, runner_args)
@@ -118,7 +121,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=200, help="timed iterations of the loops")
     p.add_argument("--idle", type=float, default=1.0, help="ms asleep before each action in the 'after idle' loop")
     p.add_argument("--steps", type=int, default=10, help="timed pipeline steps")
-    p.add_argument("--transports", nargs="+", choices=["gloo", "shared_memory"], default=["gloo", "shared_memory"],
+    p.add_argument("--transports", nargs="+", choices=["gloo", "gloo_unchecked", "shared_memory"], default=["gloo", "shared_memory"],
                    help="point-to-point layers of the pipeline runs")
     return p.parse_args(argv)
 

@@ -12,14 +12,34 @@ matches on, so schedules, the validator's gloo rules and the executor's early re
 unchanged. Sends never block: a send that finds its channel's ring full is kept and written by this
 process's next call into a transport (every wait loop makes progress on them).
 
-Limits: Linux (``/dev/shm``) on x86-64, whose stores become visible in program order (the counter is
-bumped after the payload is written and a locked instruction; weaker memory models would need real
-fences, which Python does not offer). A peer that dies is noticed from
-``/proc`` within :data:`LIVENESS_PERIOD` seconds; a hung one by the wait's timeout, as with gloo.
+Memory ordering. Each channel has one writer per counter: the sender alone stores ``written`` (and
+the descriptors), the receiver alone stores ``read``; both are aligned 8-byte slots of a shared page,
+stored and loaded whole (a ``memoryview`` cast to ``q``: one 8-byte move, which x86-64 makes atomic
+when aligned). The protocol needs two orders, and x86-64's total store order gives both:
+
+1. *The payload before the counter* (sender): the payload and descriptor stores must be visible before
+   ``written = n + 1``. Ordinary stores become visible in program order. A large ``memcpy`` may use
+   non-temporal stores, which are weakly ordered; a locked instruction (acquiring a ``threading.Lock``
+   is an atomic read-modify-write) drains them, so it sits between the copy and the counter store.
+2. *The counter before the payload* (receiver): after it loads ``written > n`` it loads the descriptor
+   and copies the payload out, then stores ``read = n + 1``. x86-64 never reorders a load with an older
+   load, nor a store with an older load, so it sees the payload the sender wrote, and the sender, once
+   it loads ``read > n``, may reuse the slot: the receiver's copy is done. The compilers cannot reorder
+   either: each access is a separate call from the interpreter.
+
+On a weaker memory model (Arm, POWER) both orders need fences that Python does not offer, so
+:func:`available` refuses anything but x86-64. tests/distributed/test_shm_stress.py sends 10^5
+messages of random sizes and dtypes between two processes and compares them byte for byte.
+
+Limits: Linux (``/dev/shm``) on x86-64. A peer that dies is noticed from ``/proc`` within
+:data:`LIVENESS_PERIOD` seconds; a hung one by the wait's timeout, as with gloo. Files are unlinked as
+soon as both ends have mapped them, and what a killed job leaves is removed by the surviving end at
+exit, so no file outlives a job.
 """
 
 from __future__ import annotations
 
+import glob
 import mmap
 import os
 import platform
@@ -33,7 +53,6 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from torch import Tensor
@@ -165,7 +184,7 @@ class _SendWork:
         return True
 
     def is_completed(self) -> bool:
-        return self.tensor is None and int(self.channel.control[_READ]) > self.sequence
+        return self.tensor is None and self.channel.control[_READ] > self.sequence
 
 
 @dataclass
@@ -198,7 +217,7 @@ class _Channel:
 
     path: str
     peer: int
-    control: np.ndarray
+    control: memoryview  # int64 slots (format "q") over ``memory``
     memory: mmap.mmap
     created: set[str]  # files this end made that may still exist (its transport's, removed at exit)
     next_sequence: int = 0
@@ -225,7 +244,7 @@ class _Channel:
                 _unlink(path)
             finally:
                 _unlink(draft)
-        return cls(path, peer, np.ndarray((size // 8,), np.int64, memory), memory, created)
+        return cls(path, peer, memoryview(memory).cast("q"), memory, created)
 
     # ------------------------------------------------------------------ sender
     def send(self, work: _SendWork) -> None:
@@ -240,10 +259,10 @@ class _Channel:
             self._write(self.held.popleft())
 
     def _room(self) -> bool:
-        return int(self.control[_WRITTEN]) - int(self.control[_READ]) < RING
+        return self.control[_WRITTEN] - self.control[_READ] < RING
 
     def _write(self, work: _SendWork) -> None:
-        read = int(self.control[_READ])
+        read = self.control[_READ]
         while self.in_use and self.in_use[0][0] < read:
             self.in_use.popleft()
         busy = {slot for _, slot in self.in_use}
@@ -256,7 +275,7 @@ class _Channel:
         slot = self.slots[index]
         slot.data[:size].copy_(source)
         at = _DESCRIPTORS + 3 * (work.sequence % RING)
-        self.control[at : at + 3] = (index, slot.generation, size)
+        self.control[at], self.control[at + 1], self.control[at + 2] = index, slot.generation, size
         with _FENCE:  # a locked instruction: large copies may use non-temporal stores, which x86 orders only here
             pass
         self.control[_WRITTEN] = work.sequence + 1
@@ -284,11 +303,11 @@ class _Channel:
 
     # ------------------------------------------------------------------ receiver
     def arrived(self, sequence: int) -> bool:
-        return int(self.control[_WRITTEN]) > sequence
+        return self.control[_WRITTEN] > sequence
 
     def take(self, work: _RecvWork) -> None:
         at = _DESCRIPTORS + 3 * (work.sequence % RING)
-        index, generation, size = (int(v) for v in self.control[at : at + 3])
+        index, generation, size = self.control[at], self.control[at + 1], self.control[at + 2]
         slot = self.mapped.get(index)
         if slot is None or slot.generation != generation:  # the old mapping goes with its last reference
             path = self.slot_path(index, generation)
@@ -417,4 +436,13 @@ class SharedMemoryTransport(Transport):
             raise RuntimeError(f"Connection closed by peer: rank {peer}'s job reported a failure ({report})")
         pid = self.peers[peer]
         if not process_alive(pid):
+            self._remove_files_of(peer)
             raise RuntimeError(f"Connection closed by peer: rank {peer} (pid {pid}) has exited")
+
+    def _remove_files_of(self, peer: int) -> None:
+        """Remove what a dead ``peer`` made for its channels with this rank and can no longer remove: a
+        slot it created for a message it never finished, a control file this rank never opened."""
+        prefix = os.path.join(SHM_DIR, f"lightning-pipe-{self.token}")
+        for pattern in (f"{prefix}-{peer}-{self.rank}-*", f"{prefix}-{self.rank}-{peer}-*"):
+            for path in glob.glob(pattern):
+                _unlink(path)
