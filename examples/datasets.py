@@ -1,6 +1,6 @@
 """Offline, real classification data for the examples: nothing is downloaded at run time.
 
-Two sources, both described in ``/work/shared/DATASETS.md``:
+Two sources, both installed offline (README, "Quick start"):
 
 * Fashion-MNIST from the Debian package ``dataset-fashion-mnist`` (60,000 train / 10,000 test
   images of 28x28, flattened to 784 features), read from its IDX gzip files with numpy only.

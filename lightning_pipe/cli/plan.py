@@ -394,7 +394,7 @@ def write_avgpipe_timeline(avgpipe: AvgPipePlan, total: int, machine: Machine, s
 
 
 def write_timeline(best: Plan, profiles: Sequence[Profile], machine: Machine, stages: int, chunks: int, path: str) -> Any:
-    """Simulate the chosen plan with its predicted per-stage costs (``lightning_pipe.simulate``), draw
+    """Simulate the chosen plan with its predicted per-stage costs (``lightning_pipe.sim.simulate``), draw
     the timeline PNG at ``path`` and return the simulation."""
     profile = interpolate(profiles, best.micro_batch_size)
     forward, backward, transfer = [], [], []

@@ -324,7 +324,7 @@ class Executor:
                 step()
         elif kind is Kind.AVG:
             if self.policy is None:
-                raise RuntimeError("an AVG action needs a weight policy that averages (engine.averaging.ElasticAveraging).")
+                raise RuntimeError("an AVG action needs a weight policy that averages (engine.policies.averaging.ElasticAveraging).")
             self.policy.average()
         else:  # pragma: no cover - new kinds must be handled explicitly
             raise NotImplementedError(kind)

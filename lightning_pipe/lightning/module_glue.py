@@ -2,8 +2,8 @@
 
 * :class:`ModuleStages` builds the executor's chunk callables. The first virtual stage runs the
   user's step until the trunk call (code before the trunk, e.g. an embedding, runs there) and ships
-  the trunk output of its layers; middle stages only run their layers (a looped ModuleList trunk's
-  run the step, so that its blocks get the arguments the step computes); the last virtual stage
+  the trunk output of its layers; middle stages only run their layers (the stages of a looped
+  ModuleList trunk run the step too, so that its blocks get the arguments the step computes); the last virtual stage
   runs the user's step again with the trunk answered by its layers applied to the received
   activation, so the code after the trunk and the loss run there.
 * :func:`merge_outputs` combines what a step returned per micro-batch into what it would return
