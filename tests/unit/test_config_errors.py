@@ -11,10 +11,11 @@ from lightning_pipe import PipeConfigError, PipeStrategy
 from tests.harness.lightning_run import TrunkModel
 
 
-def connect(model: L.LightningModule, devices: int = 2, **options) -> None:
-    """Run the strategy's pre-launch checks without launching processes."""
+def connect(model: L.LightningModule, devices: int = 2, **options) -> list[int]:
+    """Run the strategy's pre-launch checks without launching processes; return the trunk layers per stage."""
     trainer = L.Trainer(strategy=PipeStrategy(**options), accelerator="cpu", devices=devices, logger=False)
     trainer.strategy.connect(model)
+    return trainer.strategy._counts
 
 
 class TwoTrunks(TrunkModel):
@@ -121,8 +122,12 @@ def test_a_one_stage_pipeline_is_not_silent(schedule):
         connect(TrunkModel(), devices=1, schedule=schedule, stages=2)
 
 
-def test_named_trunk_is_used():
-    connect(TwoTrunks(), module="model")  # no error: the name resolves the ambiguity
+@pytest.mark.parametrize("name,layers", [("model", 12), ("other", 14)])
+def test_named_trunk_is_used(name, layers):
+    """The name resolves the ambiguity, and the named container is the one split (14 layers in ``other``)."""
+    model = TwoTrunks()
+    model.other = nn.Sequential(*[m for _ in range(7) for m in (nn.Linear(16, 16), nn.Tanh())])
+    assert sum(connect(model, module=name)) == layers
 
 
 
