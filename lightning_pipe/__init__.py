@@ -2,7 +2,8 @@
 
 Importing the package registers every schedule of :mod:`lightning_pipe.registry` as a strategy name
 (``gpipe``, ``1f1b``, ``interleaved_1f1b``, ``zb_h1``, ``zbv``, ``dualpipev``, ``pipedream``,
-``pipedream_2bw``, ``pipemare``, ``xpipe``, ``avgpipe``), so ``Trainer(strategy="pipemare", devices=2)`` works after ``import lightning_pipe``.
+``pipedream_2bw``, ``pipemare``, ``xpipe``, ``avgpipe``), so ``Trainer(strategy="pipemare", devices=2)``
+works after ``import lightning_pipe``.
 
 The engine, schedules, planning and simulation (``lightning_pipe.engine``, ``.schedules``,
 ``.planning``, ``.sim``) import no Lightning; without Lightning installed they still work, and only

@@ -11,7 +11,6 @@ real ``LightningModule.log``.
 from __future__ import annotations
 
 import inspect
-import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -138,11 +137,16 @@ def _read_back(records: list[LoggedValue]) -> None:
             record.value = float(value)
 
 
-def replay(module: LightningModule, records: list[LoggedValue], owner: bool) -> None:
+def replay(module: LightningModule, records: list[LoggedValue], owner: bool, one_pipeline: bool = False) -> None:
     """Log ``records`` through the real ``LightningModule.log`` of ``module``.
 
     Args:
         owner: this rank produced the records (its metrics already hold the state).
+        one_pipeline: the job is one pipeline, so every rank logs the same value and reducing it across
+            the data-parallel replicas is the identity: tensors are logged with ``sync_dist=True``
+            (:meth:`PipeStrategy.reduce` returns them as they are), which is what Lightning advises for
+            epoch-level values in a distributed run, so it has nothing to warn about. With several
+            pipelines the user's choice stands.
     """
     for record in records:
         if record.value is None:
@@ -152,7 +156,8 @@ def replay(module: LightningModule, records: list[LoggedValue], owner: bool) -> 
             module.log(record.name, metric, batch_size=record.batch_size, **record.options)
             continue
         value = torch.tensor(record.value, dtype=torch.float32, device=module.device)
-        module.log(record.name, value, batch_size=record.batch_size, **record.options)
+        options = {**record.options, "sync_dist": True} if one_pipeline else record.options
+        module.log(record.name, value, batch_size=record.batch_size, **options)
 
 
 def _to_cpu(value: Any) -> Any:
@@ -179,13 +184,3 @@ def _load_metric_state(metric: Metric, state: dict[str, Any]) -> None:
             value = [v.to(device) if isinstance(v, Tensor) else v for v in value]
         setattr(metric, name, value)
     metric._computed = None
-
-
-def ignore_sync_dist_advice() -> None:
-    """Silence Lightning's advice to log epoch-level values with ``sync_dist=True``: with one pipeline
-    every rank already holds the same replayed value, so there is nothing to accumulate across devices
-    (with several pipelines the advice stands: it averages across the data-parallel pipelines)."""
-    from lightning.fabric.utilities.warnings import PossibleUserWarning
-
-    warnings.filterwarnings("ignore", message=r"It is recommended to use `self\.log\(.*sync_dist=True\)`",
-                            category=PossibleUserWarning)

@@ -208,7 +208,7 @@ class StagePipeline:
             ran = self.flush(hook, args, kwargs, False, self.strategy.options.spec.flushed)
         merged = detach_to_cpu(merge_outputs(ran.outputs, ran.sizes)) if ran.outputs else None
         merged, records = self.from_last_stage((merged, combine(ran.capture.records, self.strategy.lightning_module)))
-        replay(self.strategy.lightning_module, records, owner=self.holds_last_stage)
+        replay(self.strategy.lightning_module, records, owner=self.holds_last_stage, one_pipeline=self.strategy.num_pipelines == 1)
         return merged
 
     def replayed_loss(self, ran: Ran) -> Tensor:
@@ -221,7 +221,7 @@ class StagePipeline:
             weights = torch.tensor([s / ran.size for s in ran.sizes], dtype=torch.float64, device=losses.device)
             loss = float((losses * weights).sum())
         loss, records = self.from_last_stage((loss, combine(ran.capture.records, module)))
-        replay(module, records, owner=self.holds_last_stage)
+        replay(module, records, owner=self.holds_last_stage, one_pipeline=self.strategy.num_pipelines == 1)
         return torch.tensor(loss, device=self.strategy.root_device)
 
     @property

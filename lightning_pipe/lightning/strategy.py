@@ -45,7 +45,6 @@ from lightning_pipe.errors import LightningPipeError, PipeConfigError
 from lightning_pipe.lightning import auto, checkpointing, checks
 from lightning_pipe.lightning import options as options_module
 from lightning_pipe.lightning.launcher import PipeLauncher
-from lightning_pipe.lightning.log_replay import ignore_sync_dist_advice
 from lightning_pipe.lightning.model_summary import freeze_model_summaries
 from lightning_pipe.lightning.options import PipeOptions
 from lightning_pipe.lightning.pipeline import StagePipeline
@@ -393,8 +392,6 @@ class PipeStrategy(DDPStrategy, metaclass=_NamesItsOptions):
             self._pipeline = StagePipeline.cut(self, module, self._counts)
             rank_zero_info(self.describe())
         self.model_to_device()
-        if self.num_pipelines == 1:
-            ignore_sync_dist_advice()
         for metric in module.modules():
             # every stage of a pipeline holds a replica of the last stage's metric state (see
             # log_replay), so metrics must only sync across pipelines, never across stages
@@ -554,8 +551,9 @@ class PipeStrategy(DDPStrategy, metaclass=_NamesItsOptions):
     # ------------------------------------------------------------------ collectives
     def reduce(self, tensor: Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean") -> Any:
         """``group=None`` reduces over the data-parallel (stage) group: every stage of a pipeline
-        already holds the same replayed value, so reducing over the world would count it once per stage."""
-        if not isinstance(tensor, Tensor):
+        already holds the same replayed value, so reducing over the world would count it once per stage;
+        with one pipeline that group is this rank alone, and the value is returned as it is."""
+        if not isinstance(tensor, Tensor) or (group is None and self.num_pipelines == 1):
             return tensor
         if group is None and self._topology is not None:
             group = self._topology.stage_group

@@ -27,3 +27,20 @@ def test_values_stay_tensors_until_the_step_is_combined():
     assert combined["loss"].value == pytest.approx((3 * 1.0 + 1 * 5.0) / 4) and combined["loss"].batch_size == 4
     assert combined["biggest"].value == 5.0 and combined["seen"].value == 4.0
     assert all(type(r.value) is float for r in combined.values())  # picklable, device-free for the broadcast
+
+
+def test_a_pipelined_run_leaves_the_warning_filters_alone_and_gives_no_sync_dist_advice():
+    """Epoch-level values are logged as synced (the identity with one pipeline): Lightning has no advice to
+    give, and the process-wide warning filters stay as the user set them."""
+    import warnings
+
+    from tests.harness.lightning_run import train
+
+    before = list(warnings.filters)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        inside = list(warnings.filters)
+        train({"epochs": 1, "batch_size": 16, "evaluate": True, "strategy": {"schedule": "1f1b", "stages": 2}})
+        assert warnings.filters == inside
+    assert warnings.filters == before
+    assert not [w for w in caught if "sync_dist=True" in str(w.message)]
