@@ -8,7 +8,10 @@ loss. Tests and benchmarks drive it directly.
 Rules that keep it deadlock-free and overlapped:
 
 * sends are asynchronous and are only waited for at the end of :meth:`Executor.run` (gloo sends
-  complete when the peer receives, so waiting earlier can deadlock);
+  complete when the peer receives, so waiting earlier can deadlock). The executor keeps only the
+  requests, not the sent buffers: a request holds its tensor until the transfer ends (gloo's and
+  NCCL's works stash it, the shared-memory send drops it once copied), so a sent gradient is freed
+  when its transfer completes, not at the end of the step: O(P) boundary tensors alive, not O(M);
 * before each compute action, receives up to the next compute action are posted, so transfers run
   while this rank computes. Gradients and activations whose shapes are known (most of them:
   :class:`~.p2p.ShapeCache`) travel early. An activation with a shape header can only have its payload
@@ -130,7 +133,7 @@ class Executor:
         self._started = 0.0
         self._in_flight: dict[tuple[int, int, int], _InFlight] = {}  # (replica, chunk, micro-batch)
         self._deferred: dict[tuple[int, int, int], Callable[[], None]] = {}  # a split backward's W, by the same key
-        self._send_windows: deque[list[tuple[Any, Tensor]]] = deque()
+        self._send_windows: deque[list[Any]] = deque()  # the requests of each run's sends
         if shape_headers not in ("on_change", "always"):
             raise ValueError(f"shape_headers={shape_headers!r}: use 'on_change' or 'always'.")
         self._shapes = ShapeCache(always=shape_headers == "always")
@@ -232,7 +235,7 @@ class Executor:
         # a send is received at the latest in the peer's next window, so older ones are complete
         while len(self._send_windows) > 1:
             self._wait_sends(self._send_windows.popleft())
-        self._sends: list[tuple[Any, Tensor]] = []
+        self._sends: list[Any] = []
         self._send_windows.append(self._sends)
         self._recording = self.recorder if self.recorder is not None and self.recorder.enabled else None
 
@@ -278,8 +281,8 @@ class Executor:
         self._deferred.clear()
         self._shapes.reset()
 
-    def _wait_sends(self, sends: list[tuple[Any, Tensor]]) -> None:
-        for work, _ in sends:
+    def _wait_sends(self, sends: list[Any]) -> None:
+        for work in sends:
             self.watchdog.wait(work, "a peer to receive this stage's messages")
 
     # ------------------------------------------------------------------ actions
@@ -307,14 +310,16 @@ class Executor:
                 self._shapes.check(self._shapes.header(channel), flight.header, self._name(action.chunk))
             peer = self._peer_rank(action)
             with self.watchdog.guard(f"rank {peer} to take {action}", peer):  # gloo may fail at the post itself
-                self._sends += self.transport.send_activation(flight.output, peer, self._lane(action), header=header,
-                                                              micro_batch=action.micro_batch)
+                sent = self.transport.send_activation(flight.output, peer, self._lane(action), header=header,
+                                                      micro_batch=action.micro_batch)
+                self._sends += self._requests(sent)
         elif kind is Kind.SEND_GRADIENT:
             flight = self._in_flight.pop((action.replica, action.chunk, action.micro_batch))
             peer = self._peer_rank(action)
             with self.watchdog.guard(f"rank {peer} to take {action}", peer):
-                self._sends += self.transport.send_gradients(flight.input_grads, peer, self._lane(action),
-                                                             micro_batch=action.micro_batch)
+                sent = self.transport.send_gradients(flight.input_grads, peer, self._lane(action),
+                                                     micro_batch=action.micro_batch)
+                self._sends += self._requests(sent)
         elif kind.is_recv:
             pass  # consumed by the compute action that needs it (see _take)
         elif kind is Kind.STEP:
@@ -328,6 +333,11 @@ class Executor:
             self.policy.average()
         else:  # pragma: no cover - new kinds must be handled explicitly
             raise NotImplementedError(kind)
+
+    @staticmethod
+    def _requests(sent: list[tuple[Any, Tensor]]) -> list[Any]:
+        """The requests of a send, without the buffers: each request keeps its own until done."""
+        return [work for work, _ in sent]
 
     def _name(self, chunk: int) -> str:
         return self.names[chunk] if chunk < len(self.names) else f"stage {self.device_index} chunk {chunk}"
