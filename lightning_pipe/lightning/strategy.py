@@ -314,6 +314,11 @@ class PipeStrategy(DDPStrategy, metaclass=_NamesItsOptions):
         return 1 if self.emulating else self.world_size // self.num_stages
 
     @property
+    def measuring_step(self) -> bool:
+        """Whether the per-stage metrics measure the current training step (one Lightning logs)."""
+        return self._metrics is not None and self._metrics.measuring
+
+    @property
     def emulating(self) -> bool:
         """One process running every stage of a ``stages``-stage pipeline (docs/emulation.md)."""
         return self.world_size == 1 and (self.options.stages or 1) > 1
