@@ -118,3 +118,15 @@ def test_an_emulated_fit_warns_once_and_the_option_or_a_filter_silences_it():
         train({"devices": 1, "max_steps": 1, "batch_size": 16, "model": {"optimizer": "adam"},
                "strategy": {"schedule": "pipedream", "stages": 2, "micro_batches": 4}})
     assert not [w for w in caught if issubclass(w.category, AsyncQualityWarning)]
+
+
+def test_plan_prints_the_measured_quality_next_to_speed():
+    from lightning_pipe.cli.plan import plan
+    from tests.harness.lightning_run import TrunkModel
+
+    report = plan(TrunkModel(depth=2, optimizer="adam"), stages=2, batch_shape=[8, 8], schedules=["1f1b", "pipedream"],
+                  micro_batches=[4], timeline=None, repeats=1)
+    assert "pipedream: Adam/AdamW +10.3 %" in report.text and "1f1b:" not in report.text
+    synchronous = plan(TrunkModel(depth=2), stages=2, batch_shape=[8, 8], schedules=["1f1b"], micro_batches=[4],
+                       timeline=None, repeats=1)
+    assert "quality:" not in synchronous.text
