@@ -163,8 +163,8 @@ class PipeStrategy(DDPStrategy, metaclass=_NamesItsOptions):
             (the first pays one-time costs; a one-step fit records that one).
         stage_metrics: on the steps Lightning logs (``Trainer(log_every_n_steps=...)``), log every stage's
             compute and wait time, idle share (bubble) and peak memory as ``pipe/stage{s}/...``, plus the
-            asynchronous schedules' staleness and correction or prediction size; other steps pay
-            nothing (docs/metrics.md).
+            asynchronous schedules' staleness, weight lag (how far the weights a gradient was taken at are
+            from those it updates) and correction or prediction size; other steps pay nothing (docs/metrics.md).
         shape_headers: ``"on_change"``: an activation tells the next stage its shapes only when its
             micro-batch's shapes differ from the previous micro-batch's on the same link (a short last
             batch, a new sequence length); the next stage posts the other receives at once. Both sides
