@@ -45,8 +45,12 @@ class AsyncEngine(Variant):
     """One window of an asynchronous schedule per step (the stream never drains while timed)."""
 
     def __init__(self, schedule: str, workload: Workload, micro_batches: int, rank: int, group: Any,
-                 copy_loads: bool = False, lookahead: float | None = None, shared_memory: bool = True) -> None:
+                 copy_loads: bool = False, lookahead: float | None = None, shared_memory: bool = True,
+                 lag_every: int | None = None) -> None:
         self.name = f"ours {schedule}" + (" (copy loads)" if copy_loads else "") + ("" if shared_memory else " (gloo)")
+        if lag_every is not None:
+            self.name += f" (weight_lag every {lag_every})"
+        self.lag_every = lag_every
         if lookahead is not None:
             self.name += f" (lookahead {lookahead:g})"
         self.schedule = schedule
@@ -67,13 +71,19 @@ class AsyncEngine(Variant):
         cpu = torch.device("cpu")  # shared memory: PipeStrategy's default on one CPU host
         transport = SharedMemoryTransport.create(cpu) if shared_memory else Transport(cpu, group=group)
         self.executor = Executor(rank, list(range(STAGES)), [stage], transport, Watchdog(timeout=300.0), policy=policy)
+        self.policy = policy
         self.batch = workload.make_batch(workload.batch)
         self.window = 0
 
     def step(self) -> Tensor | None:
         parts = split_micro_batches(self.batch, self.micro_batches)
         schedule = async_schedule(self.schedule, STAGES, self.micro_batches, self.window)
+        logged = self.lag_every is not None and self.window % self.lag_every == 0
+        if self.lag_every is not None:  # what PipeStrategy does on the steps Lightning logs (stage_metrics)
+            self.policy.track_lag(logged)
         losses = self.executor.run(schedule, parts, first_micro_batch=self.window * self.micro_batches, carry_over=True)
+        if logged:  # and the read-back when the metrics are logged
+            self.policy.diagnostics()
         self.window += 1
         return torch.stack(losses).mean() if losses else None
 
@@ -91,6 +101,9 @@ def worker(rank: int, workload_name: str, micro_batches: int, args: dict[str, An
         variants.append(AsyncEngine(schedule, workload, micro_batches, rank, dist.new_group(backend="gloo"), shared_memory=False))
     for schedule in args["copy_loads"]:
         variants.append(AsyncEngine(schedule, workload, micro_batches, rank, dist.new_group(backend="gloo"), True))
+    for schedule in args["schedules"] if args["weight_lag"] else []:
+        variants.append(AsyncEngine(schedule, workload, micro_batches, rank, dist.new_group(backend="gloo"),
+                                    lag_every=args["weight_lag"]))
     for lookahead in args["lookahead"]:
         variants.append(AsyncEngine("pipedream_2bw", workload, micro_batches, rank, dist.new_group(backend="gloo"),
                                     lookahead=lookahead))
@@ -139,13 +152,16 @@ def main() -> None:
                         help="also time pipedream_2bw with these look-ahead values (its `lookahead` option)")
     parser.add_argument("--gloo", action="store_true",
                         help="also time each schedule over gloo ('ours' uses shared memory, PipeStrategy's default on one CPU host)")
+    parser.add_argument("--weight-lag", type=int, default=None, metavar="N",
+                        help="also time each schedule measuring weight_lag every N-th step (1: every step, the worst case; "
+                             "PipeStrategy measures it on the steps Lightning logs, every 50 by default)")
     parser.add_argument("--windows", type=int, default=5, help="timed windows per variant")
     parser.add_argument("--steps-per-window", type=int, default=4)
     parser.add_argument("--warmup-steps", type=int, default=3)
     parser.add_argument("--timeout", type=float, default=1200.0, help="seconds per job before its processes are killed")
     args = parser.parse_args()
     options = {k: getattr(args, k) for k in ("schedules", "copy_loads", "lookahead", "windows", "steps_per_window", "warmup_steps",
-                                             "gloo")}
+                                             "gloo", "weight_lag")}
     jobs = []
     for workload in args.workloads:
         for m in args.micro_batches:

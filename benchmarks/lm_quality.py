@@ -378,6 +378,7 @@ def _lightning_classes() -> dict[str, Any]:
             self.train_curve: list[list[float]] = []
             self.val_curve: list[list[float]] = []
             self.step_seconds: list[float] = []
+            self.lag_curve: list[list[Any]] = []  # [step, {"stage0": weight_lag, ...}] on the logged steps
             self.val_seconds = 0.0
             self._t0 = self._v0 = 0.0
 
@@ -390,6 +391,10 @@ def _lightning_classes() -> dict[str, Any]:
             loss = trainer.callback_metrics.get("train_loss")
             if loss is not None and step % self.train_log_every == 0:
                 self.train_curve.append([step, round(float(loss), 5)])
+            lags = {key.split("/")[1]: round(float(value), 6) for key, value in trainer.callback_metrics.items()
+                    if key.endswith("/weight_lag")}
+            if lags and (not self.lag_curve or self.lag_curve[-1][1] != lags):  # new values: a step the metrics measured
+                self.lag_curve.append([step, lags])
 
         def on_validation_start(self, trainer, pl_module) -> None:  # noqa: ANN001
             self._v0 = time.perf_counter()
@@ -505,6 +510,7 @@ def run_one(config: dict[str, Any], data: Path, result_path: str | None, threads
             "final_val_loss": recorder.val_curve[-1][1],
             "val_curve": recorder.val_curve,
             "train_curve": recorder.train_curve,
+            "weight_lag_curve": recorder.lag_curve,
             "seconds_per_step": round(statistics.median(times), 4) if times else None,
             "train_seconds": round(sum(recorder.step_seconds), 2),
             "val_seconds": round(recorder.val_seconds, 2),

@@ -14,6 +14,7 @@ from importlib.util import find_spec
 
 from lightning_pipe.engine.policies import AvgPipeOptions, DoubleBufferOptions, PipeDreamOptions, PipeMareOptions, XPipeOptions
 from lightning_pipe.errors import (
+    AsyncQualityWarning,
     BalanceError,
     CheckpointMismatchError,
     LightningPipeError,
@@ -39,7 +40,7 @@ if find_spec("lightning") is not None:
     PipeStrategy.register_strategies(StrategyRegistry)
 
 __all__ = [
-    "AutoBalanceOptions", "AvgPipeOptions", "BalanceError", "CheckpointMismatchError", "DoubleBufferOptions",
+    "AsyncQualityWarning", "AutoBalanceOptions", "AvgPipeOptions", "BalanceError", "CheckpointMismatchError", "DoubleBufferOptions",
     "LightningPipeError", "PeerFailure",
     "PipeConfigError", "PipeDreamOptions", "PipeMareOptions", "PipeStrategy", "PipelineTimeout", "PlanError", "ScheduleError",
     "SharedParameterError", "StageOutputError", "TrunkError", "TrunkUsageError", "XPipeOptions", "__version__",

@@ -67,8 +67,15 @@ class PipelineTimeout(LightningPipeError, TimeoutError):
     """A peer neither answered nor failed within the configured timeout."""
 
 
+# ---------------------------------------------------------------------------- warnings
+class AsyncQualityWarning(UserWarning):
+    """A schedule with stale gradients runs with an optimizer that loses quality under them (Adam and
+    its kin): the measured cost and the recipe that keeps quality (lightning_pipe.quality). Silence it
+    with ``PipeStrategy(quality_warning=False)`` or ``warnings.filterwarnings("ignore", category=AsyncQualityWarning)``."""
+
+
 __all__ = [
-    "BalanceError", "CheckpointMismatchError", "LightningPipeError", "MessageMismatchError", "PeerFailure",
+    "AsyncQualityWarning", "BalanceError", "CheckpointMismatchError", "LightningPipeError", "MessageMismatchError", "PeerFailure",
     "PipeConfigError", "PipelineTimeout", "PlanError", "ScheduleError", "SharedParameterError", "StageOutputError",
     "TrunkError", "TrunkUsageError",
 ]

@@ -26,6 +26,7 @@ import torch
 from lightning.pytorch import LightningDataModule, LightningModule
 
 from lightning_pipe import registry
+from lightning_pipe.cli.plan_quality import quality_text
 from lightning_pipe.engine import batch_size as batch_size_of
 from lightning_pipe.engine import split_micro_batches
 from lightning_pipe.errors import PlanError
@@ -244,7 +245,7 @@ def plan(
     elif best is not None and timeline:
         report.simulated = write_timeline(best, profiles, machine, stages, chunks, timeline)
         report.timeline = timeline
-    report.text = render(report, type(model).__name__, name, total, stages, machine)
+    report.text = render(report, type(model).__name__, name, total, stages, machine) + quality_text(model, chosen, stages)
     return report
 
 

@@ -11,6 +11,7 @@ every rank (the model may come from elsewhere, e.g. torchrun). Each failure is o
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -18,8 +19,9 @@ from lightning.pytorch import LightningModule
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.utils.data import DataLoader
 
-from lightning_pipe.errors import PipeConfigError
+from lightning_pipe.errors import AsyncQualityWarning, PipeConfigError
 from lightning_pipe.partition import find_trunk, resolve_balance
+from lightning_pipe.quality import quality_warning
 from lightning_pipe.registry import ScheduleSpec
 
 if TYPE_CHECKING:
@@ -74,6 +76,16 @@ def check_trainer(schedule: ScheduleSpec, accumulate_grad_batches: int, optimize
         )
     if optimizers != 1:
         raise PipeConfigError(f"schedule={schedule.name!r} supports exactly one optimizer; configure_optimizers returned {optimizers}.")
+
+
+def warn_quality(schedule: str, stages: int, optimizer: Any) -> None:
+    """Warn (:class:`AsyncQualityWarning`) when ``schedule`` with stale gradients runs with an optimizer the
+    language-model benchmark shows losing quality under them (:func:`lightning_pipe.quality.quality_warning`).
+    Called on rank 0 only; ``warnings.warn`` so that the standard filters silence it."""
+    optimizer = getattr(optimizer, "optimizer", optimizer)  # Lightning's LightningOptimizer wraps the user's
+    message = quality_warning(schedule, stages, optimizer)
+    if message is not None:
+        warnings.warn(message, AsyncQualityWarning, stacklevel=2)
 
 
 def check_model(options: PipeOptions, stages: int, pipelines: int, model: LightningModule) -> list[int]:

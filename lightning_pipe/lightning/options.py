@@ -81,6 +81,7 @@ class PipeOptions:
     shape_headers: Literal["on_change", "always"] = "on_change"
     transport: Literal["auto", "shared_memory", "process_group"] = "auto"
     delay_warmup_steps: int = 0
+    quality_warning: bool = True
 
     @property
     def spec(self) -> ScheduleSpec:
@@ -139,7 +140,7 @@ def resolve(
     chunks_per_stage: int | None, checkpoint_activations: bool, timeouts: tuple[float, float, float], sync_warmup_epochs: int,
     groups: Mapping[str, Any], trace_dir: str | None, trace_steps: int, deprecated: Mapping[str, Any],
     stage_metrics: bool = True, sync_warmup_steps: int = 0, shape_headers: str = "on_change", transport: str = "auto",
-    delay_warmup_steps: int = 0,
+    delay_warmup_steps: int = 0, quality_warning: bool = True,
 ) -> PipeOptions:
     """Check the arguments of ``PipeStrategy`` and return them as :class:`PipeOptions`."""
     row = spec(schedule)
@@ -152,7 +153,7 @@ def resolve(
         chunks_per_stage, checkpoint_activations, *map(float, timeouts), sync_warmup_epochs, resolved["pipemare"],
         resolved["xpipe"], resolved["avgpipe"], resolved["auto_balance"], trace_dir, trace_steps, stage_metrics,
         sync_warmup_steps, resolved["pipedream_2bw"], resolved["pipedream"], shape_headers, transport,  # type: ignore[arg-type]
-        delay_warmup_steps,
+        delay_warmup_steps, quality_warning,
     )
     check(options)
     return options
@@ -210,6 +211,8 @@ def check(options: PipeOptions) -> None:
     if o.xpipe.distances not in ("paper", "exact"):
         raise PipeConfigError(f"xpipe distances={o.xpipe.distances!r} is not known; use 'paper' (XPipe's formulas) or "
                               "'exact' (predict the version each mini-batch's STEP updates).")
+    if not isinstance(o.quality_warning, bool):
+        raise PipeConfigError(f"quality_warning={o.quality_warning!r} must be True or False.")
     if not isinstance(o.pipedream.vertical_sync, bool):
         raise PipeConfigError(f"pipedream vertical_sync={o.pipedream.vertical_sync!r} must be True or False.")
     if o.pipemare.correction_decay_rule not in ("fixed", "per_stage"):

@@ -142,6 +142,11 @@ class PipeStrategy(DDPStrategy, metaclass=_NamesItsOptions):
             ``min(1, (k + 1) / (delay_warmup_steps * tau_s))`` at its ``k``-th optimizer step (on top of
             the user's scheduler and PipeMare's T1); stages with fresh gradients are untouched. ``0``
             (the default): off (docs/lm-quality.md measures it).
+        quality_warning: warn once, on rank 0 at fit start, when a schedule with stale gradients runs with
+            an Adam-like optimizer (Adam, AdamW, RAdam, Adamax; NAdam outside the recipe that keeps
+            quality), with the cost measured on the language-model benchmark at that stage count and the
+            recipe that keeps quality there (:class:`~lightning_pipe.AsyncQualityWarning`,
+            docs/async-semantics.md). ``False`` silences it, as does a ``warnings`` filter on that class.
         pipemare: PipeMare's learning-rate rescheduling and discrepancy correction
             (:class:`~lightning_pipe.PipeMareOptions`; a dict of its fields works too).
         xpipe: XPipe's weight prediction (:class:`~lightning_pipe.XPipeOptions`).
@@ -157,8 +162,8 @@ class PipeStrategy(DDPStrategy, metaclass=_NamesItsOptions):
             (the first pays one-time costs; a one-step fit records that one).
         stage_metrics: on the steps Lightning logs (``Trainer(log_every_n_steps=...)``), log every stage's
             compute and wait time, idle share (bubble) and peak memory as ``pipe/stage{s}/...``, plus the
-            asynchronous schedules' staleness and correction or prediction size; other steps pay
-            nothing (docs/metrics.md).
+            asynchronous schedules' staleness, weight lag (how far the weights a gradient was taken at are
+            from those it updates) and correction or prediction size; other steps pay nothing (docs/metrics.md).
         shape_headers: ``"on_change"``: an activation tells the next stage its shapes only when its
             micro-batch's shapes differ from the previous micro-batch's on the same link (a short last
             batch, a new sequence length); the next stage posts the other receives at once. Both sides
@@ -211,6 +216,7 @@ class PipeStrategy(DDPStrategy, metaclass=_NamesItsOptions):
         sync_warmup_epochs: int = 0,
         sync_warmup_steps: int = 0,
         delay_warmup_steps: int = 0,
+        quality_warning: bool = True,
         pipemare: PipeMareOptions = PipeMareOptions(),
         xpipe: XPipeOptions = XPipeOptions(),
         pipedream_2bw: DoubleBufferOptions = DoubleBufferOptions(),
@@ -251,7 +257,7 @@ class PipeStrategy(DDPStrategy, metaclass=_NamesItsOptions):
             {"pipemare": pipemare, "xpipe": xpipe, "pipedream_2bw": pipedream_2bw, "pipedream": pipedream, "avgpipe": avgpipe,
              "auto_balance": auto_balance},
             trace_dir, trace_steps, deprecated, stage_metrics, sync_warmup_steps, shape_headers, transport,
-            delay_warmup_steps,
+            delay_warmup_steps, quality_warning,
         )
         super().__init__(
             accelerator=accelerator,
@@ -305,6 +311,11 @@ class PipeStrategy(DDPStrategy, metaclass=_NamesItsOptions):
     @property
     def num_pipelines(self) -> int:
         return 1 if self.emulating else self.world_size // self.num_stages
+
+    @property
+    def measuring_step(self) -> bool:
+        """Whether the per-stage metrics measure the current training step (one Lightning logs)."""
+        return self._metrics is not None and self._metrics.measuring
 
     @property
     def emulating(self) -> bool:
@@ -403,6 +414,8 @@ class PipeStrategy(DDPStrategy, metaclass=_NamesItsOptions):
         if fitting:
             self.setup_optimizers(trainer)
             checks.check_trainer(self.options.spec, trainer.accumulate_grad_batches, len(self.optimizers))
+            if self.options.quality_warning and self.is_global_zero:
+                checks.warn_quality(self.options.schedule, self.num_stages, self.optimizers[0])
             if self._runtime is None:
                 self._runtime = make_runtime(self, self._pipeline)
             self._runtime.attach(self._pipeline)

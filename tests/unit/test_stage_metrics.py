@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import warnings
 
+import pytest
 import torch
 from torch import nn
 
@@ -79,3 +80,30 @@ def test_one_pipeline_does_not_advise_sync_dist():
         train({"devices": 1, "max_steps": 2, "batch_size": 16, "evaluate": True,
                "strategy": {"schedule": "1f1b", "stages": 2}})
     assert not [w for w in caught if "sync_dist=True" in str(w.message)]
+
+
+@pytest.mark.parametrize("schedule", ["pipedream", "pipedream_2bw", "pipemare", "xpipe"])
+def test_every_stale_schedule_logs_weight_lag_on_logged_steps_only(schedule, monkeypatch):
+    """weight_lag = ||W_applied - W_used|| / ||W_applied|| per stage (docs/metrics.md): positive on stage 0, whose
+    gradients are stale, and measured only while Lightning logs the step."""
+    from lightning_pipe.engine.policies import base
+
+    calls = []
+    original = base.WeightPolicy._record_lag
+    monkeypatch.setattr(base.WeightPolicy, "_record_lag", lambda self, lag: (calls.append(self.stage), original(self, lag)))
+    record = train({"devices": 1, "max_steps": 6, "batch_size": 16, "model": {"optimizer": "sgd"},
+                    "trainer": {"log_every_n_steps": 3}, "strategy": {"schedule": schedule, "stages": 2, "micro_batches": 4}})
+    last = record["metrics"][-1]
+    assert 0 < last["pipe/stage0/weight_lag"] < 1
+    if schedule == "pipedream":  # the last stage's backward follows its forward before any STEP
+        assert last["pipe/stage1/weight_lag"] == 0
+    # logged steps 3 and 6, 4 backwards per stage each (pipemare: stage 1 is never stale, 0 without a pass)
+    assert 0 < len(calls) <= 2 * 2 * 4 + 2 * 4  # the epoch's drain may add a stage's last backwards
+
+
+def test_relative_distance():
+    from lightning_pipe.engine.policies.base import relative_distance
+
+    applied, used = [torch.tensor([3.0, 0.0]), torch.tensor([4.0])], [torch.tensor([3.0, 1.0]), torch.tensor([4.0])]
+    assert float(relative_distance(applied, used)) == pytest.approx(1 / 5)
+    assert float(relative_distance(applied, applied)) == 0.0

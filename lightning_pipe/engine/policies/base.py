@@ -34,6 +34,17 @@ def norm_of(tensors: Iterable[Tensor], scale: float = 1.0) -> Tensor | float:
     return torch.linalg.vector_norm(torch.stack([n.float() for n in norms])) * scale
 
 
+def relative_distance(applied: Iterable[Tensor], used: Iterable[Tensor]) -> Tensor:
+    """``||applied - used|| / ||applied||`` over tensor lists, as a 0-d tensor (no host synchronisation).
+
+    Per tensor, so no temporary larger than one parameter is made."""
+    applied = [t.detach() for t in applied]
+    distances = [torch.dist(a, u.detach()).float() for a, u in zip(applied, used)]
+    if not distances:
+        return torch.zeros(())
+    return torch.linalg.vector_norm(torch.stack(distances)) / norm_of(applied).clamp_min(torch.finfo(torch.float32).tiny)
+
+
 class WeightPolicy:
     """Base: one optimizer STEP per ``micro_batches`` backwards, stage-local clipping.
 
@@ -72,6 +83,12 @@ class WeightPolicy:
         self.backwards = 0
         self.used_names: set[str] = set()  # parameters that received a gradient
         self.lr_scale = 1.0  # the factor the last STEP applied to the learning rate
+        self.tracking_lag = False  # measure weight_lag in the coming backwards (on logged steps)
+        self._lag_sum: Tensor | float = 0.0
+        self._lag_count = 0
+
+    #: measure ``weight_lag`` on logged steps (``False``: never; the throughput benchmark measures the difference)
+    measure_weight_lag = True
 
     @property
     def warmup(self) -> int:
@@ -102,6 +119,17 @@ class WeightPolicy:
         self.staleness_sum += self._delay(g, tau)
         self.backwards += 1
         return nullcontext()
+
+    def track_lag(self, on: bool) -> None:
+        """Measure ``weight_lag`` in the backwards until the next call (``on``: a step Lightning logs) and
+        forget the values measured before."""
+        self.tracking_lag = on and self.measure_weight_lag
+        self._lag_sum, self._lag_count = 0.0, 0
+
+    def _record_lag(self, lag: Tensor | float) -> None:
+        """Add one backward's ``||W_applied - W_used|| / ||W_applied||`` (a 0-d tensor: read back only when logged)."""
+        self._lag_sum = self._lag_sum + lag
+        self._lag_count += 1
 
     def _delay(self, g: int, tau: int) -> int:
         """How many STEPs older than the weights it updates the gradient of ``B(g)`` is (the
@@ -144,6 +172,8 @@ class WeightPolicy:
         values = {"staleness": self.staleness_sum / max(self.backwards, 1), "weight_copies": float(self.max_copies)}
         if self._scales_lr:
             values["lr_scale"] = self.lr_scale
+        if self._lag_count:
+            values["weight_lag"] = float(self._lag_sum) / self._lag_count
         return values
 
     @property

@@ -21,7 +21,7 @@ import torch
 from torch import Tensor, nn
 from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz
 
-from lightning_pipe.engine.policies.base import WeightPolicy, norm_of
+from lightning_pipe.engine.policies.base import WeightPolicy, norm_of, relative_distance
 from lightning_pipe.optim import BasisRotationAdam
 
 
@@ -115,9 +115,13 @@ class PipeMarePolicy(_LivePolicy):
         context = super().backward(g)
         tau = self._tau[g]
         if self.delta is None or tau == 0:
+            if self.tracking_lag and self.delta is not None:  # no STEP since the forward: no lag
+                self._record_lag(0.0)
             self.load_masters()
             return context
         self.correction_norm = self._delta_norm * tau
+        if self.tracking_lag:  # the corrected weights W - tau * delta against W: ||tau * delta|| / ||W||
+            self._record_lag(self.correction_norm / norm_of(self.masters.values()).clamp_min(torch.finfo(torch.float32).tiny))
         if self.aliased:
             return self._corrected(tau)
         with torch.no_grad():
@@ -376,6 +380,8 @@ class XPipePolicy(_LivePolicy):
     def backward(self, g: int) -> ContextManager[Any]:
         context = super().backward(g)
         self._use("B", g)
+        if self.tracking_lag:  # the backward's prediction, which the parameters now hold, against the masters
+            self._record_lag(relative_distance(self.masters.values(), self.params.values()))
         return context
 
     def _before_update(self) -> None:

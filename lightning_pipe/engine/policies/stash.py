@@ -14,7 +14,7 @@ from typing import Any, ContextManager
 import torch
 from torch import Tensor, nn
 
-from lightning_pipe.engine.policies.base import Binding, WeightPolicy, detached_copy, norm_of
+from lightning_pipe.engine.policies.base import Binding, WeightPolicy, detached_copy, norm_of, relative_distance
 
 
 class _SnapshotPolicy(WeightPolicy):
@@ -63,8 +63,12 @@ class _SnapshotPolicy(WeightPolicy):
         # autograd accumulates in place into an existing .grad: point the snapshot's at the real
         # parameter's accumulator, so no gradient is copied or added a second time
         version = self.version_of[g]
-        if version is None:
+        if version is None:  # the forward ran on the parameters, which no STEP changed since: no lag
+            if self.tracking_lag:
+                self._record_lag(0.0)
             return context
+        if self.tracking_lag:  # the stashed (2BW: extrapolated) version against the weights the STEP updates
+            self._record_lag(relative_distance(self.params.values(), self.snapshots[version].values()))
         for name, snap in self.snapshots[version].items():
             snap.grad = self.params[name].grad
         # bound again: a checkpointed stage recomputes its forward inside this backward, on the version F saw

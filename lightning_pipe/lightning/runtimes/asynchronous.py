@@ -79,6 +79,9 @@ class AsyncRuntime(BaseRuntime):
         def launch(micro_batches: list[Any], stages: ModuleStages) -> list[Any]:
             if self.segments.policy is None:
                 self._start(stages, micro_batches[0])
+            measuring = self.strategy.measuring_step
+            for policy in self.segments.policies:  # weight_lag costs a pass over the weights: logged steps only
+                policy.track_lag(measuring)
             sizes = [batch_size(mb) for mb in micro_batches]
             scaler = getattr(self.strategy.precision_plugin, "scaler", None)
             return self.segments.run_window(micro_batches, [s / sum(sizes) for s in sizes], scaler.scale if scaler else None)
