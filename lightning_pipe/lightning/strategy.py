@@ -37,7 +37,7 @@ from torch import Tensor
 from torch.distributed import ReduceOp
 from torchmetrics import Metric
 
-from lightning_pipe.engine import Topology, Transport, Watchdog, batch_size, shm
+from lightning_pipe.engine import Topology, Transport, Watchdog, batch_size, ending, shm
 from lightning_pipe.engine.policies import AvgPipeOptions, DoubleBufferOptions, PipeDreamOptions, PipeMareOptions, XPipeOptions
 from lightning_pipe.engine.policies.options import Averaging, Prediction
 from lightning_pipe.engine.watchdog import FAILURE_GRACE
@@ -591,6 +591,8 @@ class PipeStrategy(DDPStrategy, metaclass=_NamesItsOptions):
 
     def on_exception(self, exception: BaseException) -> None:
         """Tell the other ranks why this one fails, and make sure none outlives the job."""
+        if self.world_size > 1:  # be gone well within the peers' reaper grace (engine/ending.py)
+            ending.skip_final_collection()
         if self._watchdog is not None:
             self._watchdog.report(exception)
             if not isinstance(exception, LightningPipeError):  # e.g. a raw collective error inside Lightning
