@@ -23,6 +23,7 @@ from lightning_pipe.errors import (
     ScheduleError,
     SharedParameterError,
     StageOutputError,
+    StartupFailure,
     TrunkError,
     TrunkUsageError,
 )
@@ -41,5 +42,5 @@ __all__ = [
     "AutoBalanceOptions", "AvgPipeOptions", "BalanceError", "CheckpointMismatchError", "DoubleBufferOptions",
     "LightningPipeError", "PeerFailure",
     "PipeConfigError", "PipeDreamOptions", "PipeMareOptions", "PipeStrategy", "PipelineTimeout", "PlanError", "ScheduleError",
-    "SharedParameterError", "StageOutputError", "TrunkError", "TrunkUsageError", "XPipeOptions", "__version__",
+    "SharedParameterError", "StageOutputError", "StartupFailure", "TrunkError", "TrunkUsageError", "XPipeOptions", "__version__",
 ]

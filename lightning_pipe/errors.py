@@ -62,7 +62,12 @@ class PipelineTimeout(LightningPipeError, TimeoutError):
     """A peer neither answered nor failed within the configured timeout."""
 
 
+class StartupFailure(LightningPipeError, RuntimeError):
+    """The ranks could not meet: the job's key-value store could not be opened or reached, or a rank
+    did not arrive within ``startup_timeout``; the message names what was awaited and where."""
+
+
 __all__ = [
     "BalanceError", "CheckpointMismatchError", "LightningPipeError", "PeerFailure", "PipeConfigError", "PipelineTimeout",
-    "PlanError", "ScheduleError", "SharedParameterError", "StageOutputError", "TrunkError", "TrunkUsageError",
+    "PlanError", "ScheduleError", "SharedParameterError", "StageOutputError", "StartupFailure", "TrunkError", "TrunkUsageError",
 ]

@@ -42,7 +42,7 @@ from lightning_pipe.engine.policies import AvgPipeOptions, DoubleBufferOptions, 
 from lightning_pipe.engine.policies.options import Averaging, Prediction
 from lightning_pipe.engine.watchdog import FAILURE_GRACE
 from lightning_pipe.errors import LightningPipeError, PipeConfigError
-from lightning_pipe.lightning import auto, checkpointing, checks
+from lightning_pipe.lightning import auto, checkpointing, checks, startup
 from lightning_pipe.lightning import options as options_module
 from lightning_pipe.lightning.launcher import PipeLauncher
 from lightning_pipe.lightning.log_replay import ignore_sync_dist_advice
@@ -323,6 +323,12 @@ class PipeStrategy(DDPStrategy, metaclass=_NamesItsOptions):
         return self._watchdog
 
     @property
+    def knows_peers(self) -> bool:
+        """Whether this rank's watchdog knows the other ranks' processes, so that a failure from now on
+        ends them through its reaper (before that, the launcher ends the ranks it started)."""
+        return self._watchdog is not None and bool(self._watchdog.peers)
+
+    @property
     def tagged(self) -> bool:
         """Whether messages may carry tags (gloo), so avgpipe's replicas need not share one FIFO order
         (NCCL); a one-stage pipeline sends none."""
@@ -352,6 +358,15 @@ class PipeStrategy(DDPStrategy, metaclass=_NamesItsOptions):
         self._counts = counts
 
     # ------------------------------------------------------------------ setup
+    def setup_distributed(self) -> None:
+        """As Lightning's, but every wait of the rendezvous is bounded by ``startup_timeout`` (:mod:`.startup`)."""
+        if self.world_size > 1 and not torch.distributed.is_initialized():
+            self.set_world_ranks()
+            assert self.cluster_environment is not None
+            startup.init_process_group(self.cluster_environment, self._get_process_group_backend(), self.global_rank,
+                                       self.world_size, self.options.startup_timeout, self.root_device)
+        super().setup_distributed()  # the group exists: Lightning only sets its own state
+
     def setup_environment(self) -> None:
         super().setup_environment()
         self._generation += 1
@@ -363,7 +378,7 @@ class PipeStrategy(DDPStrategy, metaclass=_NamesItsOptions):
         stages = 1 if self.emulating else self.num_stages
         self._topology = Topology(stages, self.num_pipelines, self.global_rank)
         with self._watchdog.guard("the other ranks to create the pipeline's process groups"):
-            self._topology.create_groups(directional=not self.tagged)
+            self._topology.create_groups(directional=not self.tagged, timeout=timedelta(seconds=self.options.startup_timeout))
             if self._transport is None:  # the executors built at the first setup keep theirs
                 self._transport = self._create_transport()
 
@@ -414,6 +429,9 @@ class PipeStrategy(DDPStrategy, metaclass=_NamesItsOptions):
         self.precision_plugin.clip_grad_by_norm = lambda optimizer, clip_val: self._pipeline.outside.clip_by_global_norm(
             optimizer, clip_val, self.root_device
         )
+        startup.end(self.topology, self.options.process_group_timeout)
+        if isinstance(self._launcher, PipeLauncher):
+            self._launcher.startup_over()
         if fitting:
             _optimizers_to_device(self.optimizers, self.root_device)
             if self.is_global_zero:  # what a save killed half-way left in a checkpoint directory of this fit

@@ -14,6 +14,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -35,6 +36,8 @@ class Case:
     expect_success: bool = False
     checkpoint: bool = False  # the case writes ckpt_out and must leave it loadable
     notes: str = ""
+    port_holder: str | None = None  # "listening" or "bound": a socket of this process holds MASTER_PORT
+    lone_rank: int | None = None  # start only this rank, as torchrun would (its rank 0 never comes)
 
 
 def cases(timeout: float) -> list[Case]:
@@ -62,9 +65,22 @@ def cases(timeout: float) -> list[Case]:
         Case(f"checkpoint save slower than timeout ({timeout * 1.5:.0f} s)",
              {**base, "max_steps": 2, "slow_save": timeout * 1.5, "ckpt_out": "<ckpt>"}, expect_success=True,
              checkpoint=True),
+        *startup_cases(base),
         Case("rank 0 killed while saving, then the next job saves there",
              {**base, "max_steps": 2, "slow_save": 0, "kill_in_save": True, "ckpt_out": "<ckpt>"}, failed_rank=0,
              checkpoint=True, notes="the second job"),
+    ]
+
+
+def startup_cases(base: dict, startup_timeout: float = 5.0) -> list[Case]:
+    """Faults before training: the port taken, a rank whose rank 0 never comes (issue 29)."""
+    config = {**base, "strategy": {**base["strategy"], "startup_timeout": startup_timeout}}
+    return [
+        Case("MASTER_PORT taken by a listening process", config, port_holder="listening"),
+        Case("MASTER_PORT taken by a non-listening socket", config, port_holder="bound"),
+        Case(f"a lone rank 1, nothing at MASTER_PORT (startup_timeout={startup_timeout:g})", config, lone_rank=1),
+        Case(f"a lone rank 1, another program at MASTER_PORT (startup_timeout={startup_timeout:g})", config, lone_rank=1,
+             port_holder="listening"),
     ]
 
 
@@ -75,6 +91,8 @@ class Outcome:
     named: bool | None
     orphans: list[int] = field(default_factory=list)
     checkpoint_ok: bool | None = None
+    sentence: str | None = None  # the last lightning_pipe error line of the output
+    output: str = field(default="", repr=False)
 
 
 def _job_processes(session: int) -> list[int]:
@@ -86,9 +104,19 @@ def _job_processes(session: int) -> list[int]:
 def run(case: Case, limit: float) -> Outcome:
     with tempfile.TemporaryDirectory() as out:
         config = json.loads(json.dumps(case.config).replace("<ckpt>", os.path.join(out, "model.ckpt")))
+        env = job_environment()
+        holder = None
+        if case.port_holder is not None:
+            holder = socket.socket()
+            holder.bind(("127.0.0.1", int(env["MASTER_PORT"])))
+            if case.port_holder == "listening":
+                holder.listen()
+        if case.lone_rank is not None:
+            env.update(WORLD_SIZE=str(config["devices"]), NODE_RANK="0", LOCAL_RANK=str(case.lone_rank),
+                       RANK=str(case.lone_rank))
         started = time.time()
         proc = subprocess.Popen([sys.executable, SCRIPT, json.dumps(config), out], stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, text=True, env=job_environment(), start_new_session=True)
+                                stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True)
         try:
             output, _ = proc.communicate(timeout=limit)
             code: int | str = proc.returncode
@@ -97,6 +125,8 @@ def run(case: Case, limit: float) -> Outcome:
             os.killpg(proc.pid, signal.SIGKILL)
             output, _ = proc.communicate()
         ended = time.time()
+        if holder is not None:
+            holder.close()
         deadline = time.time() + 15  # the reaper's grace, then look
         while _job_processes(proc.pid) and time.time() < deadline:
             time.sleep(0.2)
@@ -121,4 +151,5 @@ def run(case: Case, limit: float) -> Outcome:
                                timeout=limit)
             path = os.path.join(out, "model.ckpt")
             checkpoint_ok = os.path.exists(path) and not any(".partial-" in f for f in os.listdir(out))
-        return Outcome(code, seconds, named, orphans, checkpoint_ok)
+        errors = re.findall(r"^(?:\[rank\d\]: )?lightning_pipe\.errors\.(\w+: .*)$", output, re.MULTILINE)
+        return Outcome(code, seconds, named, orphans, checkpoint_ok, errors[-1] if errors else None, output)
