@@ -14,6 +14,7 @@ from importlib.util import find_spec
 from lightning_pipe.engine.policies import AvgPipeOptions, DoubleBufferOptions, PipeDreamOptions, PipeMareOptions, XPipeOptions
 from lightning_pipe.errors import (
     BalanceError,
+    CheckpointFileError,
     CheckpointMismatchError,
     LightningPipeError,
     PeerFailure,
@@ -39,7 +40,7 @@ if find_spec("lightning") is not None:
     PipeStrategy.register_strategies(StrategyRegistry)
 
 __all__ = [
-    "AutoBalanceOptions", "AvgPipeOptions", "BalanceError", "CheckpointMismatchError", "DoubleBufferOptions",
+    "AutoBalanceOptions", "AvgPipeOptions", "BalanceError", "CheckpointFileError", "CheckpointMismatchError", "DoubleBufferOptions",
     "LightningPipeError", "PeerFailure",
     "PipeConfigError", "PipeDreamOptions", "PipeMareOptions", "PipeStrategy", "PipelineTimeout", "PlanError", "ScheduleError",
     "SharedParameterError", "StageOutputError", "StartupFailure", "TrunkError", "TrunkUsageError", "XPipeOptions", "__version__",

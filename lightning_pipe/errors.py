@@ -53,6 +53,14 @@ class CheckpointMismatchError(LightningPipeError, KeyError):
         return str(self.args[0])
 
 
+class CheckpointFileError(LightningPipeError, OSError):
+    """A checkpoint file cannot be read (truncated, corrupted, or not a checkpoint); the message names
+    the file and the cause."""
+
+    def __str__(self) -> str:  # OSError would prefix an errno
+        return str(self.args[0])
+
+
 # ---------------------------------------------------------------------------- failures at run time
 class PeerFailure(LightningPipeError, RuntimeError):
     """Another rank of the job raised; its rank and error message are included."""
@@ -68,6 +76,7 @@ class StartupFailure(LightningPipeError, RuntimeError):
 
 
 __all__ = [
-    "BalanceError", "CheckpointMismatchError", "LightningPipeError", "PeerFailure", "PipeConfigError", "PipelineTimeout",
-    "PlanError", "ScheduleError", "SharedParameterError", "StageOutputError", "StartupFailure", "TrunkError", "TrunkUsageError",
+    "BalanceError", "CheckpointFileError", "CheckpointMismatchError", "LightningPipeError", "PeerFailure", "PipeConfigError",
+    "PipelineTimeout", "PlanError", "ScheduleError", "SharedParameterError", "StageOutputError", "StartupFailure", "TrunkError",
+    "TrunkUsageError",
 ]

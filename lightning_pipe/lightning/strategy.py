@@ -41,7 +41,7 @@ from lightning_pipe.engine import Topology, Transport, Watchdog, batch_size, end
 from lightning_pipe.engine.policies import AvgPipeOptions, DoubleBufferOptions, PipeDreamOptions, PipeMareOptions, XPipeOptions
 from lightning_pipe.engine.policies.options import Averaging, Prediction
 from lightning_pipe.engine.watchdog import FAILURE_GRACE
-from lightning_pipe.errors import LightningPipeError, PipeConfigError
+from lightning_pipe.errors import CheckpointMismatchError, LightningPipeError, PipeConfigError
 from lightning_pipe.lightning import auto, checkpointing, checks, startup
 from lightning_pipe.lightning import options as options_module
 from lightning_pipe.lightning.launcher import PipeLauncher
@@ -276,6 +276,7 @@ class PipeStrategy(DDPStrategy, metaclass=_NamesItsOptions):
         self._tracer: RunTracer | None = None
         self._metrics: StageMetrics | None = None
         self._generation = 0
+        self._loading: Any = None  # the checkpoint file being restored, for error messages
 
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
@@ -558,8 +559,17 @@ class PipeStrategy(DDPStrategy, metaclass=_NamesItsOptions):
         if self.is_global_zero:
             checkpointing.atomic_save(self.checkpoint_io, checkpoint, filepath, storage_options)
 
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        """Read the file; one that cannot be read fails with :class:`~lightning_pipe.CheckpointFileError` naming it."""
+        self._loading = checkpoint_path
+        return checkpointing.read(self.checkpoint_io, checkpoint_path, weights_only)
+
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
-        checkpointing.load_module_state(self.lightning_module, checkpoint["state_dict"], self._pipeline, strict)
+        try:
+            checkpointing.load_module_state(self.lightning_module, checkpoint["state_dict"], self._pipeline, strict)
+        except CheckpointMismatchError as error:
+            where = f"{self._loading}: " if self._loading is not None else ""
+            raise CheckpointMismatchError(f"{where}{error}") from None
 
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:
         if self._runtime is not None:
