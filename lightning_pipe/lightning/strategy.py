@@ -32,6 +32,7 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor
 from torch.distributed import ReduceOp
@@ -42,13 +43,14 @@ from lightning_pipe.engine.policies import AvgPipeOptions, DoubleBufferOptions, 
 from lightning_pipe.engine.policies.options import Averaging, Prediction
 from lightning_pipe.engine.watchdog import FAILURE_GRACE
 from lightning_pipe.errors import CheckpointMismatchError, LightningPipeError, PipeConfigError
-from lightning_pipe.lightning import auto, checkpointing, checks, startup
+from lightning_pipe.lightning import _compat, auto, checkpointing, checks, preemption, startup
 from lightning_pipe.lightning import options as options_module
 from lightning_pipe.lightning.launcher import PipeLauncher
 from lightning_pipe.lightning.log_replay import ignore_sync_dist_advice
 from lightning_pipe.lightning.model_summary import freeze_model_summaries
 from lightning_pipe.lightning.options import PipeOptions
 from lightning_pipe.lightning.pipeline import StagePipeline
+from lightning_pipe.lightning.preemption import Preemption
 from lightning_pipe.lightning.runtimes import Runtime, make_runtime, unwrapped
 from lightning_pipe.lightning.stage_metrics import StageMetrics
 from lightning_pipe.planning.auto_balance import AutoBalanceOptions
@@ -277,6 +279,7 @@ class PipeStrategy(DDPStrategy, metaclass=_NamesItsOptions):
         self._metrics: StageMetrics | None = None
         self._generation = 0
         self._loading: Any = None  # the checkpoint file being restored, for error messages
+        self._preemption: Preemption | None = None
 
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
@@ -372,6 +375,9 @@ class PipeStrategy(DDPStrategy, metaclass=_NamesItsOptions):
         super().setup_environment()
         self._generation += 1
         self._watchdog = Watchdog.from_process_group(self.options.timeout, self._generation)
+        if self._preemption is None:
+            forward = self._launcher.kill if isinstance(self._launcher, PipeLauncher) and self._launcher.procs else None
+            self._preemption = Preemption(self.global_rank, self.options.timeout, self.options.checkpoint_timeout, forward)
         self._watchdog.listen(self.world_size)  # before the collective below: every listener counts
         with self._watchdog.guard("the other ranks to start"):
             self._watchdog.learn_peers()  # who to end if this rank gives up on a hung one
@@ -477,6 +483,7 @@ class PipeStrategy(DDPStrategy, metaclass=_NamesItsOptions):
         its loss on every rank. Flushing schedules run one whole step here; asynchronous ones one
         window of the stream, with optimizer steps inside."""
         assert self._runtime is not None and self._metrics is not None
+        self._stop_on_sigterm()
         if self._tracer is not None:
             self._tracer.start_step()
         self._metrics.begin()
@@ -508,7 +515,41 @@ class PipeStrategy(DDPStrategy, metaclass=_NamesItsOptions):
 
     def on_validation_start(self) -> None:
         self._drain()
+        self._handle_sigterm()
         super().on_validation_start()
+
+    def on_train_start(self) -> None:
+        self._handle_sigterm()
+        super().on_train_start()
+
+    def on_test_start(self) -> None:
+        self._handle_sigterm()
+        super().on_test_start()
+
+    def on_predict_start(self) -> None:
+        self._handle_sigterm()
+        super().on_predict_start()
+
+    # ------------------------------------------------------------------ preemption (SIGTERM)
+    def _handle_sigterm(self) -> None:
+        """Replace Lightning's SIGTERM handler, which calls a collective inside the signal handler (:mod:`.preemption`)."""
+        if self._preemption is not None:
+            self._preemption.install()
+
+    def _stop_on_sigterm(self) -> None:
+        """At a step boundary, every rank in step: did any rank receive SIGTERM? Then all stop after this batch."""
+        if self._preemption is None:
+            return
+        self._handle_sigterm()
+        received = self._preemption.pending
+        if self.world_size > 1:
+            flag = torch.tensor([int(received)], device=self.root_device)
+            with self._guard("every rank at the step boundary (the SIGTERM check)"):
+                torch.distributed.all_reduce(flag, op=ReduceOp.MAX)
+            received = bool(flag.item())
+        trainer = self.lightning_module.trainer
+        if self._preemption.stop_now(received) and not trainer.received_sigterm:
+            _compat.set_received_sigterm(trainer)
 
     def on_train_end(self) -> None:
         self._drain()
@@ -533,6 +574,7 @@ class PipeStrategy(DDPStrategy, metaclass=_NamesItsOptions):
 
     def _forward_step(self, hook: str, args: tuple, kwargs: dict) -> Any:
         assert self._pipeline is not None
+        self._stop_on_sigterm()
         return self._pipeline.forward_step(hook, args, kwargs)
 
     # ------------------------------------------------------------------ checkpoints
@@ -613,6 +655,8 @@ class PipeStrategy(DDPStrategy, metaclass=_NamesItsOptions):
         return self._watchdog.guard(what) if self._watchdog is not None else nullcontext()
 
     def teardown(self) -> None:
+        if self._preemption is not None:
+            self._preemption.uninstall()
         if self._watchdog is not None:
             self._watchdog.close()
         super().teardown()
@@ -621,6 +665,13 @@ class PipeStrategy(DDPStrategy, metaclass=_NamesItsOptions):
         """Tell the other ranks why this one fails, and make sure none outlives the job."""
         if self.world_size > 1:  # be gone well within the peers' reaper grace (engine/ending.py)
             ending.skip_final_collection()
+        if isinstance(exception, SIGTERMException):  # every rank stops at the same batch: not a failure to report
+            if self.is_global_zero:
+                log.warning(preemption.outcome(self.lightning_module.trainer))
+            if self._watchdog is not None:
+                self._watchdog.end_stragglers(FAILURE_GRACE)
+            super().on_exception(exception)
+            return
         if self._watchdog is not None:
             self._watchdog.report(exception)
             if not isinstance(exception, LightningPipeError):  # e.g. a raw collective error inside Lightning

@@ -10,6 +10,7 @@ whether the checkpoint was written and no temporary file survived.
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import re
@@ -20,6 +21,8 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
+
+import torch
 
 from tests.harness.distributed import job_environment
 
@@ -38,6 +41,8 @@ class Case:
     notes: str = ""
     port_holder: str | None = None  # "listening" or "bound": a socket of this process holds MASTER_PORT
     lone_rank: int | None = None  # start only this rank, as torchrun would (its rank 0 never comes)
+    says: str | None = None  # words the output must hold (counted as "named")
+    written: str | None = None  # a glob under the job's directory that must match a loadable checkpoint
 
 
 def cases(timeout: float) -> list[Case]:
@@ -66,6 +71,7 @@ def cases(timeout: float) -> list[Case]:
              {**base, "max_steps": 2, "slow_save": timeout * 1.5, "ckpt_out": "<ckpt>"}, expect_success=True,
              checkpoint=True),
         *startup_cases(base),
+        *sigterm_cases(base),
         Case("rank 0 killed while saving, then the next job saves there",
              {**base, "max_steps": 2, "slow_save": 0, "kill_in_save": True, "ckpt_out": "<ckpt>"}, failed_rank=0,
              checkpoint=True, notes="the second job"),
@@ -84,6 +90,24 @@ def startup_cases(base: dict, startup_timeout: float = 5.0) -> list[Case]:
     ]
 
 
+def sigterm_cases(base: dict) -> list[Case]:
+    """SIGTERM to the job's whole process group at step 2 (a preemption), with and without the callbacks
+    that write a checkpoint then (issue 29)."""
+    config = {**base, "max_steps": 12, "model": {"fault": {"kind": "sigterm", "rank": 0, "step": 2}}}
+    on_exception = {"on_exception_ckpt": "<out>/exc"}
+    every_step = {"every_step_ckpt": "<out>/steps"}
+    stopped = "the job stopped on SIGTERM at step "
+    return [
+        Case("SIGTERM, no checkpoint callback", config, says=stopped, notes="exit 0, as Lightning's own stop"),
+        Case("SIGTERM with OnExceptionCheckpoint", {**config, **on_exception}, says=stopped, written="exc/on_exception.ckpt",
+             checkpoint=True),
+        Case("SIGTERM with ModelCheckpoint (every step)", {**config, **every_step}, says=stopped, written="steps/*.ckpt",
+             checkpoint=True),
+        Case("SIGTERM with both", {**config, **on_exception, **every_step}, says=stopped, written="exc/on_exception.ckpt",
+             checkpoint=True),
+    ]
+
+
 @dataclass
 class Outcome:
     code: int | str
@@ -95,6 +119,13 @@ class Outcome:
     output: str = field(default="", repr=False)
 
 
+def _loads(path: str) -> bool:
+    try:
+        return "state_dict" in torch.load(path, weights_only=True)
+    except Exception:
+        return False
+
+
 def _job_processes(session: int) -> list[int]:
     """Live, non-zombie processes of the session ``session``."""
     listing = subprocess.run(["ps", "-eo", "pid,sid,stat"], capture_output=True, text=True).stdout.splitlines()[1:]
@@ -103,7 +134,7 @@ def _job_processes(session: int) -> list[int]:
 
 def run(case: Case, limit: float) -> Outcome:
     with tempfile.TemporaryDirectory() as out:
-        config = json.loads(json.dumps(case.config).replace("<ckpt>", os.path.join(out, "model.ckpt")))
+        config = json.loads(json.dumps(case.config).replace("<ckpt>", os.path.join(out, "model.ckpt")).replace("<out>", out))
         env = job_environment()
         holder = None
         if case.port_holder is not None:
@@ -138,7 +169,9 @@ def run(case: Case, limit: float) -> Outcome:
         fault_at = float(injected.group(1)) if injected else None
         seconds = (gone if orphans or gone > ended + 0.3 else ended) - (fault_at or started) if code != "hung" else None
         named = None
-        if case.failed_rank is not None:
+        if case.says is not None:
+            named = case.says in output
+        elif case.failed_rank is not None:
             survivors = [line for line in output.splitlines()
                          if ("PeerFailure" in line or "PipelineTimeout" in line) and not line.startswith(("  ", "[rank"))
                          or ("lightning_pipe." in line and ("PeerFailure" in line or "PipelineTimeout" in line))]
@@ -149,7 +182,11 @@ def run(case: Case, limit: float) -> Outcome:
                 rerun = {**config, "kill_in_save": False}
                 subprocess.run([sys.executable, SCRIPT, json.dumps(rerun), out], capture_output=True, env=job_environment(),
                                timeout=limit)
-            path = os.path.join(out, "model.ckpt")
-            checkpoint_ok = os.path.exists(path) and not any(".partial-" in f for f in os.listdir(out))
+            if case.written is not None:
+                found = sorted(glob.glob(os.path.join(out, case.written)))
+                checkpoint_ok = bool(found) and _loads(found[-1])
+            else:
+                path = os.path.join(out, "model.ckpt")
+                checkpoint_ok = os.path.exists(path) and not any(".partial-" in f for f in os.listdir(out))
         errors = re.findall(r"^(?:\[rank\d\]: )?lightning_pipe\.errors\.(\w+: .*)$", output, re.MULTILINE)
         return Outcome(code, seconds, named, orphans, checkpoint_ok, errors[-1] if errors else None, output)
