@@ -6,7 +6,10 @@ Each case runs ``tests/harness/lightning_run.py`` (the test suite's small model,
 in a session of its own with one fault: a rank stopped (SIGSTOP: hung outside Python), killed
 (SIGKILL), asleep inside its step (hung in Python), raising in its step or in a hook, at start-up, a
 checkpoint save slower than the pipeline ``timeout``, a rank killed in the middle of a checkpoint
-save. Per run it records how the job ended, the seconds from the fault to the last process of the
+save; at start-up, MASTER_PORT taken (by a listening and a non-listening holder) and a lone rank whose
+rank 0 never comes (``startup_timeout=5``); SIGTERM and SIGINT to the job's process group, with and
+without the callbacks that write a checkpoint then (for the start-up cases the seconds count from the
+job's start, not from a fault). Per run it records how the job ended, the seconds from the fault to the last process of the
 job gone, whether a surviving rank's error names the failed rank, the processes of the job still
 alive afterwards (orphans; exited-but-unreaped zombies excluded) and, for the save cases, whether the
 checkpoint was written and whether a leftover temporary file survived the next save.

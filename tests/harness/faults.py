@@ -72,6 +72,7 @@ def cases(timeout: float) -> list[Case]:
              checkpoint=True),
         *startup_cases(base),
         *sigterm_cases(base),
+        *sigint_cases(base),
         Case("rank 0 killed while saving, then the next job saves there",
              {**base, "max_steps": 2, "slow_save": 0, "kill_in_save": True, "ckpt_out": "<ckpt>"}, failed_rank=0,
              checkpoint=True, notes="the second job"),
@@ -105,6 +106,16 @@ def sigterm_cases(base: dict) -> list[Case]:
              checkpoint=True),
         Case("SIGTERM with both", {**config, **on_exception, **every_step}, says=stopped, written="exc/on_exception.ckpt",
              checkpoint=True),
+    ]
+
+
+def sigint_cases(base: dict) -> list[Case]:
+    """SIGINT (Ctrl+C) to the job's whole process group at step 2: Lightning's own handling (benchmark only)."""
+    config = {**base, "max_steps": 12, "model": {"fault": {"kind": "sigint", "rank": 0, "step": 2}}}
+    return [
+        Case("SIGINT, no checkpoint callback", config, says="KeyboardInterrupt"),
+        Case("SIGINT with OnExceptionCheckpoint", {**config, "on_exception_ckpt": "<out>/exc"}, says="KeyboardInterrupt",
+             written="exc/on_exception.ckpt", checkpoint=True),
     ]
 
 

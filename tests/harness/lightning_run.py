@@ -103,8 +103,8 @@ class TrunkModel(L.LightningModule):
             os.kill(os.getpid(), signal.SIGKILL)
         elif fault["kind"] == "sleep":
             time.sleep(3600)
-        elif fault["kind"] == "sigterm":  # what a cluster scheduler sends at preemption: the whole process group
-            os.killpg(os.getpgid(0), signal.SIGTERM)
+        elif fault["kind"] in ("sigterm", "sigint"):  # a scheduler's preemption, a Ctrl+C: to the whole process group
+            os.killpg(os.getpgid(0), signal.SIGTERM if fault["kind"] == "sigterm" else signal.SIGINT)
 
     def training_step(self, batch, batch_idx):
         self.inject(batch_idx)
