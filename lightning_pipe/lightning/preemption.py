@@ -54,18 +54,17 @@ class Preemption:
         self.received: float | None = None  # time.monotonic() of the first SIGTERM
         self.agreed: float | None = None  # when the ranks agreed to stop
         self.active = False
-        self._watcher: threading.Thread | None = None
 
     def install(self) -> None:
         """Handle SIGTERM here instead of Lightning (from the main thread; again after Lightning
         registered its own at the start of a run)."""
         if threading.current_thread() is not threading.main_thread():
             return
-        self.active = True
+        global _current
+        self.active, _current = True, self
         if signal.getsignal(signal.SIGTERM) != self._handler:
             signal.signal(signal.SIGTERM, self._handler)
-        if self._watcher is None:
-            self._watcher = self._start_watcher()
+        _start_watcher()
 
     def uninstall(self) -> None:
         """The run is over: the watcher no longer ends this process (Lightning restores the handlers)."""
@@ -91,41 +90,51 @@ class Preemption:
         """Whether this rank received SIGTERM."""
         return self.received is not None
 
-    # ------------------------------------------------------------------ the bound
-    def _start_watcher(self) -> threading.Thread | None:
-        read, write = os.pipe()
-        os.set_blocking(write, False)
-        try:
-            previous = signal.set_wakeup_fd(write, warn_on_full_buffer=False)
-        except ValueError:  # not the main thread
-            previous = -1
-        if previous != -1:  # someone else (asyncio) uses the wakeup fd: leave it to them, no bound here
-            signal.set_wakeup_fd(previous)
-            os.close(read), os.close(write)
-            return None
-        watcher = threading.Thread(target=self._watch, args=(read,), daemon=True, name="lightning-pipe-sigterm")
-        watcher.start()
-        return watcher
+    def overdue(self, signalled: float) -> str | None:
+        """Why this rank must end now, ``signalled`` (monotonic) after SIGTERM arrived; ``None``: not yet."""
+        now = time.monotonic()
+        if self.agreed is None and now - signalled > self.timeout + FAILURE_GRACE:
+            return (f"did not reach a step boundary within {self.timeout + FAILURE_GRACE:.0f} s of SIGTERM (it or a peer "
+                    "is blocked)")
+        if self.agreed is not None and now - self.agreed > self.checkpoint_timeout + FAILURE_GRACE:
+            return f"did not end within {self.checkpoint_timeout + FAILURE_GRACE:.0f} s of stopping on SIGTERM"
+        return None
 
-    def _watch(self, read: int) -> None:
+
+# ---------------------------------------------------------------------- the bound: one watcher per process
+_current: Preemption | None = None  # the run being watched (a process may run several fits)
+_watching = False
+
+
+def _start_watcher() -> None:
+    """Once per process: a thread woken through ``signal.set_wakeup_fd`` by every signal, which bounds the
+    current run's stop after a SIGTERM."""
+    global _watching
+    if _watching:
+        return
+    read, write = os.pipe()
+    os.set_blocking(write, False)
+    previous = signal.set_wakeup_fd(write, warn_on_full_buffer=False)
+    if previous != -1:  # someone else (asyncio) uses the wakeup fd: leave it to them, no bound here
+        signal.set_wakeup_fd(previous)
+        os.close(read), os.close(write)
+        return
+    _watching = True
+    threading.Thread(target=_watch, args=(read,), daemon=True, name="lightning-pipe-sigterm").start()
+
+
+def _watch(read: int) -> None:
+    while True:
         while signal.SIGTERM not in os.read(read, 64):
             pass
         signalled = time.monotonic()
-        while True:
+        while (run := _current) is not None and run.active:
+            why = run.overdue(signalled)
+            if why is not None:
+                sys.stderr.write(f"lightning_pipe: rank {run.rank} {why}; exiting without a checkpoint.\n")
+                sys.stderr.flush()
+                os._exit(128 + signal.SIGTERM)
             time.sleep(0.2)
-            if not self.active:
-                return
-            now = time.monotonic()
-            if self.agreed is None and now - signalled > self.timeout + FAILURE_GRACE:
-                why = (f"did not reach a step boundary within {self.timeout + FAILURE_GRACE:.0f} s of SIGTERM (it or a peer is "
-                       "blocked)")
-            elif self.agreed is not None and now - self.agreed > self.checkpoint_timeout + FAILURE_GRACE:
-                why = f"did not end within {self.checkpoint_timeout + FAILURE_GRACE:.0f} s of stopping on SIGTERM"
-            else:
-                continue
-            sys.stderr.write(f"lightning_pipe: rank {self.rank} {why}; exiting without a checkpoint.\n")
-            sys.stderr.flush()
-            os._exit(128 + signal.SIGTERM)
 
 
 def outcome(trainer: Any) -> str:

@@ -52,7 +52,8 @@ def init_process_group(environment: Any, backend: str, rank: int, world_size: in
     log.info(f"Initializing distributed: GLOBAL_RANK: {rank}, MEMBER: {rank + 1}/{world_size}")
     timeout = timedelta(seconds=startup_timeout)
     try:
-        store = _within(lambda: dist.TCPStore(address, port, world_size, is_master=rank == 0, timeout=timeout),
+        store = _within(lambda: dist.TCPStore(address, port, world_size, is_master=rank == 0, timeout=timeout,
+                                              multi_tenant=True),  # as torch's own: a later fit in this process reuses the port
                         startup_timeout + STORE_MARGIN)
     except TimeoutError:  # torch's handshake with a peer that accepted has no deadline; its connect retries overrun
         reason = (TimeoutError("nothing listens there") if not _listens(address, port) else
