@@ -24,7 +24,7 @@ from lightning.fabric.utilities.distributed import _set_num_threads_if_needed
 from lightning.pytorch import LightningModule
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 
-from lightning_pipe.engine.watchdog import FAILURE_GRACE
+from lightning_pipe.engine.watchdog import FAILURE_GRACE, process_alive
 from lightning_pipe.lightning.checks import check_loader, check_model
 
 if TYPE_CHECKING:
@@ -113,7 +113,9 @@ class LauncherWatch(threading.Thread):
     def start_if_launched(cls) -> LauncherWatch | None:
         """Start watching when this process was started by a :class:`PipeLauncher`."""
         launcher = os.environ.get(LAUNCHER_ENV)
-        if launcher is None or int(launcher) != os.getppid():
+        # not our parent: either it is gone already (it failed while this rank was importing), or this process
+        # is not one of its ranks (the variable was inherited further down)
+        if launcher is None or (int(launcher) != os.getppid() and process_alive(int(launcher))):
             return None
         watch = cls(int(launcher), FAILURE_GRACE)
         watch.start()
