@@ -35,7 +35,7 @@ def main() -> None:
     args = parser.parse_args()
     limit = args.timeout * 6 + 120
     print(f"Each job: 2 CPU processes, 1F1B, timeout={args.timeout:g} s; {args.runs} runs per case.\n")
-    print("| case | ended | seconds after the fault (per run) | failed rank named | orphans | checkpoint |")
+    print("| case | ended | seconds after the fault (per run) | failed rank named (or the stop said) | orphans | checkpoint |")
     print("|---|---|---|---|---|---|")
     for case in cases(args.timeout):
         if args.cases and not any(s in case.name for s in args.cases):
@@ -44,7 +44,8 @@ def main() -> None:
         codes = sorted({str(o.code) for o in outcomes})
         ended = ("ok" if codes == ["0"] else f"exit {', '.join(codes)}") if "hung" not in codes else "HUNG"
         seconds = ", ".join("-" if o.seconds is None else f"{o.seconds:.1f}" for o in outcomes)
-        named = "-" if case.failed_rank is None else f"{sum(bool(o.named) for o in outcomes)}/{len(outcomes)}"
+        named = ("-" if case.failed_rank is None and case.says is None
+                 else f"{sum(bool(o.named) for o in outcomes)}/{len(outcomes)}")
         orphans = sum(len(o.orphans) for o in outcomes)
         checkpoint = "-" if not case.checkpoint else f"{sum(bool(o.checkpoint_ok) for o in outcomes)}/{len(outcomes)} written"
         print(f"| {case.name} | {ended} | {seconds} | {named} | {orphans} | {checkpoint} |", flush=True)
