@@ -6,7 +6,10 @@ Each case runs ``tests/harness/lightning_run.py`` (the test suite's small model,
 in a session of its own with one fault: a rank stopped (SIGSTOP: hung outside Python), killed
 (SIGKILL), asleep inside its step (hung in Python), raising in its step or in a hook, at start-up, a
 checkpoint save slower than the pipeline ``timeout``, a rank killed in the middle of a checkpoint
-save. Per run it records how the job ended, the seconds from the fault to the last process of the
+save; at start-up, MASTER_PORT taken (by a listening and a non-listening holder) and a lone rank whose
+rank 0 never comes (``startup_timeout=5``); SIGTERM and SIGINT to the job's process group, with and
+without the callbacks that write a checkpoint then (for the start-up cases the seconds count from the
+job's start, not from a fault). Per run it records how the job ended, the seconds from the fault to the last process of the
 job gone, whether a surviving rank's error names the failed rank, the processes of the job still
 alive afterwards (orphans; exited-but-unreaped zombies excluded) and, for the save cases, whether the
 checkpoint was written and whether a leftover temporary file survived the next save.
@@ -32,7 +35,7 @@ def main() -> None:
     args = parser.parse_args()
     limit = args.timeout * 6 + 120
     print(f"Each job: 2 CPU processes, 1F1B, timeout={args.timeout:g} s; {args.runs} runs per case.\n")
-    print("| case | ended | seconds after the fault (per run) | failed rank named | orphans | checkpoint |")
+    print("| case | ended | seconds after the fault (per run) | failed rank named (or the stop said) | orphans | checkpoint |")
     print("|---|---|---|---|---|---|")
     for case in cases(args.timeout):
         if args.cases and not any(s in case.name for s in args.cases):
@@ -41,7 +44,8 @@ def main() -> None:
         codes = sorted({str(o.code) for o in outcomes})
         ended = ("ok" if codes == ["0"] else f"exit {', '.join(codes)}") if "hung" not in codes else "HUNG"
         seconds = ", ".join("-" if o.seconds is None else f"{o.seconds:.1f}" for o in outcomes)
-        named = "-" if case.failed_rank is None else f"{sum(bool(o.named) for o in outcomes)}/{len(outcomes)}"
+        named = ("-" if case.failed_rank is None and case.says is None
+                 else f"{sum(bool(o.named) for o in outcomes)}/{len(outcomes)}")
         orphans = sum(len(o.orphans) for o in outcomes)
         checkpoint = "-" if not case.checkpoint else f"{sum(bool(o.checkpoint_ok) for o in outcomes)}/{len(outcomes)} written"
         print(f"| {case.name} | {ended} | {seconds} | {named} | {orphans} | {checkpoint} |", flush=True)

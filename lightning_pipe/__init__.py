@@ -16,8 +16,10 @@ from lightning_pipe.engine.policies import AvgPipeOptions, DoubleBufferOptions, 
 from lightning_pipe.errors import (
     AsyncQualityWarning,
     BalanceError,
+    CheckpointFileError,
     CheckpointMismatchError,
     LightningPipeError,
+    MessageMismatchError,
     PeerFailure,
     PipeConfigError,
     PipelineTimeout,
@@ -25,6 +27,7 @@ from lightning_pipe.errors import (
     ScheduleError,
     SharedParameterError,
     StageOutputError,
+    StartupFailure,
     TrunkError,
     TrunkUsageError,
 )
@@ -40,8 +43,9 @@ if find_spec("lightning") is not None:
     PipeStrategy.register_strategies(StrategyRegistry)
 
 __all__ = [
-    "AsyncQualityWarning", "AutoBalanceOptions", "AvgPipeOptions", "BalanceError", "CheckpointMismatchError", "DoubleBufferOptions",
-    "LightningPipeError", "PeerFailure",
+    "AsyncQualityWarning", "AutoBalanceOptions", "AvgPipeOptions", "BalanceError", "CheckpointFileError",
+    "CheckpointMismatchError", "DoubleBufferOptions",
+    "LightningPipeError", "MessageMismatchError", "PeerFailure",
     "PipeConfigError", "PipeDreamOptions", "PipeMareOptions", "PipeStrategy", "PipelineTimeout", "PlanError", "ScheduleError",
-    "SharedParameterError", "StageOutputError", "TrunkError", "TrunkUsageError", "XPipeOptions", "__version__",
+    "SharedParameterError", "StageOutputError", "StartupFailure", "TrunkError", "TrunkUsageError", "XPipeOptions", "__version__",
 ]

@@ -58,6 +58,14 @@ class CheckpointMismatchError(LightningPipeError, KeyError):
         return str(self.args[0])
 
 
+class CheckpointFileError(LightningPipeError, OSError):
+    """A checkpoint file cannot be read (truncated, corrupted, or not a checkpoint); the message names
+    the file and the cause."""
+
+    def __str__(self) -> str:  # OSError would prefix an errno
+        return str(self.args[0])
+
+
 # ---------------------------------------------------------------------------- failures at run time
 class PeerFailure(LightningPipeError, RuntimeError):
     """Another rank of the job raised; its rank and error message are included."""
@@ -65,6 +73,11 @@ class PeerFailure(LightningPipeError, RuntimeError):
 
 class PipelineTimeout(LightningPipeError, TimeoutError):
     """A peer neither answered nor failed within the configured timeout."""
+
+
+class StartupFailure(LightningPipeError, RuntimeError):
+    """The ranks could not meet: the job's key-value store could not be opened or reached, or a rank
+    did not arrive within ``startup_timeout``; the message names what was awaited and where."""
 
 
 # ---------------------------------------------------------------------------- warnings
@@ -75,7 +88,7 @@ class AsyncQualityWarning(UserWarning):
 
 
 __all__ = [
-    "AsyncQualityWarning", "BalanceError", "CheckpointMismatchError", "LightningPipeError", "MessageMismatchError", "PeerFailure",
-    "PipeConfigError", "PipelineTimeout", "PlanError", "ScheduleError", "SharedParameterError", "StageOutputError",
-    "TrunkError", "TrunkUsageError",
+    "AsyncQualityWarning", "BalanceError", "CheckpointFileError", "CheckpointMismatchError", "LightningPipeError",
+    "MessageMismatchError", "PeerFailure", "PipeConfigError", "PipelineTimeout", "PlanError", "ScheduleError",
+    "SharedParameterError", "StageOutputError", "StartupFailure", "TrunkError", "TrunkUsageError",
 ]

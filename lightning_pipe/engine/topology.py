@@ -9,6 +9,7 @@ one group per point-to-point channel, a direction of a pair and a message kind (
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
@@ -55,24 +56,35 @@ class Topology:
         """Global ranks holding this rank's stage, one per pipeline."""
         return [p * self.stages + self.stage for p in range(self.pipelines)]
 
-    def create_groups(self, directional: bool = False) -> None:
+    def create_groups(self, directional: bool = False, timeout: timedelta | None = None) -> None:
         """Create the pipeline and stage groups (every rank must call this, in the same order).
 
         Args:
             directional: also create :attr:`channel_groups`, a group of every rank per direction and
                 message kind for point-to-point messages (:class:`~lightning_pipe.engine.p2p.ChannelGroups`;
-                untagged backends, i.e. NCCL)."""
+                untagged backends, i.e. NCCL).
+            timeout: the groups' timeout for collectives (torch's default when ``None``: 30 min on gloo);
+                :meth:`set_timeout` changes it later."""
         if self.world_size == 1 or not dist.is_initialized():
             return
         if directional and self.stages > 1:
             self.channel_groups = ChannelGroups.create()
         for p in range(self.pipelines):
             ranks = [p * self.stages + s for s in range(self.stages)]
-            group = dist.new_group(ranks) if self.pipelines > 1 else dist.group.WORLD
+            group = dist.new_group(ranks, timeout=timeout) if self.pipelines > 1 else dist.group.WORLD
             if p == self.pipeline:
                 self.pipeline_group = group
         for s in range(self.stages):
             ranks = [p * self.stages + s for p in range(self.pipelines)]
-            group = dist.new_group(ranks) if self.stages > 1 else dist.group.WORLD
+            group = dist.new_group(ranks, timeout=timeout) if self.stages > 1 else dist.group.WORLD
             if s == self.stage:
                 self.stage_group = group
+
+    def set_timeout(self, seconds: float) -> None:
+        """Bound every later collective of the world and of this rank's pipeline and stage groups by
+        ``seconds`` (start-up runs under ``startup_timeout``, training under the longer process-group timeout)."""
+        if not dist.is_initialized():
+            return
+        groups = {id(g): g for g in (dist.group.WORLD, self.pipeline_group, self.stage_group) if g is not None}
+        for group in groups.values():
+            dist.distributed_c10d._set_pg_timeout(timedelta(seconds=seconds), group)

@@ -93,6 +93,7 @@ class Watchdog:
         self._listener: threading.Thread | None = None
         self.world_size = 1  # known once listening
         self.reported = False
+        self.reported_first: str | None = None  # this rank's report, when it is the job's first
 
     @classmethod
     def from_process_group(cls, timeout: float, generation: int = 0) -> Watchdog:
@@ -155,16 +156,20 @@ class Watchdog:
         self.reported = True
         message = f"rank {self.rank} raised {type(error).__name__}: {error}"
 
-        def tell() -> int:
-            if not self.store.check([self.key]):
+        def tell() -> tuple[int, bool]:
+            first = not self.store.check([self.key])
+            if first:
                 self.store.set(self.key, message)
             for rank in range(self.world_size):
                 if rank != self.rank:
                     self.store.queue_push(f"{self.key}/inbox/{rank}", message)
-            return int(self.store.add(f"{self.key}/listeners", 0)) - int(self._listening)
+            return int(self.store.add(f"{self.key}/listeners", 0)) - int(self._listening), first
 
-        answered, listeners = _bounded(tell, self.grace)
+        answered, told = _bounded(tell, self.grace)
         self.store_silent = not answered
+        listeners, first = told if told is not None else (0, False)
+        if first and self.heard is None:  # no peer's report came before this one: none to wait for later
+            self.reported_first = message
         if answered and listeners and self.rank == 0:
             deadline = time.monotonic() + LISTENER_PATIENCE
             while time.monotonic() < deadline:
@@ -175,6 +180,8 @@ class Watchdog:
     def peer_error(self, wait: float = 0.0) -> str | None:
         """The first reported error message, waiting up to ``wait`` seconds for one to appear; when
         the store's host (rank 0) does not answer, a sentence that says so."""
+        if self.reported_first is not None:  # this rank's own report is the first (a listener never hears it)
+            return self.reported_first
         if self._listening:  # a report made before now is here within milliseconds: no need to wait longer
             deadline = time.monotonic() + min(wait, LISTENER_PATIENCE)
             while self.heard is None and time.monotonic() < deadline:

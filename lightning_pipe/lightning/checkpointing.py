@@ -23,7 +23,7 @@ from lightning.fabric.plugins import CheckpointIO
 from lightning.fabric.utilities.apply_func import apply_to_collection
 from torch import Tensor, nn
 
-from lightning_pipe.errors import CheckpointMismatchError
+from lightning_pipe.errors import CheckpointFileError, CheckpointMismatchError
 
 if TYPE_CHECKING:
     from lightning_pipe.lightning.pipeline import StagePipeline
@@ -33,18 +33,28 @@ NAMES_KEY = "pipe_param_names"
 BALANCE_KEY = "pipe_balance"  #: layer counts per (virtual) stage: a resumed balance="auto" run adopts them
 
 
-def check_keys(checkpoint_keys: Sequence[str], model_keys: Sequence[str], strict: bool = True) -> None:
-    """Raise :class:`CheckpointMismatchError` naming missing and unexpected keys."""
-    missing = [k for k in model_keys if k not in set(checkpoint_keys)]
-    unexpected = [k for k in checkpoint_keys if k not in set(model_keys)]
-    if strict and (missing or unexpected):
+def check_keys(checkpoint_keys: Sequence[str], model_keys: Sequence[str], strict: bool = True,
+               mismatched: Sequence[str] = ()) -> None:
+    """Raise :class:`CheckpointMismatchError` naming missing and unexpected keys (when ``strict``) and
+    the ``mismatched`` ones (keys whose shapes differ, always: no load can take them)."""
+    missing = [k for k in model_keys if k not in set(checkpoint_keys)] if strict else []
+    unexpected = [k for k in checkpoint_keys if k not in set(model_keys)] if strict else []
+    problems = ([f"missing keys {_short(missing)}"] if missing else []) + (
+        [f"unexpected keys {_short(unexpected)}"] if unexpected else []) + (
+        [f"mismatched shapes {_short(mismatched)}"] if mismatched else [])
+    if problems:
         raise CheckpointMismatchError(
-            "the checkpoint does not match the model: "
-            + (f"missing keys {_short(missing)}" if missing else "")
-            + ("; " if missing and unexpected else "")
-            + (f"unexpected keys {_short(unexpected)}" if unexpected else "")
-            + ". Load a checkpoint of the same LightningModule, or pass strict=False."
+            "the checkpoint does not match the model: " + "; ".join(problems)
+            + ". Load a checkpoint of the same LightningModule" + (", or pass strict=False." if not mismatched else
+                                                                    " with the same layer sizes.")
         )
+
+
+def mismatched_shapes(state: Mapping[str, Any], model_state: Mapping[str, Any]) -> list[str]:
+    """``"key: checkpoint (a, b), model (c, d)"`` for every key both hold with different shapes."""
+    return [f"{k}: checkpoint {tuple(v.shape)}, model {tuple(model_state[k].shape)}" for k, v in state.items()
+            if k in model_state and isinstance(v, Tensor) and isinstance(model_state[k], Tensor)
+            and v.shape != model_state[k].shape]
 
 
 def _short(keys: Sequence[str], limit: int = 8) -> str:
@@ -215,15 +225,41 @@ def optimizer_state(pipeline: StagePipeline, runtime: Runtime | None, optimizer:
     return merge_optimizer_states(parts, pipeline.param_order, pipeline.outside.owner()) if parts else {}
 
 
+def read(io: CheckpointIO, path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+    """``io.load_checkpoint(path)``, with a failure to read the file (truncated, corrupted, not a
+    checkpoint) as :class:`CheckpointFileError` naming the file and the cause."""
+    try:
+        return io.load_checkpoint(path, weights_only=weights_only)
+    except (FileNotFoundError, IsADirectoryError, PermissionError):
+        raise  # their messages name the path already
+    except Exception as error:  # torch's zip reader, pickle, fsspec: each words it differently, none names the file
+        size = _size(path)
+        lines = [line for line in str(error).splitlines() if line.strip()]
+        cause = f"{type(error).__name__}: {lines[0] if lines else ''}"
+        raise CheckpointFileError(
+            f"cannot read the checkpoint {os.fspath(path)}{f' ({size} bytes)' if size is not None else ''}: {cause}. "
+            "The file is truncated or corrupted (a copy cut short, a full disk), or not a checkpoint written by "
+            "torch.save/Trainer.save_checkpoint; load an intact copy (lightning_pipe writes each save to a temporary "
+            "file and renames it, so the previous checkpoint of a run stays intact)."
+        ) from error
+
+
+def _size(path: Any) -> int | None:
+    try:
+        return os.path.getsize(path)
+    except (OSError, TypeError):
+        return None
+
+
 def load_module_state(module: nn.Module, state: Mapping[str, Any], pipeline: StagePipeline | None, strict: bool) -> None:
     """Load a whole-module state_dict: all of it before the cut, this rank's part after."""
+    own = module.state_dict()
     if pipeline is None:
-        check_keys(list(state), list(module.state_dict()), strict)
+        check_keys(list(state), list(own), strict, mismatched_shapes(state, own))
         module.load_state_dict(state, strict=strict)
         return
-    check_keys(list(state), pipeline.key_order, strict)
-    local = set(module.state_dict())
-    module.load_state_dict({k: v for k, v in state.items() if k in local}, strict=strict)
+    check_keys(list(state), pipeline.key_order, strict, mismatched_shapes(state, own))  # this stage's keys' shapes
+    module.load_state_dict({k: v for k, v in state.items() if k in own}, strict=strict)
 
 
 def load_optimizer_state(

@@ -15,6 +15,7 @@ import logging
 import os
 import signal
 import subprocess
+import sys
 import threading
 import time
 from typing import TYPE_CHECKING, Any
@@ -23,13 +24,15 @@ from lightning.fabric.utilities.distributed import _set_num_threads_if_needed
 from lightning.pytorch import LightningModule
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 
-from lightning_pipe.engine.watchdog import FAILURE_GRACE
+from lightning_pipe.engine.watchdog import FAILURE_GRACE, process_alive
 from lightning_pipe.lightning.checks import check_loader, check_model
 
 if TYPE_CHECKING:
     from lightning_pipe.lightning.strategy import PipeStrategy
 
 log = logging.getLogger(__name__)
+#: The environment variable through which a launched rank knows its launcher's process id.
+LAUNCHER_ENV = "LIGHTNING_PIPE_LAUNCHER_PID"
 
 
 class PipeLauncher(_SubprocessScriptLauncher):
@@ -43,6 +46,8 @@ class PipeLauncher(_SubprocessScriptLauncher):
     def __init__(self, strategy: PipeStrategy) -> None:
         super().__init__(strategy.cluster_environment, strategy.num_processes, strategy.num_nodes)
         self.strategy = strategy
+        self._observer: ChildObserver | None = None
+        self._watch: LauncherWatch | None = None
 
     def launch(self, function: Any, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
         strategy = self.strategy
@@ -52,10 +57,80 @@ class PipeLauncher(_SubprocessScriptLauncher):
                 check_loader(strategy.options, strategy.num_pipelines, args[1])
         self.cluster_environment.validate_settings(num_devices=self.num_processes, num_nodes=self.num_nodes)
         if not self.cluster_environment.creates_processes_externally:
+            os.environ[LAUNCHER_ENV] = str(os.getpid())  # the ranks started below watch this process
             self._call_children_scripts()
-            ChildObserver(self.procs, grace=FAILURE_GRACE).start()
+            self._observer = ChildObserver(self.procs, grace=FAILURE_GRACE)
+            self._observer.start()
+        else:
+            self._watch = LauncherWatch.start_if_launched()
         _set_num_threads_if_needed(num_processes=self.num_processes)
-        return function(*args, **kwargs)
+        try:
+            return function(*args, **kwargs)
+        except BaseException:
+            if not strategy.knows_peers:  # failed before the watchdog could end them (store, groups, checks)
+                if self._observer is not None:
+                    self._observer.stop.set()  # the children's deaths below are this process's doing
+                end_children(self.procs)
+            raise
+
+    def startup_over(self) -> None:
+        """The pipeline is built: from now on the watchdog ends the job's ranks on a failure, and a rank
+        may legitimately outlive its launcher (its own work after ``fit``)."""
+        if self._watch is not None:
+            self._watch.stop.set()
+
+
+def end_children(children: list[subprocess.Popen]) -> None:
+    """End the ranks this process started (SIGKILL: during start-up they hold nothing worth saving and
+    may be blocked in C++, deaf to SIGTERM), and say so."""
+    alive = [child for child in children if child.poll() is None]
+    for child in alive:
+        child.send_signal(signal.SIGKILL)
+    for child in alive:
+        child.wait()
+    if alive:
+        log.error(f"lightning_pipe: the job failed during start-up; ended the {len(alive)} rank(s) this process started.")
+
+
+class LauncherWatch(threading.Thread):
+    """In a rank started by :class:`PipeLauncher`: when the launching process is gone and this one is
+    still alive ``grace`` seconds later (its own failure path did not end it: it is blocked during
+    start-up, or in C++), say so and exit, so that no rank outlives its job's launcher (PPID 1).
+    A daemon thread.
+
+    Args:
+        launcher: the launching process's id.
+        grace: seconds this rank gets to end on its own after its launcher is gone.
+        period: seconds between looks.
+    """
+
+    def __init__(self, launcher: int, grace: float, period: float = 0.5) -> None:
+        super().__init__(daemon=True, name="lightning-pipe-launcher-watch")
+        self.launcher, self.grace, self.period = launcher, grace, period
+        self.stop = threading.Event()  # set when start-up is over
+
+    @classmethod
+    def start_if_launched(cls) -> LauncherWatch | None:
+        """Start watching when this process was started by a :class:`PipeLauncher`."""
+        launcher = os.environ.get(LAUNCHER_ENV)
+        # not our parent: either it is gone already (it failed while this rank was importing), or this process
+        # is not one of its ranks (the variable was inherited further down)
+        if launcher is None or (int(launcher) != os.getppid() and process_alive(int(launcher))):
+            return None
+        watch = cls(int(launcher), FAILURE_GRACE)
+        watch.start()
+        return watch
+
+    def run(self) -> None:
+        while os.getppid() == self.launcher:
+            if self.stop.wait(self.period):
+                return
+        if self.stop.wait(self.grace):
+            return
+        sys.stderr.write(f"lightning_pipe: the launching process (pid {self.launcher}) is gone and this rank did not end "
+                         f"within {self.grace:.0f} s; exiting.\n")
+        sys.stderr.flush()
+        os._exit(1)
 
 
 class ChildObserver(threading.Thread):
@@ -73,10 +148,12 @@ class ChildObserver(threading.Thread):
     def __init__(self, children: list[subprocess.Popen], grace: float, period: float = 0.5) -> None:
         super().__init__(daemon=True, name="lightning-pipe-child-observer")
         self.children, self.grace, self.period = children, grace, period
+        self.stop = threading.Event()  # set when this process ends the children itself
 
     def run(self) -> None:
         while True:
-            time.sleep(self.period)
+            if self.stop.wait(self.period):
+                return
             codes = [child.poll() for child in self.children]
             if all(code == 0 for code in codes):
                 return
@@ -86,7 +163,8 @@ class ChildObserver(threading.Thread):
         rank, code = failed[0]
         deadline = time.monotonic() + self.grace
         while time.monotonic() < deadline:  # this process normally raises that rank's error meanwhile
-            time.sleep(self.period)
+            if self.stop.wait(self.period):
+                return
         log.error(f"lightning_pipe: local rank {rank} exited with code {code} and this process did not end within "
                   f"{self.grace:.0f} s; ending the job's processes on this node.")
         for child in self.children:

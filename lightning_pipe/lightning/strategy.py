@@ -32,22 +32,24 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor
 from torch.distributed import ReduceOp
 from torchmetrics import Metric
 
-from lightning_pipe.engine import Topology, Transport, Watchdog, batch_size, shm
+from lightning_pipe.engine import Topology, Transport, Watchdog, batch_size, ending, shm
 from lightning_pipe.engine.policies import AvgPipeOptions, DoubleBufferOptions, PipeDreamOptions, PipeMareOptions, XPipeOptions
 from lightning_pipe.engine.policies.options import Averaging, Prediction
 from lightning_pipe.engine.watchdog import FAILURE_GRACE
-from lightning_pipe.errors import LightningPipeError, PipeConfigError
-from lightning_pipe.lightning import auto, checkpointing, checks
+from lightning_pipe.errors import CheckpointMismatchError, LightningPipeError, PipeConfigError
+from lightning_pipe.lightning import _compat, auto, checkpointing, checks, preemption, startup
 from lightning_pipe.lightning import options as options_module
 from lightning_pipe.lightning.launcher import PipeLauncher
 from lightning_pipe.lightning.model_summary import freeze_model_summaries
 from lightning_pipe.lightning.options import PipeOptions
 from lightning_pipe.lightning.pipeline import StagePipeline
+from lightning_pipe.lightning.preemption import Preemption
 from lightning_pipe.lightning.runtimes import Runtime, make_runtime, unwrapped
 from lightning_pipe.lightning.stage_metrics import StageMetrics
 from lightning_pipe.planning.auto_balance import AutoBalanceOptions
@@ -281,6 +283,8 @@ class PipeStrategy(DDPStrategy, metaclass=_NamesItsOptions):
         self._tracer: RunTracer | None = None
         self._metrics: StageMetrics | None = None
         self._generation = 0
+        self._loading: Any = None  # the checkpoint file being restored, for error messages
+        self._preemption: Preemption | None = None
 
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
@@ -333,6 +337,12 @@ class PipeStrategy(DDPStrategy, metaclass=_NamesItsOptions):
         return self._watchdog
 
     @property
+    def knows_peers(self) -> bool:
+        """Whether this rank's watchdog knows the other ranks' processes, so that a failure from now on
+        ends them through its reaper (before that, the launcher ends the ranks it started)."""
+        return self._watchdog is not None and bool(self._watchdog.peers)
+
+    @property
     def tagged(self) -> bool:
         """Whether messages may carry tags (gloo), so avgpipe's replicas need not share one FIFO order
         (NCCL); a one-stage pipeline sends none."""
@@ -362,10 +372,22 @@ class PipeStrategy(DDPStrategy, metaclass=_NamesItsOptions):
         self._counts = counts
 
     # ------------------------------------------------------------------ setup
+    def setup_distributed(self) -> None:
+        """As Lightning's, but every wait of the rendezvous is bounded by ``startup_timeout`` (:mod:`.startup`)."""
+        if self.world_size > 1 and not torch.distributed.is_initialized():
+            self.set_world_ranks()
+            assert self.cluster_environment is not None
+            startup.init_process_group(self.cluster_environment, self._get_process_group_backend(), self.global_rank,
+                                       self.world_size, self.options.startup_timeout, self.root_device)
+        super().setup_distributed()  # the group exists: Lightning only sets its own state
+
     def setup_environment(self) -> None:
         super().setup_environment()
         self._generation += 1
         self._watchdog = Watchdog.from_process_group(self.options.timeout, self._generation)
+        if self._preemption is None:
+            forward = self._launcher.kill if isinstance(self._launcher, PipeLauncher) and self._launcher.procs else None
+            self._preemption = Preemption(self.global_rank, self.options.timeout, self.options.checkpoint_timeout, forward)
         self._watchdog.listen(self.world_size)  # before the collective below: every listener counts
         with self._watchdog.guard("the other ranks to start"):
             self._watchdog.learn_peers()  # who to end if this rank gives up on a hung one
@@ -373,7 +395,7 @@ class PipeStrategy(DDPStrategy, metaclass=_NamesItsOptions):
         stages = 1 if self.emulating else self.num_stages
         self._topology = Topology(stages, self.num_pipelines, self.global_rank)
         with self._watchdog.guard("the other ranks to create the pipeline's process groups"):
-            self._topology.create_groups(directional=not self.tagged)
+            self._topology.create_groups(directional=not self.tagged, timeout=timedelta(seconds=self.options.startup_timeout))
             if self._transport is None:  # the executors built at the first setup keep theirs
                 self._transport = self._create_transport()
 
@@ -424,6 +446,9 @@ class PipeStrategy(DDPStrategy, metaclass=_NamesItsOptions):
         self.precision_plugin.clip_grad_by_norm = lambda optimizer, clip_val: self._pipeline.outside.clip_by_global_norm(
             optimizer, clip_val, self.root_device
         )
+        startup.end(self.topology, self.options.process_group_timeout)
+        if isinstance(self._launcher, PipeLauncher):
+            self._launcher.startup_over()
         if fitting:
             _optimizers_to_device(self.optimizers, self.root_device)
             if self.is_global_zero:  # what a save killed half-way left in a checkpoint directory of this fit
@@ -468,6 +493,7 @@ class PipeStrategy(DDPStrategy, metaclass=_NamesItsOptions):
         its loss on every rank. Flushing schedules run one whole step here; asynchronous ones one
         window of the stream, with optimizer steps inside."""
         assert self._runtime is not None and self._metrics is not None
+        self._stop_on_sigterm()
         if self._tracer is not None:
             self._tracer.start_step()
         self._metrics.begin()
@@ -499,7 +525,41 @@ class PipeStrategy(DDPStrategy, metaclass=_NamesItsOptions):
 
     def on_validation_start(self) -> None:
         self._drain()
+        self._handle_sigterm()
         super().on_validation_start()
+
+    def on_train_start(self) -> None:
+        self._handle_sigterm()
+        super().on_train_start()
+
+    def on_test_start(self) -> None:
+        self._handle_sigterm()
+        super().on_test_start()
+
+    def on_predict_start(self) -> None:
+        self._handle_sigterm()
+        super().on_predict_start()
+
+    # ------------------------------------------------------------------ preemption (SIGTERM)
+    def _handle_sigterm(self) -> None:
+        """Replace Lightning's SIGTERM handler, which calls a collective inside the signal handler (:mod:`.preemption`)."""
+        if self._preemption is not None:
+            self._preemption.install()
+
+    def _stop_on_sigterm(self) -> None:
+        """At a step boundary, every rank in step: did any rank receive SIGTERM? Then all stop after this batch."""
+        if self._preemption is None:
+            return
+        self._handle_sigterm()
+        received = self._preemption.pending
+        if self.world_size > 1:
+            flag = torch.tensor([int(received)], device=self.root_device)
+            with self._guard("every rank at the step boundary (the SIGTERM check)"):
+                torch.distributed.all_reduce(flag, op=ReduceOp.MAX)
+            received = bool(flag.item())
+        trainer = self.lightning_module.trainer
+        if self._preemption.stop_now(received) and not trainer.received_sigterm:
+            _compat.set_received_sigterm(trainer)
 
     def on_train_end(self) -> None:
         self._drain()
@@ -524,6 +584,7 @@ class PipeStrategy(DDPStrategy, metaclass=_NamesItsOptions):
 
     def _forward_step(self, hook: str, args: tuple, kwargs: dict) -> Any:
         assert self._pipeline is not None
+        self._stop_on_sigterm()
         return self._pipeline.forward_step(hook, args, kwargs)
 
     # ------------------------------------------------------------------ checkpoints
@@ -550,8 +611,17 @@ class PipeStrategy(DDPStrategy, metaclass=_NamesItsOptions):
         if self.is_global_zero:
             checkpointing.atomic_save(self.checkpoint_io, checkpoint, filepath, storage_options)
 
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        """Read the file; one that cannot be read fails with :class:`~lightning_pipe.CheckpointFileError` naming it."""
+        self._loading = checkpoint_path
+        return checkpointing.read(self.checkpoint_io, checkpoint_path, weights_only)
+
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
-        checkpointing.load_module_state(self.lightning_module, checkpoint["state_dict"], self._pipeline, strict)
+        try:
+            checkpointing.load_module_state(self.lightning_module, checkpoint["state_dict"], self._pipeline, strict)
+        except CheckpointMismatchError as error:
+            where = f"{self._loading}: " if self._loading is not None else ""
+            raise CheckpointMismatchError(f"{where}{error}") from None
 
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:
         if self._runtime is not None:
@@ -596,12 +666,23 @@ class PipeStrategy(DDPStrategy, metaclass=_NamesItsOptions):
         return self._watchdog.guard(what) if self._watchdog is not None else nullcontext()
 
     def teardown(self) -> None:
+        if self._preemption is not None:
+            self._preemption.uninstall()
         if self._watchdog is not None:
             self._watchdog.close()
         super().teardown()
 
     def on_exception(self, exception: BaseException) -> None:
         """Tell the other ranks why this one fails, and make sure none outlives the job."""
+        if self.world_size > 1:  # be gone well within the peers' reaper grace (engine/ending.py)
+            ending.skip_final_collection()
+        if isinstance(exception, SIGTERMException):  # every rank stops at the same batch: not a failure to report
+            if self.is_global_zero:
+                log.warning(preemption.outcome(self.lightning_module.trainer))
+            if self._watchdog is not None:
+                self._watchdog.end_stragglers(FAILURE_GRACE)
+            super().on_exception(exception)
+            return
         if self._watchdog is not None:
             self._watchdog.report(exception)
             if not isinstance(exception, LightningPipeError):  # e.g. a raw collective error inside Lightning

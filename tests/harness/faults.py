@@ -10,15 +10,19 @@ whether the checkpoint was written and no temporary file survived.
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
+
+import torch
 
 from tests.harness.distributed import job_environment
 
@@ -35,6 +39,10 @@ class Case:
     expect_success: bool = False
     checkpoint: bool = False  # the case writes ckpt_out and must leave it loadable
     notes: str = ""
+    port_holder: str | None = None  # "listening" or "bound": a socket of this process holds MASTER_PORT
+    lone_rank: int | None = None  # start only this rank, as torchrun would (its rank 0 never comes)
+    says: str | None = None  # words the output must hold (counted as "named")
+    written: str | None = None  # a glob under the job's directory that must match a loadable checkpoint
 
 
 def cases(timeout: float) -> list[Case]:
@@ -62,9 +70,52 @@ def cases(timeout: float) -> list[Case]:
         Case(f"checkpoint save slower than timeout ({timeout * 1.5:.0f} s)",
              {**base, "max_steps": 2, "slow_save": timeout * 1.5, "ckpt_out": "<ckpt>"}, expect_success=True,
              checkpoint=True),
+        *startup_cases(base),
+        *sigterm_cases(base),
+        *sigint_cases(base),
         Case("rank 0 killed while saving, then the next job saves there",
              {**base, "max_steps": 2, "slow_save": 0, "kill_in_save": True, "ckpt_out": "<ckpt>"}, failed_rank=0,
              checkpoint=True, notes="the second job"),
+    ]
+
+
+def startup_cases(base: dict, startup_timeout: float = 5.0) -> list[Case]:
+    """Faults before training: the port taken, a rank whose rank 0 never comes (issue 29)."""
+    config = {**base, "strategy": {**base["strategy"], "startup_timeout": startup_timeout}}
+    return [
+        Case("MASTER_PORT taken by a listening process", config, port_holder="listening"),
+        Case("MASTER_PORT taken by a non-listening socket", config, port_holder="bound"),
+        Case(f"a lone rank 1, nothing at MASTER_PORT (startup_timeout={startup_timeout:g})", config, lone_rank=1),
+        Case(f"a lone rank 1, another program at MASTER_PORT (startup_timeout={startup_timeout:g})", config, lone_rank=1,
+             port_holder="listening"),
+    ]
+
+
+def sigterm_cases(base: dict) -> list[Case]:
+    """SIGTERM to the job's whole process group at step 2 (a preemption), with and without the callbacks
+    that write a checkpoint then (issue 29)."""
+    config = {**base, "max_steps": 12, "model": {"fault": {"kind": "sigterm", "rank": 0, "step": 2}}}
+    on_exception = {"on_exception_ckpt": "<out>/exc"}
+    every_step = {"every_step_ckpt": "<out>/steps"}
+    stopped = "the job stopped on SIGTERM at step "
+    return [
+        Case("SIGTERM, no checkpoint callback", config, says=stopped, notes="exit 0, as Lightning's own stop"),
+        Case("SIGTERM with OnExceptionCheckpoint", {**config, **on_exception}, says=stopped, written="exc/on_exception.ckpt",
+             checkpoint=True),
+        Case("SIGTERM with ModelCheckpoint (every step)", {**config, **every_step}, says=stopped, written="steps/*.ckpt",
+             checkpoint=True),
+        Case("SIGTERM with both", {**config, **on_exception, **every_step}, says=stopped, written="exc/on_exception.ckpt",
+             checkpoint=True),
+    ]
+
+
+def sigint_cases(base: dict) -> list[Case]:
+    """SIGINT (Ctrl+C) to the job's whole process group at step 2: Lightning's own handling (benchmark only)."""
+    config = {**base, "max_steps": 12, "model": {"fault": {"kind": "sigint", "rank": 0, "step": 2}}}
+    return [
+        Case("SIGINT, no checkpoint callback", config, says="KeyboardInterrupt"),
+        Case("SIGINT with OnExceptionCheckpoint", {**config, "on_exception_ckpt": "<out>/exc"}, says="KeyboardInterrupt",
+             written="exc/on_exception.ckpt", checkpoint=True),
     ]
 
 
@@ -75,6 +126,15 @@ class Outcome:
     named: bool | None
     orphans: list[int] = field(default_factory=list)
     checkpoint_ok: bool | None = None
+    sentence: str | None = None  # the last lightning_pipe error line of the output
+    output: str = field(default="", repr=False)
+
+
+def _loads(path: str) -> bool:
+    try:
+        return "state_dict" in torch.load(path, weights_only=True)
+    except Exception:
+        return False
 
 
 def _job_processes(session: int) -> list[int]:
@@ -85,10 +145,20 @@ def _job_processes(session: int) -> list[int]:
 
 def run(case: Case, limit: float) -> Outcome:
     with tempfile.TemporaryDirectory() as out:
-        config = json.loads(json.dumps(case.config).replace("<ckpt>", os.path.join(out, "model.ckpt")))
+        config = json.loads(json.dumps(case.config).replace("<ckpt>", os.path.join(out, "model.ckpt")).replace("<out>", out))
+        env = job_environment()
+        holder = None
+        if case.port_holder is not None:
+            holder = socket.socket()
+            holder.bind(("127.0.0.1", int(env["MASTER_PORT"])))
+            if case.port_holder == "listening":
+                holder.listen()
+        if case.lone_rank is not None:
+            env.update(WORLD_SIZE=str(config["devices"]), NODE_RANK="0", LOCAL_RANK=str(case.lone_rank),
+                       RANK=str(case.lone_rank))
         started = time.time()
         proc = subprocess.Popen([sys.executable, SCRIPT, json.dumps(config), out], stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, text=True, env=job_environment(), start_new_session=True)
+                                stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True)
         try:
             output, _ = proc.communicate(timeout=limit)
             code: int | str = proc.returncode
@@ -97,6 +167,8 @@ def run(case: Case, limit: float) -> Outcome:
             os.killpg(proc.pid, signal.SIGKILL)
             output, _ = proc.communicate()
         ended = time.time()
+        if holder is not None:
+            holder.close()
         deadline = time.time() + 15  # the reaper's grace, then look
         while _job_processes(proc.pid) and time.time() < deadline:
             time.sleep(0.2)
@@ -108,7 +180,9 @@ def run(case: Case, limit: float) -> Outcome:
         fault_at = float(injected.group(1)) if injected else None
         seconds = (gone if orphans or gone > ended + 0.3 else ended) - (fault_at or started) if code != "hung" else None
         named = None
-        if case.failed_rank is not None:
+        if case.says is not None:
+            named = case.says in output
+        elif case.failed_rank is not None:
             survivors = [line for line in output.splitlines()
                          if ("PeerFailure" in line or "PipelineTimeout" in line) and not line.startswith(("  ", "[rank"))
                          or ("lightning_pipe." in line and ("PeerFailure" in line or "PipelineTimeout" in line))]
@@ -119,6 +193,11 @@ def run(case: Case, limit: float) -> Outcome:
                 rerun = {**config, "kill_in_save": False}
                 subprocess.run([sys.executable, SCRIPT, json.dumps(rerun), out], capture_output=True, env=job_environment(),
                                timeout=limit)
-            path = os.path.join(out, "model.ckpt")
-            checkpoint_ok = os.path.exists(path) and not any(".partial-" in f for f in os.listdir(out))
-        return Outcome(code, seconds, named, orphans, checkpoint_ok)
+            if case.written is not None:
+                found = sorted(glob.glob(os.path.join(out, case.written)))
+                checkpoint_ok = bool(found) and _loads(found[-1])
+            else:
+                path = os.path.join(out, "model.ckpt")
+                checkpoint_ok = os.path.exists(path) and not any(".partial-" in f for f in os.listdir(out))
+        errors = re.findall(r"^(?:\[rank\d\]: )?lightning_pipe\.errors\.(\w+: .*)$", output, re.MULTILINE)
+        return Outcome(code, seconds, named, orphans, checkpoint_ok, errors[-1] if errors else None, output)

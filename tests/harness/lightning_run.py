@@ -103,6 +103,8 @@ class TrunkModel(L.LightningModule):
             os.kill(os.getpid(), signal.SIGKILL)
         elif fault["kind"] == "sleep":
             time.sleep(3600)
+        elif fault["kind"] in ("sigterm", "sigint"):  # a scheduler's preemption, a Ctrl+C: to the whole process group
+            os.killpg(os.getpgid(0), signal.SIGTERM if fault["kind"] == "sigterm" else signal.SIGINT)
 
     def training_step(self, batch, batch_idx):
         self.inject(batch_idx)
@@ -209,6 +211,14 @@ def train(config: dict[str, Any]) -> dict[str, Any]:
         strategy = lightning_pipe.PipeStrategy(**strategy, checkpoint_io=io)
     recorder = Recorder()
     callbacks, logger = [recorder], False
+    if config.get("on_exception_ckpt"):  # a directory: Lightning's OnExceptionCheckpoint writes there
+        from lightning.pytorch.callbacks import OnExceptionCheckpoint
+
+        callbacks.append(OnExceptionCheckpoint(config["on_exception_ckpt"]))
+    if config.get("every_step_ckpt"):  # a directory: a ModelCheckpoint saving every training step
+        from lightning.pytorch.callbacks import ModelCheckpoint
+
+        callbacks.append(ModelCheckpoint(config["every_step_ckpt"], every_n_train_steps=1, save_top_k=-1, filename="{step}"))
     if config.get("full_callbacks"):  # a directory: the usual Lightning callbacks and a CSV logger
         from lightning.pytorch.callbacks import EarlyStopping, LearningRateMonitor, ModelCheckpoint
         from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
@@ -229,7 +239,7 @@ def train(config: dict[str, Any]) -> dict[str, Any]:
         max_epochs=config.get("epochs", 1),
         max_steps=config.get("max_steps", -1),
         logger=logger,
-        enable_checkpointing=bool(config.get("full_callbacks")),
+        enable_checkpointing=bool(config.get("full_callbacks") or config.get("every_step_ckpt") or config.get("on_exception_ckpt")),
         enable_progress_bar=False,
         enable_model_summary=False,
         use_distributed_sampler=False,

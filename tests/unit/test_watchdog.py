@@ -27,3 +27,33 @@ def test_close_returns_after_the_listener_thread_ended():
         watchdog.close()
         assert not watchdog._listener.is_alive()
         assert watchdog.heard is None  # its own stop message is not a report
+
+
+class _GoneStore:
+    """A store whose host has gone: every request fails."""
+
+    def __getattr__(self, name):
+        def fail(*args, **kwargs):
+            raise RuntimeError("Connection closed by peer")
+        return fail
+
+
+def test_a_rank_whose_report_is_the_first_knows_it_without_asking_the_store():
+    """The failing rank itself does not wait for a peer's report (its listener never hears its own),
+    nor look in a store that may be going down with it: it knows its report is the job's first."""
+    store = dist.TCPStore("127.0.0.1", free_port(), 1, is_master=True, timeout=timedelta(seconds=10))
+    failing = Watchdog(timeout=10.0, store=store, rank=0, generation=0)
+    failing.listen(world_size=2)
+    failing.report(ZeroDivisionError("boom"))
+    failing.close()
+    failing.store = _GoneStore()
+    assert failing.peer_error(wait=3.0) == "rank 0 raised ZeroDivisionError: boom"
+
+
+def test_a_rank_reporting_after_a_peer_does_not_claim_the_first_report():
+    store = dist.TCPStore("127.0.0.1", free_port(), 1, is_master=True, timeout=timedelta(seconds=10))
+    Watchdog(timeout=10.0, store=store, rank=1, generation=0).report(ValueError("first"))
+    later = Watchdog(timeout=10.0, store=store, rank=0, generation=0)
+    later.report(ZeroDivisionError("second"))
+    assert later.reported_first is None
+    assert later.peer_error(wait=0.0) == "rank 1 raised ValueError: first"
