@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -212,9 +213,11 @@ class ChannelGroups:
     up_activation: Any = None  # the default group
 
     @classmethod
-    def create(cls) -> ChannelGroups:
-        """Three new groups of every rank (every rank must call this, in the same order)."""
-        return cls(dist.new_group(), dist.new_group(), dist.new_group())
+    def create(cls, timeout: timedelta | None = None) -> ChannelGroups:
+        """Three new groups of every rank (every rank must call this, in the same order), with the
+        strategy's ``timeout`` (``None``: the backend's default, 10 minutes on NCCL, whose watchdog then
+        kills a longer wait without a :class:`~lightning_pipe.errors.PeerFailure` report)."""
+        return cls(*(dist.new_group(timeout=timeout) for _ in range(3)))
 
     def pick(self, downward: bool, gradient: bool) -> Any:
         """The group of messages to a lower rank (``downward``) or a higher one, of gradients or activations."""

@@ -68,7 +68,7 @@ class Topology:
         if self.world_size == 1 or not dist.is_initialized():
             return
         if directional and self.stages > 1:
-            self.channel_groups = ChannelGroups.create()
+            self.channel_groups = ChannelGroups.create(timeout)
         for p in range(self.pipelines):
             ranks = [p * self.stages + s for s in range(self.stages)]
             group = dist.new_group(ranks, timeout=timeout) if self.pipelines > 1 else dist.group.WORLD
@@ -85,6 +85,8 @@ class Topology:
         ``seconds`` (start-up runs under ``startup_timeout``, training under the longer process-group timeout)."""
         if not dist.is_initialized():
             return
-        groups = {id(g): g for g in (dist.group.WORLD, self.pipeline_group, self.stage_group) if g is not None}
+        channels = self.channel_groups
+        point_to_point = (channels.down_activation, channels.up_gradient, channels.down_gradient) if channels else ()
+        groups = {id(g): g for g in (dist.group.WORLD, self.pipeline_group, self.stage_group, *point_to_point) if g is not None}
         for group in groups.values():
             dist.distributed_c10d._set_pg_timeout(timedelta(seconds=seconds), group)
