@@ -18,12 +18,13 @@ from typing import Literal
 
 import torch
 
+from lightning_pipe import registry
 from lightning_pipe.optim import BasisRotationAdam
 
 Family = Literal["adamw", "nadam", "muon", "sgd", "basis_rotation"]
 
-#: The schedules whose gradients are stale (``registry.names("asynchronous")``; avgpipe is not stale).
-STALE = ("pipedream", "pipedream_2bw", "pipemare", "xpipe")
+#: The schedules whose gradients are stale (avgpipe's family, "averaging", is not stale).
+STALE = registry.names("asynchronous")
 
 #: Stage counts the benchmark ran.
 MEASURED_STAGES = (2, 4, 8)
@@ -146,7 +147,7 @@ def quality_warning(schedule: str, stages: int, optimizer: torch.optim.Optimizer
 def plan_notes(schedules: list[str], stages: int, family: Family | None) -> list[str]:
     """``lightning-pipe plan``'s quality lines: the measured cost of each asynchronous or averaging
     schedule among ``schedules`` at ``stages`` under ``family`` (all measured families when unknown)."""
-    listed = [s for s in schedules if s in STALE or s == "avgpipe"]
+    listed = [s for s in schedules if s in STALE or registry.SCHEDULES[s].family == "averaging"]
     if not listed:
         return []
     families: list[Family] = [family] if family is not None else ["adamw", "muon", "sgd"]
