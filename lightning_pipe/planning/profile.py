@@ -44,6 +44,7 @@ from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten, tree_map
 
 from lightning_pipe.partition.split import StageStop
+from lightning_pipe.partition.trunk import container_name
 from lightning_pipe.planning.trials import on_device
 
 
@@ -176,7 +177,7 @@ def capture_trunk_input(
         handle.remove()
     raise RuntimeError(
         f"{what} of {type(module).__name__} finished without calling its trunk; profiling needs the step (or "
-        "forward) to call the nn.Sequential trunk once."
+        f"forward) to call the {container_name(trunk)} trunk once."
     )
 
 
@@ -201,7 +202,7 @@ def _capture_block_calls(module: nn.Module, trunk: nn.ModuleList, run: Callable[
             handle.remove()
     if len(calls) != len(trunk):
         raise RuntimeError(
-            f"{what} of {type(module).__name__} ran {len(calls)} of the {len(trunk)} blocks of its nn.ModuleList trunk; "
+            f"{what} of {type(module).__name__} ran {len(calls)} of the {len(trunk)} blocks of its {container_name(trunk)} trunk; "
             "profiling needs the step (or forward) to run every block once, in one loop."
         )
     return BlockInputs(tuple(calls[i] for i in range(len(trunk))))
