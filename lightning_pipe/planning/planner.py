@@ -236,6 +236,21 @@ def plan(
     best = best_of(explore(profiles, batch, stages, schedules, micro_batches, machine, chunks).values())
     if best is not None:
         return best
+    raise no_fit_error(len(profiles[0].layers), stages, machine,
+                       smallest_need(profiles, batch, stages, schedules, micro_batches, machine, chunks))
+
+
+def smallest_need(
+    profiles: Sequence[Profile],
+    batch: int,
+    stages: int,
+    schedules: Sequence[str] = names("synchronous"),
+    micro_batches: Sequence[int] | None = None,
+    machine: Machine = Machine(),
+    chunks: int = 2,
+) -> Plan | None:
+    """Over every allowed schedule and candidate ``M``, the split with the smallest peak memory,
+    limits ignored (what an error names when nothing fits); ``None`` when no split exists at all."""
     candidates = list(micro_batches) if micro_batches is not None else candidate_micro_batches(batch)
     smallest = None
     for schedule in schedules:
@@ -244,7 +259,7 @@ def plan(
                 option = smallest_memory(interpolate(profiles, batch / m), schedule, stages, m, machine, chunks, batch)
                 if option is not None and (smallest is None or _peak(option) < _peak(smallest)):
                     smallest = option
-    raise no_fit_error(len(profiles[0].layers), stages, machine, smallest)
+    return smallest
 
 
 def _peak(plan_: Plan) -> float:
@@ -286,5 +301,6 @@ def fixed_plan(
 __all__ = [
     "GIB", "Machine", "Plan", "PlanError", "StageCosts", "StagePlan", "allowed", "best_of",
     "candidate_micro_batches", "evaluate", "explore", "extra_weight_copies", "fixed_plan", "format_bytes", "in_flight",
-    "min_max_split", "plan", "planned_schedules", "refine_split", "refinement_move", "smallest_memory", "split_for", "step_time",
+    "min_max_split", "no_fit_error", "plan", "planned_schedules", "refine_split", "refinement_move", "smallest_memory",
+    "smallest_need", "split_for", "step_time",
 ]
