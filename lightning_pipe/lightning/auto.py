@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lightning_pipe.engine import batch_size, keeps_one_fifo_order, split_micro_batches
 from lightning_pipe.errors import PipeConfigError
@@ -94,6 +94,9 @@ def balance(strategy: PipeStrategy, trainer: Trainer, module: LightningModule) -
 
     with strategy.watchdog.guard("rank 0's balance='auto' plan"):
         auto = auto_balance.agreed(strategy.global_rank == 0, strategy.world_size, work)
+    warning = auto_balance.noise_warning(auto.profile, options.auto_balance, auto.plan.balance)
+    if warning is not None:
+        rank_zero_warn(warning)
     _, trunk = find_trunk(module, options.module)
     if isinstance(trunk, torch.nn.ModuleList) and options.auto_balance.refine and strategy.topology.stages > 1:
         rank_zero_info(f"lightning_pipe: balance='auto' keeps the profiled split of the {container_name(trunk)} trunk: "
