@@ -35,7 +35,7 @@ from lightning_pipe.partition import find_trunk, resolve_balance, stage_bounds
 from lightning_pipe.planning import avgpipe_tuner as avg_tuner
 from lightning_pipe.planning.auto_balance import preserved_random_state
 from lightning_pipe.planning.avgpipe_autotune import ADVANCES, MAX_REPLICAS, optimizer_factory, optimizer_spec
-from lightning_pipe.planning.noise import MAX_SPREAD
+from lightning_pipe.planning.noise import MAX_SPREAD, MIN_GAIN
 from lightning_pipe.planning.planner import (
     GIB,
     Machine,
@@ -157,6 +157,7 @@ def plan(
     max_spread: float | None = MAX_SPREAD,
     max_repeats: int | None = None,
     progress: bool = True,
+    min_gain: float = MIN_GAIN,
     threads: int | None = None,
     max_parallel_pipelines: int = MAX_REPLICAS,
     advance_forward: list[int] | None = None,
@@ -198,6 +199,9 @@ def plan(
             is not cached). ``null``: time ``repeats`` rounds and trust them.
         max_repeats: most timed rounds per profile (default ``4 * repeats``).
         progress: show the profiling's progress on stderr (warm-up and timed rounds).
+        min_gain: keep the uniform split unless another is predicted this much faster (``0.05`` = 5 %) and
+            faster by more than the profile's uncertainty (spread / sqrt(timed rounds)); smaller predicted
+            gains are noise or the cost model's own approximation.
         threads: torch CPU threads while profiling; match what each stage process will get (Lightning's
             launcher gives each of ``n`` processes ``cores / n`` threads); default: torch's default.
         max_parallel_pipelines: largest number ``N`` of parallel pipelines avgpipe is tried with.
@@ -244,7 +248,8 @@ def plan(
     unknown = [s for s in chosen if s not in registry.SCHEDULES]  # avgpipe goes through its tuner
     if unknown:
         raise PlanError(f"schedule {unknown[0]!r} is not known; choose among {', '.join(registry.SCHEDULES)}.")
-    plans = explore(profiles, total, stages, [s for s in chosen if s in planned_schedules()], candidates, machine, chunks)
+    plans = explore(profiles, total, stages, [s for s in chosen if s in planned_schedules()], candidates, machine, chunks,
+                    min_gain)
     avgpipe = None
     if any(_averaging(s) for s in chosen):
         averaging = next(s for s in chosen if _averaging(s))

@@ -27,7 +27,7 @@ import torch.distributed as dist
 from lightning_pipe.engine import Topology, Transport, Watchdog
 from lightning_pipe.errors import PipeConfigError
 from lightning_pipe.partition import stage_bounds
-from lightning_pipe.planning.noise import MAX_SPREAD
+from lightning_pipe.planning.noise import MAX_SPREAD, MIN_GAIN
 from lightning_pipe.planning.planner import GIB, Machine, Plan, StageCosts, fixed_plan, refine_split
 from lightning_pipe.planning.profile import Profile, profile_trunk
 from lightning_pipe.planning.trials import measure_stage, on_device
@@ -54,6 +54,9 @@ class AutoBalanceOptions:
             (at most 4× as many), and a profile still above it is not cached and gets a warning that
             its split rests on noise. ``None``: trust the first rounds. Structurally identical layers
             share one cost either way (docs/planning.md, "Noise").
+        min_gain: the uniform split is kept unless the planner's split is predicted this much faster
+            (``0.05`` = 5 %) and faster by more than the profile's uncertainty: smaller predicted gains
+            are noise or the cost model's own approximation.
     """
 
     memory_gib: float | list[float] | None = None
@@ -61,10 +64,13 @@ class AutoBalanceOptions:
     profile_cache: str | None = None
     refine: int = 2
     max_spread: float | None = MAX_SPREAD
+    min_gain: float = MIN_GAIN
 
     def __post_init__(self) -> None:
         if self.refine < 0:
             raise PipeConfigError(f"auto_balance refine={self.refine} must be at least 0 (0: no refinement).")
+        if self.min_gain < 0:
+            raise PipeConfigError(f"auto_balance min_gain={self.min_gain} must be at least 0 (e.g. 0.05 for 5 %).")
         if self.max_spread is not None and self.max_spread < 0:
             raise PipeConfigError(f"auto_balance max_spread={self.max_spread} must be at least 0 (e.g. 0.25 for 25 %), "
                                   "or None to trust the first timed rounds.")
@@ -150,7 +156,8 @@ def split_by_profile(
         module: the module owning the trunk (keys the profile cache).
     """
     profile = profile_trunk(trunk, sample, device, cache=options.profile_cache, module=module, max_spread=options.max_spread)
-    plan = fixed_plan(profile, schedule, stages, micro_batches, machine_of(options, device, recompute), chunks)
+    plan = fixed_plan(profile, schedule, stages, micro_batches, machine_of(options, device, recompute), chunks,
+                      min_gain=options.min_gain)
     inputs = on_device(inputs, torch.device("cpu"))  # broadcast to every rank (captured inputs are detached)
     return AutoBalance(plan, profile, inputs)
 

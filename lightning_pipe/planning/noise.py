@@ -29,6 +29,8 @@ from torch.utils._pytree import tree_flatten
 MAX_SPREAD = 0.25
 #: Default most timed rounds, as a multiple of ``repeats``.
 MAX_REPEATS_FACTOR = 4
+#: Default least predicted gain (relative) for which the planner leaves the uniform split.
+MIN_GAIN = 0.05
 
 #: ``progress(phase, done, total)``: ``phase`` is e.g. ``"warm-up"`` or ``"timed"``, ``total`` ``None``
 #: while open-ended (a warm-up lasts until the timings settle).
@@ -132,6 +134,6 @@ def pooled(values: Sequence[float], groups: Sequence[Sequence[int]]) -> list[flo
 
 
 __all__ = [
-    "MAX_REPEATS_FACTOR", "MAX_SPREAD", "Progress", "TimedRounds", "identical_groups", "layer_signature", "pooled",
+    "MAX_REPEATS_FACTOR", "MAX_SPREAD", "MIN_GAIN", "Progress", "TimedRounds", "identical_groups", "layer_signature", "pooled",
     "relative_spread", "timed_rounds",
 ]

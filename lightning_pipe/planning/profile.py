@@ -33,6 +33,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
+import math
 import os
 import statistics
 import time
@@ -103,6 +104,12 @@ class Profile:
     noisy: bool = field(default=False, compare=False)
     groups: tuple[tuple[int, ...], ...] = field(default=(), compare=False)
 
+    @property
+    def uncertainty(self) -> float:
+        """Relative uncertainty of the timings: ``spread / sqrt(timed_rounds)`` (0 when not measured,
+        e.g. a hand-made profile). A predicted gain below it is not a gain (:func:`~.planner.split_for`)."""
+        return self.spread / math.sqrt(self.timed_rounds) if self.timed_rounds else 0.0
+
     def to_json(self) -> dict[str, Any]:
         data = asdict(self)
         data["layers"] = [asdict(layer) for layer in self.layers]
@@ -146,7 +153,10 @@ def interpolate(profiles: Sequence[Profile], micro_batch: float) -> Profile:
         )
         for a, b in zip(lo.layers, hi.layers)
     )
-    return Profile(round(micro_batch) or 1, lo.device, layers, round(line(lo.input_bytes, hi.input_bytes)))
+    measured = [p.timed_rounds for p in (lo, hi) if p.timed_rounds]  # the noise of the two, the worse of each
+    return Profile(round(micro_batch) or 1, lo.device, layers, round(line(lo.input_bytes, hi.input_bytes)),
+                   spread=max(lo.spread, hi.spread), timed_rounds=min(measured, default=0), noisy=lo.noisy or hi.noisy,
+                   groups=lo.groups)
 
 
 @dataclass(frozen=True)

@@ -13,8 +13,8 @@ from lightning_pipe.errors import PipeConfigError
 from lightning_pipe.planning import profile as profile_module
 from lightning_pipe.planning.auto_balance import AutoBalanceOptions, noise_warning
 from lightning_pipe.planning.noise import identical_groups, layer_signature, pooled, relative_spread, timed_rounds
-from lightning_pipe.planning.planner import Machine, fixed_plan
-from lightning_pipe.planning.profile import load_cached, profile_trunk
+from lightning_pipe.planning.planner import Machine, fixed_plan, split_for
+from lightning_pipe.planning.profile import interpolate, load_cached, profile_trunk
 
 
 def scripted(totals):
@@ -115,3 +115,22 @@ def test_max_spread_must_not_be_negative():
     with pytest.raises(PipeConfigError, match="max_spread=-0.1 must be at least 0"):
         AutoBalanceOptions(max_spread=-0.1)
     assert AutoBalanceOptions(max_spread=None).max_spread is None
+
+
+def test_the_uniform_split_stays_unless_another_is_predicted_clearly_faster():
+    """With equal layer costs zbv's simulated bubble favours [2, 3, 1, 2] by 3.6 % at M = 2: the cost model's
+    forward / input-gradient / weight-gradient thirds, not a reason to split identical blocks unevenly."""
+    import dataclasses
+
+    from tests.unit.test_planner import synthetic
+
+    equal = synthetic([1.0] * 8)
+    assert split_for(equal, "zbv", 2, 2, Machine(), min_gain=0.0).balance == [2, 3, 1, 2]
+    assert split_for(equal, "zbv", 2, 2, Machine(), min_gain=0.05).balance == [2, 2, 2, 2]
+    heavy_last = synthetic([1.0] * 7 + [3.0])  # [5, 3] is predicted 12 % faster than [4, 4]
+    assert split_for(heavy_last, "1f1b", 2, 4, Machine(), min_gain=0.05).balance == [5, 3]
+    measured = dataclasses.replace(heavy_last, spread=0.3, timed_rounds=9)  # uncertainty 0.3 / 3 = 10 %: 12 % stands
+    assert measured.uncertainty == pytest.approx(0.1) and split_for(measured, "1f1b", 2, 4, Machine()).balance == [5, 3]
+    noisier = dataclasses.replace(heavy_last, spread=0.45, timed_rounds=9)  # 15 %: within the noise
+    assert split_for(noisier, "1f1b", 2, 4, Machine()).balance == [4, 4]
+    assert interpolate([noisier], 2).uncertainty == pytest.approx(0.15)  # carried to other micro-batch sizes
