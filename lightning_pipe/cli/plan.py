@@ -254,7 +254,7 @@ def plan(
     if any(_averaging(s) for s in chosen):
         averaging = next(s for s in chosen if _averaging(s))
         avgpipe = plan_avgpipe(averaging, model, trunk, profiles, total, stages, candidates, machine,
-                               max_parallel_pipelines, advance_forward if advance_forward is not None else ADVANCES)
+                               max_parallel_pipelines, advance_forward if advance_forward is not None else ADVANCES, min_gain)
         plans = {s: (avgpipe_as_plan(avgpipe) if avgpipe else None) if _averaging(s) else plans[s] for s in chosen}
     best = best_of(plans.values())
     no_fit = ""
@@ -397,13 +397,13 @@ def _noise_warning(report: PlanReport) -> list[str]:
 
 def plan_avgpipe(
     schedule: str, model: LightningModule, trunk: torch.nn.Module, profiles: Sequence[Profile], total: int, stages: int,
-    micro_batches: Sequence[int], machine: Machine, max_replicas: int, advances: Sequence[int],
+    micro_batches: Sequence[int], machine: Machine, max_replicas: int, advances: Sequence[int], min_gain: float = 0.0,
 ) -> AvgPipePlan | None:
     """avgpipe's best predicted ``N`` (at least 2: one pipeline is 1F1B with an idle center copy),
     ``M`` and advance on the split 1F1B would use, as ``parallel_pipelines="auto"`` predicts it
     (docs/algorithms.md §13); ``None`` when nothing fits."""
     flushed = SCHEDULES[schedule].flushed
-    one_replica = explore(profiles, total, stages, [flushed], micro_batches, machine)[flushed]
+    one_replica = explore(profiles, total, stages, [flushed], micro_batches, machine, min_gain=min_gain)[flushed]
     if one_replica is None:
         return None
     steps, note = _step_times(model, trunk, one_replica.balance)
