@@ -199,9 +199,8 @@ def plan(
             is not cached). ``null``: time ``repeats`` rounds and trust them.
         max_repeats: most timed rounds per profile (default ``4 * repeats``).
         progress: show the profiling's progress on stderr (warm-up and timed rounds).
-        min_gain: keep the uniform split unless another is predicted this much faster (``0.05`` = 5 %) and
-            faster by more than the profile's uncertainty (spread / sqrt(timed rounds)); smaller predicted
-            gains are noise or the cost model's own approximation.
+        min_gain: keep the uniform split unless another is predicted this much faster (``0.05`` = 5 %); smaller
+            predicted gains are noise or the cost model's own approximation.
         threads: torch CPU threads while profiling; match what each stage process will get (Lightning's
             launcher gives each of ``n`` processes ``cores / n`` threads); default: torch's default.
         max_parallel_pipelines: largest number ``N`` of parallel pipelines avgpipe is tried with.

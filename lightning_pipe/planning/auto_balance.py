@@ -55,8 +55,7 @@ class AutoBalanceOptions:
             its split rests on noise. ``None``: trust the first rounds. Structurally identical layers
             share one cost either way (docs/planning.md, "Noise").
         min_gain: the uniform split is kept unless the planner's split is predicted this much faster
-            (``0.05`` = 5 %) and faster by more than the profile's uncertainty: smaller predicted gains
-            are noise or the cost model's own approximation.
+            (``0.05`` = 5 %): smaller predicted gains are noise or the cost model's own approximation.
     """
 
     memory_gib: float | list[float] | None = None

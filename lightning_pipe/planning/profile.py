@@ -33,7 +33,6 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
-import math
 import os
 import statistics
 import time
@@ -103,12 +102,6 @@ class Profile:
     timed_rounds: int = field(default=0, compare=False)
     noisy: bool = field(default=False, compare=False)
     groups: tuple[tuple[int, ...], ...] = field(default=(), compare=False)
-
-    @property
-    def uncertainty(self) -> float:
-        """Relative uncertainty of the timings: ``spread / sqrt(timed_rounds)`` (0 when not measured,
-        e.g. a hand-made profile). A predicted gain below it is not a gain (:func:`~.planner.split_for`)."""
-        return self.spread / math.sqrt(self.timed_rounds) if self.timed_rounds else 0.0
 
     def to_json(self) -> dict[str, Any]:
         data = asdict(self)
