@@ -27,6 +27,7 @@ from lightning.pytorch import LightningDataModule, LightningModule
 
 from lightning_pipe import registry
 from lightning_pipe.cli.plan_quality import quality_text
+from lightning_pipe.cli.progress import ProfileProgress
 from lightning_pipe.engine import batch_size as batch_size_of
 from lightning_pipe.engine import split_micro_batches
 from lightning_pipe.errors import PlanError
@@ -35,6 +36,7 @@ from lightning_pipe.partition import find_trunk, resolve_balance, stage_bounds
 from lightning_pipe.planning import avgpipe_tuner as avg_tuner
 from lightning_pipe.planning.auto_balance import preserved_random_state
 from lightning_pipe.planning.avgpipe_autotune import ADVANCES, MAX_REPLICAS, optimizer_factory, optimizer_spec
+from lightning_pipe.planning.noise import MAX_SPREAD, MIN_GAIN
 from lightning_pipe.planning.planner import (
     GIB,
     Machine,
@@ -45,7 +47,9 @@ from lightning_pipe.planning.planner import (
     evaluate,
     explore,
     format_bytes,
+    no_fit_error,
     planned_schedules,
+    smallest_need,
 )
 from lightning_pipe.planning.profile import Profile, capture_trunk_input, interpolate, profile_trunk
 from lightning_pipe.registry import SCHEDULES, build_schedule
@@ -70,6 +74,14 @@ class PlanReport:
     timeline: str | None = None
     simulated: Any = None  # lightning_pipe.sim.simulate.Simulation of the chosen plan
     avgpipe: AvgPipePlan | None = None  # when avgpipe was explored
+    no_fit: str = ""  # why nothing fits, naming the smallest need (empty when a plan was found)
+    repeats: int = 9  # timed rounds per batch (the spread is judged on the latest batch)
+    max_spread: float | None = MAX_SPREAD  # the bound on that spread
+
+    @property
+    def noisy(self) -> bool:
+        """A profile's timed rounds still spread more than ``max_spread``: the predictions are noise."""
+        return any(p.noisy for p in self.profiles)
 
 
 @dataclass
@@ -143,6 +155,10 @@ def plan(
     timeline: str | None = "plan.png",
     overwrite: bool = False,
     repeats: int = 9,
+    max_spread: float | None = MAX_SPREAD,
+    max_repeats: int | None = None,
+    progress: bool = True,
+    min_gain: float = MIN_GAIN,
     threads: int | None = None,
     max_parallel_pipelines: int = MAX_REPLICAS,
     advance_forward: list[int] | None = None,
@@ -176,7 +192,16 @@ def plan(
         cache: JSON file caching the profiles.
         timeline: PNG path for the chosen plan's simulated timeline; ``None`` to skip.
         overwrite: replace an existing ``timeline`` file (otherwise an existing file is an error).
-        repeats: timed runs per layer (median kept), after a warm-up that lasts until the timings settle.
+        repeats: timed rounds in a batch (every layer once per round; each layer's fastest run is kept), after a
+            warm-up that lasts until the timings settle.
+        max_spread: bound on the spread of the latest ``repeats`` timed rounds (interquartile range of the
+            per-round totals over their median, e.g. ``0.25`` = 25 %): above it ``repeats`` more rounds are timed,
+            up to ``max_repeats``; a profile still above it is reported as noise, with no speed-up claimed (and
+            is not cached). ``null``: time ``repeats`` rounds and trust them.
+        max_repeats: most timed rounds per profile (default ``4 * repeats``).
+        progress: show the profiling's progress on stderr (warm-up and timed rounds).
+        min_gain: keep the uniform split unless another is predicted this much faster (``0.05`` = 5 %); smaller
+            predicted gains are noise or the cost model's own approximation.
         threads: torch CPU threads while profiling; match what each stage process will get (Lightning's
             launcher gives each of ``n`` processes ``cores / n`` threads); default: torch's default.
         max_parallel_pipelines: largest number ``N`` of parallel pipelines avgpipe is tried with.
@@ -204,11 +229,12 @@ def plan(
         raise PlanError(f"no micro-batch count between {min_micro_batches} and {max_micro_batches} divides the batch of {total}.")
     sizes = sorted({total // max(candidates), total // min(candidates)})
     model.train()
-    profiles = [
-        profile_trunk(trunk, _sample_input(model, trunk, size, batch_shape, batch_dtype, batch), device,
-                      repeats=repeats, cache=cache, module=model)
-        for size in sizes
-    ]
+    profiles = []
+    for size in sizes:
+        sample = _sample_input(model, trunk, size, batch_shape, batch_dtype, batch)
+        with ProfileProgress(f"profiling {len(trunk)} layers at micro-batch size {size}", progress) as shown:
+            profiles.append(profile_trunk(trunk, sample, device, repeats=repeats, cache=cache, module=model,
+                                          max_spread=max_spread, max_repeats=max_repeats, progress=shown))
     machine = Machine(
         memory=None if memory_gib is None else (
             [m * GIB for m in memory_gib] if isinstance(memory_gib, list) else memory_gib * GIB),
@@ -222,14 +248,26 @@ def plan(
     unknown = [s for s in chosen if s not in registry.SCHEDULES]  # avgpipe goes through its tuner
     if unknown:
         raise PlanError(f"schedule {unknown[0]!r} is not known; choose among {', '.join(registry.SCHEDULES)}.")
-    plans = explore(profiles, total, stages, [s for s in chosen if s in planned_schedules()], candidates, machine, chunks)
+    plans = explore(profiles, total, stages, [s for s in chosen if s in planned_schedules()], candidates, machine, chunks,
+                    min_gain)
     avgpipe = None
     if any(_averaging(s) for s in chosen):
         averaging = next(s for s in chosen if _averaging(s))
         avgpipe = plan_avgpipe(averaging, model, trunk, profiles, total, stages, candidates, machine,
-                               max_parallel_pipelines, advance_forward if advance_forward is not None else ADVANCES)
+                               max_parallel_pipelines, advance_forward if advance_forward is not None else ADVANCES, min_gain)
         plans = {s: (avgpipe_as_plan(avgpipe) if avgpipe else None) if _averaging(s) else plans[s] for s in chosen}
     best = best_of(plans.values())
+    no_fit = ""
+    if best is None:
+        searched = [s for s in chosen if s in planned_schedules()]
+        smallest = smallest_need(profiles, total, stages, searched, candidates, machine, chunks) if searched else None
+        if smallest is not None:
+            no_fit = str(no_fit_error(len(trunk), stages, machine, smallest))
+        elif searched:
+            no_fit = (f"none of {', '.join(searched)} can run {len(trunk)} layers on {stages} stages with micro_batches in "
+                      f"{candidates}; use fewer stages, other micro-batch counts or other schedules.")
+        else:
+            no_fit = "avgpipe does not fit with two or more parallel pipelines; raise the memory limit or use more stages."
     uniform = None
     if best is not None and _averaging(best.schedule):
         uniform = avgpipe.uniform
@@ -238,7 +276,8 @@ def plan(
         counts = resolve_balance("uniform", trunk, stages * v)
         uniform = evaluate(interpolate(profiles, best.micro_batch_size), best.schedule, stages, best.micro_batches,
                            counts, machine, chunks, total)
-    report = PlanReport(profiles, plans, best, uniform, names, "", avgpipe=avgpipe)
+    report = PlanReport(profiles, plans, best, uniform, names, "", avgpipe=avgpipe, no_fit=no_fit, repeats=repeats,
+                        max_spread=max_spread)
     if best is not None and _averaging(best.schedule) and timeline:
         report.simulated = write_avgpipe_timeline(avgpipe, total, machine, stages, timeline)
         report.timeline = timeline
@@ -259,8 +298,9 @@ def render(report: PlanReport, model_name: str, trunk_name: str, total: int, sta
     lines = [
         f"{model_name}: trunk {trunk_name} with {layers} layers, batch {total}, {stages} stages, {limit}",
         f"profiled on {report.profiles[0].device} at micro-batch sizes {sizes}: "
-        + "; ".join(f"{p.warmup_rounds} warm-up rounds until settled, timed rounds within {p.spread:.0%} (interquartile "
-                    "range / median)" if p.warmup_rounds else "from the cache" for p in report.profiles),
+        + "; ".join(_measured(p, report.repeats) for p in report.profiles),
+        *_identical(report.profiles[0], report.layer_names, trunk_name),
+        *_noise_warning(report),
         "",
     ]
     rows = []
@@ -282,7 +322,7 @@ def render(report: PlanReport, model_name: str, trunk_name: str, total: int, sta
                      "batches including their optimizer steps and averaging (the other rows leave the optimizer step out)")
     best = report.best
     if best is None:
-        lines.append("\nno schedule fits; raise the memory limit or use more stages.")
+        lines.append(f"\nno schedule fits: {report.no_fit}")
         return "\n".join(lines)
     lines += [
         "",
@@ -304,11 +344,13 @@ def render(report: PlanReport, model_name: str, trunk_name: str, total: int, sta
     lines.append(table(["stage", "layers", "modules", "parameters", "ms per micro-batch", "peak memory"], rows))
     if report.uniform is not None:
         uniform = report.uniform
+        gain = ("none claimed: the timings are noise (see the warning above)" if report.noisy
+                else f"{uniform.step_time / best.step_time:.2f}x")
         lines += [
             "",
             f"balance='uniform' {uniform.balance} with the same schedule and M: {uniform.step_time * 1e3:.2f} ms per batch, "
             f"{uniform.throughput:.0f} samples/s, bottleneck {uniform.bottleneck * 1e3:.3f} ms "
-            f"(chosen: {best.bottleneck * 1e3:.3f} ms); predicted speed-up of the chosen split: {uniform.step_time / best.step_time:.2f}x",
+            f"(chosen: {best.bottleneck * 1e3:.3f} ms); predicted speed-up of the chosen split: {gain}",
         ]
     if report.timeline:
         sim = report.simulated
@@ -317,15 +359,51 @@ def render(report: PlanReport, model_name: str, trunk_name: str, total: int, sta
     return "\n".join(lines)
 
 
+def _measured(profile: Profile, repeats: int) -> str:
+    """How a profile was measured, for the report's second line."""
+    if not profile.warmup_rounds:
+        return "from the cache"
+    last = min(repeats, profile.timed_rounds) if profile.timed_rounds else repeats
+    return (f"{profile.warmup_rounds} warm-up rounds until settled, {profile.timed_rounds} timed rounds, the last {last} "
+            f"within {profile.spread:.0%} (interquartile range / median)")
+
+
+def _identical(profile: Profile, names: Sequence[str], trunk_name: str) -> list[str]:
+    """The groups of structurally identical layers, which share one cost."""
+    if not profile.groups:
+        return []
+    described = []
+    for group in profile.groups:
+        contiguous = list(group) == list(range(group[0], group[-1] + 1))
+        where = f"{trunk_name}[{group[0]}:{group[-1] + 1}]" if contiguous else f"{trunk_name}{list(group)}"
+        described.append(f"{len(group)} × {names[group[0]]} ({where})")
+    return ["structurally identical layers share one cost, the median of their fastest runs: " + "; ".join(described)]
+
+
+def _noise_warning(report: PlanReport) -> list[str]:
+    """A warning when a profile's timed rounds still spread more than the bound."""
+    noisy = [p for p in report.profiles if p.noisy]
+    if not noisy:
+        return []
+    worst = max(noisy, key=lambda p: p.spread)
+    bound = f"{report.max_spread:.0%}" if report.max_spread is not None else "the bound"
+    return [
+        f"warning: the timed rounds at micro-batch size {worst.micro_batch} still spread {worst.spread:.0%} after "
+        f"{worst.timed_rounds} rounds (bound {bound}, --max_spread): the machine is too busy to tell the layers' costs "
+        "apart, so the predictions below are noise and no speed-up is claimed; plan again on a quieter machine, or "
+        "raise --max_repeats."
+    ]
+
+
 def plan_avgpipe(
     schedule: str, model: LightningModule, trunk: torch.nn.Module, profiles: Sequence[Profile], total: int, stages: int,
-    micro_batches: Sequence[int], machine: Machine, max_replicas: int, advances: Sequence[int],
+    micro_batches: Sequence[int], machine: Machine, max_replicas: int, advances: Sequence[int], min_gain: float = 0.0,
 ) -> AvgPipePlan | None:
     """avgpipe's best predicted ``N`` (at least 2: one pipeline is 1F1B with an idle center copy),
     ``M`` and advance on the split 1F1B would use, as ``parallel_pipelines="auto"`` predicts it
     (docs/algorithms.md §13); ``None`` when nothing fits."""
     flushed = SCHEDULES[schedule].flushed
-    one_replica = explore(profiles, total, stages, [flushed], micro_batches, machine)[flushed]
+    one_replica = explore(profiles, total, stages, [flushed], micro_batches, machine, min_gain=min_gain)[flushed]
     if one_replica is None:
         return None
     steps, note = _step_times(model, trunk, one_replica.balance)

@@ -17,12 +17,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lightning_pipe.engine import batch_size, keeps_one_fifo_order, split_micro_batches
 from lightning_pipe.errors import PipeConfigError
 from lightning_pipe.lightning.log_replay import LogCapture
 from lightning_pipe.partition import find_trunk, stage_bounds
+from lightning_pipe.partition.trunk import container_name
 from lightning_pipe.planning import auto_balance, avgpipe_autotune
 from lightning_pipe.planning.auto_balance import AutoBalance, memory_limit, preserved_buffers, preserved_random_state
 from lightning_pipe.planning.avgpipe_autotune import AutoValues, Prediction, optimizer_factory, optimizer_spec
@@ -93,10 +94,13 @@ def balance(strategy: PipeStrategy, trainer: Trainer, module: LightningModule) -
 
     with strategy.watchdog.guard("rank 0's balance='auto' plan"):
         auto = auto_balance.agreed(strategy.global_rank == 0, strategy.world_size, work)
+    warning = auto_balance.noise_warning(auto.profile, options.auto_balance, auto.plan.balance)
+    if warning is not None:
+        rank_zero_warn(warning)
     _, trunk = find_trunk(module, options.module)
     if isinstance(trunk, torch.nn.ModuleList) and options.auto_balance.refine and strategy.topology.stages > 1:
-        rank_zero_info("lightning_pipe: balance='auto' keeps the profiled split of an nn.ModuleList trunk: the "
-                       "refinement runs stage copies as nn.Sequential, which a looped trunk's blocks are not.")
+        rank_zero_info(f"lightning_pipe: balance='auto' keeps the profiled split of the {container_name(trunk)} trunk: "
+                       "the refinement runs stage copies as nn.Sequential, which a looped trunk's blocks are not.")
         return auto.plan, None
     if not options.auto_balance.refine or strategy.topology.stages == 1 or options.chunks_per_stage > 1:
         return auto.plan, None  # nothing to measure in one process; interleaved splits are searched locally already
@@ -150,10 +154,11 @@ def tune_avgpipe(strategy: PipeStrategy, trainer: Trainer, module: LightningModu
         rank_zero_info(f"lightning_pipe: avgpipe adopts the tuned values of the checkpoint: {stored}")
         return stored
     options, stages = strategy.options, strategy.num_stages
-    if isinstance(find_trunk(module, options.module)[1], torch.nn.ModuleList):
+    trunk = find_trunk(module, options.module)[1]
+    if isinstance(trunk, torch.nn.ModuleList):
         raise PipeConfigError(
             "avgpipe's tuner measures its candidates on copies of each stage run as an nn.Sequential, which the blocks "
-            "of an nn.ModuleList trunk are not; set avgpipe's parallel_pipelines, micro_batches and advance_forward "
+            f"of the {container_name(trunk)} trunk are not; set avgpipe's parallel_pipelines, micro_batches and advance_forward "
             "to numbers (e.g. avgpipe={'parallel_pipelines': 2, 'advance_forward': 1}, micro_batches=4).")
     memory = memory_limit(options.auto_balance, strategy.root_device)
     memory = [memory] * stages if isinstance(memory, float) else memory

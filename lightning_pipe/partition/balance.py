@@ -10,23 +10,24 @@ from typing import Literal
 from torch import nn
 
 from lightning_pipe.errors import BalanceError
+from lightning_pipe.partition.trunk import container_name
 
 
-def resolve_balance(balance: str | Sequence[int], layers: nn.Sequential, parts: int) -> list[int]:
+def resolve_balance(balance: str | Sequence[int], layers: nn.Sequential | nn.ModuleList, parts: int) -> list[int]:
     """Layer counts per stage (in pipeline order) for ``parts`` stages.
 
     Args:
         balance: a list of layer counts, ``"uniform"`` (equal counts, earlier stages take the
             remainder) or ``"parameters"`` (contiguous split minimising the largest stage's
             parameter count).
-        layers: the trunk.
+        layers: the trunk (``nn.Sequential`` or ``nn.ModuleList``).
         parts: number of (virtual) stages.
     """
     n = len(layers)
     if parts > n:
         raise BalanceError(
             f"the trunk has {n} layers but the pipeline needs {parts} stages; use at most {n} stages "
-            "(or fewer virtual stages), or split the trunk into more nn.Sequential entries."
+            f"(or fewer virtual stages), or split the trunk into more {container_name(layers)} entries."
         )
     if isinstance(balance, str):
         if balance == "uniform":

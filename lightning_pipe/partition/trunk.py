@@ -78,6 +78,17 @@ def find_trunk(module: nn.Module, name: str | None = None) -> tuple[str, Trunk]:
     return chosen.path, chosen.container
 
 
+def container_name(trunk: nn.Module) -> str:
+    """How an error names the trunk's container: ``nn.Sequential``, ``nn.ModuleList``, or a subclass's
+    own name with the base it extends (``Blocks (an nn.ModuleList)``), so advice fits the user's code."""
+    for base in (nn.Sequential, nn.ModuleList):
+        if type(trunk) is base:
+            return f"nn.{base.__name__}"
+        if isinstance(trunk, base):
+            return f"{type(trunk).__name__} (an nn.{base.__name__})"
+    return type(trunk).__name__
+
+
 def candidates_of(module: nn.Module) -> list[Candidate]:
     """Every ``nn.Sequential`` and ``nn.ModuleList`` below ``module`` with two or more entries and
     trainable parameters."""

@@ -27,6 +27,7 @@ import torch.distributed as dist
 from lightning_pipe.engine import Topology, Transport, Watchdog
 from lightning_pipe.errors import PipeConfigError
 from lightning_pipe.partition import stage_bounds
+from lightning_pipe.planning.noise import MAX_SPREAD, MIN_GAIN
 from lightning_pipe.planning.planner import GIB, Machine, Plan, StageCosts, fixed_plan, refine_split
 from lightning_pipe.planning.profile import Profile, profile_trunk
 from lightning_pipe.planning.trials import measure_stage, on_device
@@ -48,16 +49,30 @@ class AutoBalanceOptions:
             and measures each stage; then up to this many times a layer of the measured bottleneck
             moves to its faster neighbour, kept while the measured bottleneck shrinks
             (docs/algorithms.md §12 step 4). ``0``: trust the profile.
+        max_spread: bound on the spread of the profile's latest timed rounds (interquartile range of
+            the per-round totals over their median; ``0.25`` = 25 %): above it more rounds are timed
+            (at most 4× as many), and a profile still above it is not cached and gets a warning that
+            its split rests on noise. ``None``: trust the first rounds. Structurally identical layers
+            share one cost either way (docs/planning.md, "Noise").
+        min_gain: the uniform split is kept unless the planner's split is predicted this much faster
+            (``0.05`` = 5 %): smaller predicted gains are noise or the cost model's own approximation.
     """
 
     memory_gib: float | list[float] | None = None
     speeds: list[float] | None = None
     profile_cache: str | None = None
     refine: int = 2
+    max_spread: float | None = MAX_SPREAD
+    min_gain: float = MIN_GAIN
 
     def __post_init__(self) -> None:
         if self.refine < 0:
             raise PipeConfigError(f"auto_balance refine={self.refine} must be at least 0 (0: no refinement).")
+        if self.min_gain < 0:
+            raise PipeConfigError(f"auto_balance min_gain={self.min_gain} must be at least 0 (e.g. 0.05 for 5 %).")
+        if self.max_spread is not None and self.max_spread < 0:
+            raise PipeConfigError(f"auto_balance max_spread={self.max_spread} must be at least 0 (e.g. 0.25 for 25 %), "
+                                  "or None to trust the first timed rounds.")
 
 
 @dataclass(frozen=True)
@@ -139,8 +154,9 @@ def split_by_profile(
             recomputation (``checkpoint_activations``).
         module: the module owning the trunk (keys the profile cache).
     """
-    profile = profile_trunk(trunk, sample, device, cache=options.profile_cache, module=module)
-    plan = fixed_plan(profile, schedule, stages, micro_batches, machine_of(options, device, recompute), chunks)
+    profile = profile_trunk(trunk, sample, device, cache=options.profile_cache, module=module, max_spread=options.max_spread)
+    plan = fixed_plan(profile, schedule, stages, micro_batches, machine_of(options, device, recompute), chunks,
+                      min_gain=options.min_gain)
     inputs = on_device(inputs, torch.device("cpu"))  # broadcast to every rank (captured inputs are detached)
     return AutoBalance(plan, profile, inputs)
 
@@ -188,6 +204,16 @@ def refine(
 
     counts, times = refine_split(plan.balance, measure, costs.feasible, options.refine, tell)
     return (plan if counts == plan.balance else costs.plan(counts)), times
+
+
+def noise_warning(profile: Profile, options: AutoBalanceOptions, balance: list[int]) -> str | None:
+    """What rank 0 warns when the profile's timed rounds still spread more than ``max_spread``."""
+    if not profile.noisy:
+        return None
+    return (f"balance='auto': the profile's timed rounds still spread {profile.spread:.0%} after {profile.timed_rounds} "
+            f"rounds (bound {options.max_spread:.0%}, auto_balance max_spread), so the split {balance} rests on noisy "
+            "timings (structurally identical layers were still given one cost); give balance as a list, or profile on a "
+            "quieter machine with profile_cache set so later starts reuse it.")
 
 
 def agreed(is_rank_zero: bool, world_size: int, work: Callable[[], Any], what: str = "balance='auto'") -> Any:

@@ -43,6 +43,7 @@ def split_for(
     machine: Machine = Machine(),
     chunks: int = 2,
     batch: int | None = None,
+    min_gain: float = 0.0,
 ) -> Plan | None:
     """The min-max split of ``profile`` (already at this micro-batch size) for one schedule and ``M``.
 
@@ -51,6 +52,11 @@ def split_for(
     chunk limited to ``1/chunks`` of its device's memory; since a device's time is the sum of its
     non-adjacent chunks, which no chain DP captures exactly, the DP's split and the uniform split are
     then improved by moving single boundaries while the predicted mini-batch time drops.
+
+    The uniform split (when it fits) is kept unless the split found is predicted faster by more than
+    ``min_gain`` (relative; ``0``: only ties go to it): a smaller predicted gain is noise or the cost
+    model's own approximation (e.g. zero-bubble schedules' forward / input-gradient / weight-gradient
+    thirds), not a reason to split unevenly.
     """
     costs = StageCosts(profile, schedule, stages, micro_batches, machine, chunks)
     n = len(profile.layers)
@@ -59,11 +65,19 @@ def split_for(
     found = min_max_split(n, costs.parts, costs.time, costs.fits)
     if found is None:
         return None
-    if costs.chunks == 1:
-        return costs.plan(found[1], batch)
     base, extra = divmod(n, costs.parts)
-    starts = [found[1], [base + (k < extra) for k in range(costs.parts)]]
-    return min((_descend(costs, counts, batch) for counts in starts if costs.feasible(counts)), key=lambda p: p.step_time)
+    uniform = [base + (k < extra) for k in range(costs.parts)]
+    if costs.chunks == 1:
+        best = costs.plan(found[1], batch)
+    else:
+        best = min((_descend(costs, counts, batch) for counts in (found[1], uniform) if costs.feasible(counts)),
+                   key=lambda p: p.step_time)
+    if best.balance == uniform or not costs.feasible(uniform):
+        return best
+    even = costs.plan(uniform, batch)
+    # not the timings' spread as the margin: each layer's cost is its fastest run, far steadier than a
+    # round's total, so a margin from the spread would discard clear gains on a loaded machine
+    return even if even.step_time <= best.step_time * (1 + min_gain) else best
 
 
 def _descend(costs: StageCosts, counts: list[int], batch: int | None) -> Plan:
@@ -185,6 +199,7 @@ def explore(
     micro_batches: Sequence[int] | None = None,
     machine: Machine = Machine(),
     chunks: int = 2,
+    min_gain: float = 0.0,
 ) -> dict[str, Plan | None]:
     """The best plan per schedule (``None`` when nothing fits), over candidate ``M``.
 
@@ -197,6 +212,8 @@ def explore(
         micro_batches: candidate ``M`` (default: every divisor of ``batch``).
         machine: memory limits, speeds and links.
         chunks: chunks per device for ``interleaved_1f1b``.
+        min_gain: a split other than the uniform one must be predicted this much faster (relative) to be
+            chosen (:func:`split_for`).
     """
     machine.check(stages)
     candidates = list(micro_batches) if micro_batches is not None else candidate_micro_batches(batch)
@@ -206,7 +223,7 @@ def explore(
         if schedule not in planned_schedules():
             raise PlanError(f"schedule {schedule!r} is not known; choose among {', '.join(planned_schedules())}.")
         result[schedule] = best_of(
-            split_for(scaled[m], schedule, stages, m, machine, chunks, batch)
+            split_for(scaled[m], schedule, stages, m, machine, chunks, batch, min_gain)
             for m in candidates
             if allowed(schedule, stages, m, len(profiles[0].layers), chunks)
         )
@@ -230,12 +247,28 @@ def plan(
     micro_batches: Sequence[int] | None = None,
     machine: Machine = Machine(),
     chunks: int = 2,
+    min_gain: float = 0.0,
 ) -> Plan:
     """The best plan over schedules and micro-batch counts (see :func:`explore`); raises
     :class:`PlanError` naming the smallest memory any split needs when nothing fits."""
-    best = best_of(explore(profiles, batch, stages, schedules, micro_batches, machine, chunks).values())
+    best = best_of(explore(profiles, batch, stages, schedules, micro_batches, machine, chunks, min_gain).values())
     if best is not None:
         return best
+    raise no_fit_error(len(profiles[0].layers), stages, machine,
+                       smallest_need(profiles, batch, stages, schedules, micro_batches, machine, chunks))
+
+
+def smallest_need(
+    profiles: Sequence[Profile],
+    batch: int,
+    stages: int,
+    schedules: Sequence[str] = names("synchronous"),
+    micro_batches: Sequence[int] | None = None,
+    machine: Machine = Machine(),
+    chunks: int = 2,
+) -> Plan | None:
+    """Over every allowed schedule and candidate ``M``, the split with the smallest peak memory,
+    limits ignored (what an error names when nothing fits); ``None`` when no split exists at all."""
     candidates = list(micro_batches) if micro_batches is not None else candidate_micro_batches(batch)
     smallest = None
     for schedule in schedules:
@@ -244,7 +277,7 @@ def plan(
                 option = smallest_memory(interpolate(profiles, batch / m), schedule, stages, m, machine, chunks, batch)
                 if option is not None and (smallest is None or _peak(option) < _peak(smallest)):
                     smallest = option
-    raise no_fit_error(len(profiles[0].layers), stages, machine, smallest)
+    return smallest
 
 
 def _peak(plan_: Plan) -> float:
@@ -272,11 +305,12 @@ def fixed_plan(
     machine: Machine = Machine(),
     chunks: int = 2,
     batch: int | None = None,
+    min_gain: float = 0.0,
 ) -> Plan:
     """The min-max split for a schedule and ``M`` the user chose (what ``balance="auto"`` uses);
-    raises :class:`PlanError` when nothing fits."""
+    raises :class:`PlanError` when nothing fits. ``min_gain``: see :func:`split_for`."""
     machine.check(stages)
-    found = split_for(profile, schedule, stages, micro_batches, machine, chunks, batch)
+    found = split_for(profile, schedule, stages, micro_batches, machine, chunks, batch, min_gain)
     if found is not None:
         return found
     smallest = smallest_memory(profile, schedule, stages, micro_batches, machine, chunks, batch)
@@ -286,5 +320,6 @@ def fixed_plan(
 __all__ = [
     "GIB", "Machine", "Plan", "PlanError", "StageCosts", "StagePlan", "allowed", "best_of",
     "candidate_micro_batches", "evaluate", "explore", "extra_weight_copies", "fixed_plan", "format_bytes", "in_flight",
-    "min_max_split", "plan", "planned_schedules", "refine_split", "refinement_move", "smallest_memory", "split_for", "step_time",
+    "min_max_split", "no_fit_error", "plan", "planned_schedules", "refine_split", "refinement_move", "smallest_memory",
+    "smallest_need", "split_for", "step_time",
 ]

@@ -4,8 +4,10 @@ The profiler walks the trunk layer by layer from a sample trunk input: each laye
 next layer's input, exactly as the pipeline runs it. Per layer it measures, at one micro-batch size
 on one device:
 
-* forward and backward time: the fastest of ``repeats`` runs (a busy machine only adds time) after
-  a warm-up that lasts until the timings settle (see :func:`profile_trunk`); backward is
+* forward and backward time: the fastest of its timed runs (a busy machine only adds time) after
+  a warm-up that lasts until the timings settle, with more timed rounds while they spread too much,
+  and one common cost for structurally identical layers (see :func:`profile_trunk` and
+  :mod:`.noise`); backward is
   ``torch.autograd.grad`` of the output with respect to the input and the layer's trainable
   parameters (what a pipeline stage computes), so no ``.grad`` of the model is touched;
 * parameter bytes;
@@ -44,6 +46,8 @@ from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten, tree_map
 
 from lightning_pipe.partition.split import StageStop
+from lightning_pipe.partition.trunk import container_name
+from lightning_pipe.planning.noise import MAX_SPREAD, Progress, identical_groups, layer_signature, pooled, timed_rounds
 from lightning_pipe.planning.trials import on_device
 
 
@@ -79,8 +83,13 @@ class Profile:
         input_bytes: bytes of the trunk input (what the first stage boundary may carry).
         key: the cache key it was stored under.
         spread: how much the timed rounds disagreed: the interquartile range of the per-round time of
-            the whole trunk (forward and backward of every layer), relative to its median.
+            the whole trunk (forward and backward of every layer) over the latest ``repeats`` rounds,
+            relative to its median (per layer, the largest, when layers were timed one at a time).
         warmup_rounds: untimed rounds run before the timings settled.
+        timed_rounds: timed rounds run (more than ``repeats`` when the first ones spread too much).
+        noisy: the spread stayed above the bound: the timings cannot tell the layers' costs apart and
+            predictions built on them are not to be trusted.
+        groups: indices of structurally identical layers (two or more each), which share one cost.
     """
 
     micro_batch: int
@@ -90,17 +99,22 @@ class Profile:
     key: str = field(default="", compare=False)
     spread: float = field(default=0.0, compare=False)
     warmup_rounds: int = field(default=0, compare=False)
+    timed_rounds: int = field(default=0, compare=False)
+    noisy: bool = field(default=False, compare=False)
+    groups: tuple[tuple[int, ...], ...] = field(default=(), compare=False)
 
     def to_json(self) -> dict[str, Any]:
         data = asdict(self)
         data["layers"] = [asdict(layer) for layer in self.layers]
+        data["groups"] = [list(group) for group in self.groups]
         return data
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Profile:
         layers = tuple(LayerProfile(**layer) for layer in data["layers"])
         return cls(data["micro_batch"], data["device"], layers, data.get("input_bytes", 0), data.get("key", ""),
-                   data.get("spread", 0.0), data.get("warmup_rounds", 0))
+                   data.get("spread", 0.0), data.get("warmup_rounds", 0), data.get("timed_rounds", 0),
+                   data.get("noisy", False), tuple(tuple(g) for g in data.get("groups", ())))
 
 
 def interpolate(profiles: Sequence[Profile], micro_batch: float) -> Profile:
@@ -132,7 +146,10 @@ def interpolate(profiles: Sequence[Profile], micro_batch: float) -> Profile:
         )
         for a, b in zip(lo.layers, hi.layers)
     )
-    return Profile(round(micro_batch) or 1, lo.device, layers, round(line(lo.input_bytes, hi.input_bytes)))
+    measured = [p.timed_rounds for p in (lo, hi) if p.timed_rounds]  # the noise of the two, the worse of each
+    return Profile(round(micro_batch) or 1, lo.device, layers, round(line(lo.input_bytes, hi.input_bytes)),
+                   spread=max(lo.spread, hi.spread), timed_rounds=min(measured, default=0), noisy=lo.noisy or hi.noisy,
+                   groups=lo.groups)
 
 
 @dataclass(frozen=True)
@@ -176,7 +193,7 @@ def capture_trunk_input(
         handle.remove()
     raise RuntimeError(
         f"{what} of {type(module).__name__} finished without calling its trunk; profiling needs the step (or "
-        "forward) to call the nn.Sequential trunk once."
+        f"forward) to call the {container_name(trunk)} trunk once."
     )
 
 
@@ -201,7 +218,7 @@ def _capture_block_calls(module: nn.Module, trunk: nn.ModuleList, run: Callable[
             handle.remove()
     if len(calls) != len(trunk):
         raise RuntimeError(
-            f"{what} of {type(module).__name__} ran {len(calls)} of the {len(trunk)} blocks of its nn.ModuleList trunk; "
+            f"{what} of {type(module).__name__} ran {len(calls)} of the {len(trunk)} blocks of its {container_name(trunk)} trunk; "
             "profiling needs the step (or forward) to run every block once, in one loop."
         )
     return BlockInputs(tuple(calls[i] for i in range(len(trunk))))
@@ -253,6 +270,9 @@ def profile_trunk(
     module: nn.Module | None = None,
     settle: float = 0.05,
     max_warmup: int = 60,
+    max_spread: float | None = MAX_SPREAD,
+    max_repeats: int | None = None,
+    progress: Progress | None = None,
 ) -> Profile:
     """Measure every layer of ``trunk`` on ``device``, starting from the trunk input ``sample``.
 
@@ -263,7 +283,12 @@ def profile_trunk(
     on ``device`` a round runs every layer once, and the timed rounds go round-robin the same way, so
     a slow phase of a shared machine hits all layers alike instead of inflating one; otherwise each
     layer is copied to ``device`` in turn and warmed and timed there before the next (only one
-    layer's copy exists at a time). The result's ``spread`` says how much the timed rounds disagreed.
+    layer's copy exists at a time).
+
+    Noise (:mod:`.noise`): while the latest ``repeats`` timed rounds spread more than ``max_spread``,
+    ``repeats`` more are timed, at most ``max_repeats``; a profile still above the bound is marked
+    ``noisy`` (and not cached). Structurally identical layers get one common cost, the median of
+    their fastest runs, so noise cannot tell identical blocks apart.
 
     Args:
         trunk: the ``nn.Sequential`` or ``nn.ModuleList`` to profile (unchanged: layers that are not
@@ -271,14 +296,20 @@ def profile_trunk(
         sample: a trunk input for one micro-batch (its dim 0 is the micro-batch size), or the
             :class:`BlockInputs` of a looped ``nn.ModuleList`` (each block runs on its own call).
         device: where to measure (the device the stage will run on).
-        repeats: timed runs per layer; the fastest is kept.
+        repeats: timed rounds in a batch; each layer's cost is the fastest of all its timed runs.
         warmup: untimed rounds at least.
         cache: JSON file of profiles; a profile with the same key is returned without measuring,
-            a new one is added.
+            a new one that is not noisy is added.
         module: the owning module (its class goes into the cache key).
         settle: relative agreement of the last three warm-up rounds that ends the warm-up.
         max_warmup: most warm-up rounds (a machine that never settles is measured anyway; ``spread``
             then shows it).
+        max_spread: bound on the spread (interquartile range / median of the per-round totals) of
+            the latest ``repeats`` timed rounds; above it more rounds are timed. ``None``: time
+            ``repeats`` rounds and never call the profile noisy.
+        max_repeats: most timed rounds (default ``4 * repeats``).
+        progress: ``progress(phase, done, total)`` after every warm-up and timed round (``total`` is
+            ``None`` while the warm-up is open-ended).
     """
     device = torch.device(device)
     key = profile_key(module if module is not None else trunk, trunk, sample, device)
@@ -292,9 +323,11 @@ def profile_trunk(
     micro_batch = next((t.shape[0] for t in leaves if isinstance(t, Tensor) and t.dim()), 1)
     input_bytes = _bytes(value)
     round_robin = all(_on(layer, device) for layer in trunk)
-    runners, timings, static, warmups = [], [], [], []
+    noise = dict(max_spread=max_spread, max_repeats=max_repeats, progress=progress)
+    runners, timings, static, signatures, warmups, measured = [], [], [], [], [], []
     for index, layer in enumerate(trunk):
         call = calls[index] if looped else RecordedCall((value,), {})
+        signatures.append(layer_signature(layer, call.args, call.kwargs))
         runner = _LayerRunner(layer if _on(layer, device) else copy.deepcopy(layer).to(device), call, device)
         _, _, saved, output = runner.run(measure_saved=True)
         static.append((type(layer).__name__, sum(p.numel() * p.element_size() for p in layer.parameters()), saved, _bytes(output)))
@@ -302,26 +335,36 @@ def profile_trunk(
         if round_robin:
             runners.append(runner)
         else:  # warm and time this copy before the next layer's copy exists
-            warmups.append(_settle(lambda: sum(runner.run()[:2]), warmup, settle, max_warmup))
-            timings.append([runner.run()[:2] for _ in range(max(1, repeats))])
+            where = f"layer {index + 1}/{len(trunk)} "
+            warmups.append(_settle(lambda: sum(runner.run()[:2]), warmup, settle, max_warmup, progress, where + "warm-up"))
+            measured.append(timed_rounds(lambda: [runner.run()[:2]], repeats, **noise, phase=where + "timed"))
+            timings.append([r[0] for r in measured[-1].rounds])
             del runner
     if round_robin:
-        warmups.append(_settle(lambda: sum(sum(r.run()[:2]) for r in runners), warmup, settle, max_warmup))
-        rounds = [[runner.run()[:2] for runner in runners] for _ in range(max(1, repeats))]
-        timings = [list(per_layer) for per_layer in zip(*rounds)]
+        warmups.append(_settle(lambda: sum(sum(r.run()[:2]) for r in runners), warmup, settle, max_warmup, progress, "warm-up"))
+        measured.append(timed_rounds(lambda: [runner.run()[:2] for runner in runners], repeats, **noise))
+        timings = [list(per_layer) for per_layer in zip(*measured[-1].rounds)]
     # the fastest of the timed runs: interference from a busy machine only ever adds time, so the
     # minimum is what the layer costs and is far more repeatable than a median under load
+    groups = identical_groups(signatures)
+    forward = pooled([min(f for f, _ in runs) for runs in timings], groups)
+    backward = pooled([min(b for _, b in runs) for runs in timings], groups)
     layers = tuple(
-        LayerProfile(name, min(f for f, _ in runs), min(b for _, b in runs), params, saved, out)
-        for (name, params, saved, out), runs in zip(static, timings)
+        LayerProfile(name, f, b, params, saved, out) for (name, params, saved, out), f, b in zip(static, forward, backward)
     )
-    totals = [sum(f + b for f, b in (runs[i] for runs in timings)) for i in range(len(timings[0]))] if timings else [0.0]
-    profile = Profile(micro_batch, device.type, layers, input_bytes, key, _relative_spread(totals), max(warmups, default=0))
-    store_cached(cache, profile)
+    profile = Profile(
+        micro_batch, device.type, layers, input_bytes, key, max((m.spread for m in measured), default=0.0),
+        max(warmups, default=0), max((len(m.rounds) for m in measured), default=0), any(m.noisy for m in measured), groups,
+    )
+    if not profile.noisy:  # a noisy profile is not worth keeping: the next start measures again
+        store_cached(cache, profile)
     return profile
 
 
-def _settle(one_round: Callable[[], float], at_least: int, tolerance: float, at_most: int) -> int:
+def _settle(
+    one_round: Callable[[], float], at_least: int, tolerance: float, at_most: int, progress: Progress | None = None,
+    phase: str = "warm-up",
+) -> int:
     """Run ``one_round`` until its last three times agree within ``tolerance`` of their median (at
     least ``at_least``, at most ``at_most`` rounds); return how many ran."""
     times: list[float] = []
@@ -329,16 +372,9 @@ def _settle(one_round: Callable[[], float], at_least: int, tolerance: float, at_
         len(times) < at_most and max(times[-3:]) - min(times[-3:]) > tolerance * statistics.median(times[-3:])
     ):
         times.append(one_round())
+        if progress is not None:
+            progress(phase, len(times), None)
     return len(times)
-
-
-def _relative_spread(values: Sequence[float]) -> float:
-    """Interquartile range over median (0 for fewer than two values)."""
-    if len(values) < 2:
-        return 0.0
-    q1, _, q3 = statistics.quantiles(values, n=4)
-    middle = statistics.median(values)
-    return (q3 - q1) / middle if middle > 0 else 0.0
 
 
 def _as_tree(sample: Any) -> Any:

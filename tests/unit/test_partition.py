@@ -52,6 +52,21 @@ def test_balance_modes():
         resolve_balance("auto", seq, 2)
 
 
+class Blocks(nn.ModuleList):
+    """A user's own container class."""
+
+
+@pytest.mark.parametrize("container, named", [
+    (nn.Sequential, "nn.Sequential"), (nn.ModuleList, "nn.ModuleList"), (Blocks, r"Blocks \(an nn.ModuleList\)"),
+])
+def test_too_few_layers_names_the_trunks_own_container(container, named):
+    """zbv on 2 stages needs 4 virtual stages; the advice names the container the user wrote, not always nn.Sequential."""
+    blocks = [nn.Linear(4, 4) for _ in range(3)]
+    layers = container(*blocks) if container is nn.Sequential else container(blocks)
+    with pytest.raises(BalanceError, match=rf"the trunk has 3 layers but the pipeline needs 4 stages; .* into more {named} entries"):
+        resolve_balance("uniform", layers, 4)
+
+
 @settings(max_examples=200, deadline=None)
 @given(st.lists(st.integers(0, 50), min_size=1, max_size=12), st.integers(1, 12))
 def test_min_max_split_is_optimal(costs, parts):

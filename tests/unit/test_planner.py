@@ -46,9 +46,10 @@ def test_profile_fields_are_positive_and_the_cache_skips_measuring(tmp_path):
     sample = torch.randn(4, 8)
     cache = tmp_path / "profiles.json"
     Counting.calls = 0
-    first = profile_trunk(trunk, sample, repeats=3, warmup=1, cache=cache)
+    first = profile_trunk(trunk, sample, repeats=3, warmup=1, cache=cache, max_spread=None)  # trusted: always cached
     assert 3 <= first.warmup_rounds <= 60 and first.spread >= 0  # at least 3 rounds, then until settled
-    assert Counting.calls == 2 * (first.warmup_rounds + 3 + 1)  # warm-up, timed runs, the saved-bytes run; two layers
+    assert first.timed_rounds == 3 and not first.noisy
+    assert Counting.calls == 2 * (first.warmup_rounds + first.timed_rounds + 1)  # warm-up, timed, the saved-bytes run; two layers
     assert first.micro_batch == 4 and len(first.layers) == 3 and first.input_bytes == 4 * 8 * 4
     for layer in first.layers:
         assert layer.forward > 0 and layer.backward > 0 and layer.params > 0 and layer.saved > 0 and layer.output > 0
@@ -59,6 +60,7 @@ def test_profile_fields_are_positive_and_the_cache_skips_measuring(tmp_path):
     assert Counting.calls == calls and again == first  # a cache hit runs nothing
     assert (again.warmup_rounds, again.spread) == (first.warmup_rounds, first.spread)  # kept in the cache
     other = profile_trunk(trunk, torch.randn(6, 8), repeats=1, warmup=0, cache=cache)
+    assert other.timed_rounds == 1 and not other.noisy  # one round has no spread to judge
     assert Counting.calls == calls + 2 * (other.warmup_rounds + 1 + 1)  # another input shape is another key
 
 
