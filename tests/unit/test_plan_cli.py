@@ -64,7 +64,7 @@ class ClearSplit(L.LightningModule):
         super().__init__()
         import torch.nn as nn
 
-        self.model = nn.Sequential(nn.Sequential(*[nn.Linear(256, 256) for _ in range(5)]), *[nn.Linear(256, 256) for _ in range(5)])
+        self.model = nn.Sequential(nn.Sequential(*[nn.Linear(512, 512) for _ in range(5)]), *[nn.Linear(512, 512) for _ in range(5)])
 
     def forward(self, x):
         return self.model(x)
@@ -72,7 +72,7 @@ class ClearSplit(L.LightningModule):
 
 def test_the_plan_of_a_clear_split_is_the_same_every_run():
     """Profiles warm up until their timings settle, so a cold first profile does not pick another split."""
-    splits = [tuple(plan(ClearSplit(), stages=2, batch_shape=[256, 256], schedules=["1f1b"], micro_batches=[4],
+    splits = [tuple(plan(ClearSplit(), stages=2, batch_shape=[256, 512], schedules=["1f1b"], micro_batches=[4],
                          timeline=None).best.balance) for _ in range(5)]
     assert splits == [(1, 5)] * 5
 
