@@ -18,7 +18,8 @@ from __future__ import annotations
 import difflib
 import inspect
 import logging
-from contextlib import nullcontext
+from collections.abc import Generator
+from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 from typing import Any, ContextManager, Literal
 
@@ -51,6 +52,7 @@ from lightning_pipe.lightning.options import PipeOptions
 from lightning_pipe.lightning.pipeline import StagePipeline
 from lightning_pipe.lightning.runtimes import Runtime, make_runtime, unwrapped
 from lightning_pipe.lightning.stage_metrics import StageMetrics
+from lightning_pipe.partition.materialize import INIT_HOOK, MetaConstruction, has_meta_tensors, materialize, release_memory
 from lightning_pipe.planning.auto_balance import AutoBalanceOptions
 from lightning_pipe.planning.planner import Plan
 from lightning_pipe.planning.trials import device_clock
@@ -276,6 +278,7 @@ class PipeStrategy(DDPStrategy, metaclass=_NamesItsOptions):
         self._tracer: RunTracer | None = None
         self._metrics: StageMetrics | None = None
         self._generation = 0
+        self._construction: MetaConstruction | None = None  # what configure_model / init_module built on meta
 
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
@@ -351,6 +354,30 @@ class PipeStrategy(DDPStrategy, metaclass=_NamesItsOptions):
             counts = checks.check_model(self.options, self.num_stages, self.num_pipelines, model)
         self._counts = counts
 
+    # ------------------------------------------------------------------ building the model
+    @contextmanager
+    def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
+        """Where ``configure_model`` (and ``trainer.init_module()``) create tensors: on the meta device,
+        so that no rank ever holds the whole model; at setup each rank gives real memory only to its own
+        stage, initialised as on one device (docs/large-models.md). ``empty_init=False``: on the
+        device, as Lightning's other strategies do."""
+        if empty_init is False:
+            with super().tensor_init_context(empty_init):
+                yield
+            return
+        construction = MetaConstruction()
+        with construction, self.precision_plugin.tensor_init_context():
+            yield
+        if self._construction is None:
+            self._construction = construction
+        else:  # init_module, then configure_model: one construction, in that order
+            self._construction.finished += construction.finished
+
+    @property
+    def restore_checkpoint_after_setup(self) -> bool:
+        """A model built on the meta device has no memory to restore a checkpoint into before setup."""
+        return self._construction is not None
+
     # ------------------------------------------------------------------ setup
     def setup_environment(self) -> None:
         super().setup_environment()
@@ -387,11 +414,27 @@ class PipeStrategy(DDPStrategy, metaclass=_NamesItsOptions):
         self.precision_plugin.convert_module(module)
         fitting = trainer.state.fn == TrainerFn.FITTING
         if self._pipeline is None:
+            if self._counts is None or checks.builds_in_configure_model(module):  # configure_model has run now
+                self._counts = checks.check_model(self.options, self.num_stages, self.num_pipelines, module, built=True)
+            on_meta = has_meta_tensors(module)
+            if on_meta:
+                checks.check_meta_build(self.options)
             self._choose_split(trainer, module)
             if fitting and self.topology.stages > 1:
                 freeze_model_summaries(trainer, module, self.is_global_zero)  # while every layer is here
             self._pipeline = StagePipeline.cut(self, module, self._counts)
+            if on_meta:  # only this rank's stage gets memory
+                materialize(module, self._construction or MetaConstruction(), getattr(module, INIT_HOOK, None))
+                self._pipeline.materialized = True
+            else:  # built whole in __init__: give the other stages' layers back
+                release_memory()
+            self._construction = None
             rank_zero_info(self.describe())
+        elif has_meta_tensors(module):
+            raise PipeConfigError(
+                f"{type(module).__name__}.configure_model built new layers on a later Trainer call, after the pipeline "
+                "was cut; make it return early once the model exists (if self.model is not None: return)."
+            )
         self.model_to_device()
         if self.num_pipelines == 1:
             ignore_sync_dist_advice()
@@ -587,6 +630,14 @@ class PipeStrategy(DDPStrategy, metaclass=_NamesItsOptions):
     def teardown(self) -> None:
         if self._watchdog is not None:
             self._watchdog.close()
+        module = self._lightning_module
+        if module is not None and has_meta_tensors(module):  # a failure before setup gave it memory: nothing to move
+            self._lightning_module = None
+            try:
+                super().teardown()
+            finally:
+                self._lightning_module = module
+            return
         super().teardown()
 
     def on_exception(self, exception: BaseException) -> None:

@@ -40,19 +40,28 @@ class TrunkModel(L.LightningModule):
 
     def __init__(self, width: int = 16, depth: int = 6, classes: int = 4, optimizer: str = "sgd", fail_at: int = -1,
                  fail_rank: int = -1, tie: bool = False, scheduler: bool | str = False, fail_hook: str | None = None,
-                 fault: dict | None = None):
+                 fault: dict | None = None, configure: bool = False):
         super().__init__()
         self.save_hyperparameters()
         self.tie, self.scheduler = tie, scheduler
-        torch.manual_seed(0)
-        self.pre = nn.Linear(8, width)
-        self.model = nn.Sequential(*[m for _ in range(depth) for m in (nn.Linear(width, width), nn.Tanh())])
-        self.head = nn.Linear(width, classes)
+        self.width, self.depth, self.classes, self.configure = width, depth, classes, configure
+        if not configure:  # configure=True: the layers are built in configure_model, as for a large model
+            self.build()
         self.optimizer = optimizer
         self.fail_at, self.fail_rank, self.fail_hook = fail_at, fail_rank, fail_hook
         self.fault = fault  # {"kind": "stop" | "kill" | "sleep", "rank": r, "step": s}: see inject()
         self.val_acc = torchmetrics.classification.MulticlassAccuracy(num_classes=classes, average="micro")
         self.val_mae = torchmetrics.MeanAbsoluteError()
+
+    def build(self):
+        torch.manual_seed(0)
+        self.pre = nn.Linear(8, self.width)
+        self.model = nn.Sequential(*[m for _ in range(self.depth) for m in (nn.Linear(self.width, self.width), nn.Tanh())])
+        self.head = nn.Linear(self.width, self.classes)
+
+    def configure_model(self):
+        if self.configure and not hasattr(self, "model"):  # idempotent: Lightning calls it on every fit/validate
+            self.build()
 
     def forward(self, x):
         return self.output(self.model(torch.relu(self.pre(x))))

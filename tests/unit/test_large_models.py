@@ -1,0 +1,84 @@
+"""Building on the meta device and materialising only this rank's stage (docs/large-models.md)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_pipe.errors import PipeConfigError
+from lightning_pipe.partition.materialize import MetaConstruction, has_meta_tensors, materialize
+from tests.harness.lightning_run import train
+from tests.unit.test_emulation_mode import emulated, reference
+
+
+def build() -> nn.Module:
+    torch.manual_seed(0)
+    root = nn.Module()
+    root.embed = nn.Embedding(10, 16)
+    root.model = nn.Sequential(*[m for _ in range(4) for m in (nn.Linear(16, 16), nn.Tanh())])
+    root.attention = nn.MultiheadAttention(16, 2)  # its own initialiser reaches into its child out_proj
+    root.norm = nn.BatchNorm1d(16)  # buffers too
+    root.head = nn.Linear(16, 10)
+    root.head.weight = root.embed.weight  # tied after construction: the head's own init still drew numbers
+    root.last = nn.Linear(16, 3)
+    return root
+
+
+def test_materialize_keeps_only_what_remains_and_equals_one_device():
+    want = build()
+    after_want = torch.rand(4)
+    torch.manual_seed(123)  # the construction re-seeds: replay starts from that seed
+    with MetaConstruction() as construction:
+        got = build()
+    assert has_meta_tensors(got) and got.model[0].weight.is_meta
+    dropped = [got.model[i] for i in (0, 2)]
+    got.model._modules["0"] = got.model._modules["2"] = nn.Identity()  # what another stage holds
+    materialize(got, construction)
+    assert not has_meta_tensors(got)
+    assert all(p.is_meta for layer in dropped for p in layer.parameters())  # never kept on this rank
+    assert got.head.weight is got.embed.weight
+    state = got.state_dict()
+    assert set(want.state_dict()) - set(state) == {"model.0.weight", "model.0.bias", "model.2.weight", "model.2.bias"}
+    for key, value in state.items():
+        assert torch.equal(value, want.state_dict()[key]), key
+    assert torch.equal(torch.rand(4), after_want)  # the generator is where one device's construction left it
+
+
+def test_a_module_without_an_initialiser_is_named_with_the_hook_to_supply():
+    class Scale(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.gain = nn.Parameter(torch.ones(4))
+
+    root = nn.Module()
+    with MetaConstruction() as construction:
+        root.scale = Scale()
+    with pytest.raises(PipeConfigError, match=r"scale \(Scale\).*reset_module_parameters\(self, module\)"):
+        materialize(root, construction)
+    materialize(root, construction, lambda module: nn.init.ones_(module.gain))
+    assert torch.equal(root.scale.gain, torch.ones(4))
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb_h1"])
+def test_configure_model_on_four_emulated_stages_equals_one_device(schedule):
+    common = {"max_steps": 4, "batch_size": 16, "model": {"optimizer": "adam", "configure": True}}
+    want = train(common)
+    got = train({**common, "strategy": {"schedule": schedule, "stages": 4, "micro_batches": 4}})
+    assert got["returned"] == pytest.approx(want["returned"], rel=1e-5)
+    for key, value in want["state"].items():
+        torch.testing.assert_close(got["state"][key], value, rtol=1e-5, atol=1e-6, msg=key)
+
+
+def test_configure_model_with_pipemare_equals_its_reference():
+    """The asynchronous rule's reference builds the module in __init__: the same weights."""
+    got = emulated("pipemare", 4, 2, model={"configure": True})
+    want_losses, want_state = reference("pipemare", 4, 2, None, None)
+    assert [m["train_loss"] for m in got["metrics"]] == pytest.approx(want_losses, rel=1e-5)
+    for key, value in want_state.items():
+        torch.testing.assert_close(got["state"][key], value, rtol=1e-5, atol=1e-6, msg=key)
+
+
+def test_balance_auto_is_refused_for_a_model_built_on_the_meta_device():
+    with pytest.raises(PipeConfigError, match="balance='auto' times the layers"):
+        train({"max_steps": 1, "model": {"configure": True}, "strategy": {"schedule": "1f1b", "stages": 2, "balance": "auto"}})
