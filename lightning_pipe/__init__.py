@@ -27,6 +27,7 @@ from lightning_pipe.errors import (
     TrunkUsageError,
 )
 from lightning_pipe.planning.auto_balance import AutoBalanceOptions
+from lightning_pipe.weights import load_stage_weights
 
 __version__ = "0.2.0"
 
@@ -42,4 +43,5 @@ __all__ = [
     "LightningPipeError", "PeerFailure",
     "PipeConfigError", "PipeDreamOptions", "PipeMareOptions", "PipeStrategy", "PipelineTimeout", "PlanError", "ScheduleError",
     "SharedParameterError", "StageOutputError", "TrunkError", "TrunkUsageError", "XPipeOptions", "__version__",
+    "load_stage_weights",
 ]

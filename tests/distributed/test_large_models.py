@@ -5,6 +5,7 @@ would have drawn; training then equals one device."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from tests.distributed.test_strategy import assert_matches
 from tests.harness.launch import launch
@@ -24,3 +25,45 @@ def test_configure_model_on_two_processes_equals_one_device(schedule):
     for rank, record in enumerate(records):  # each rank holds only its own trunk layers
         trunk = sorted({int(k.split(".")[1]) for k in record["state"] if k.startswith("model.")})
         assert trunk == ([0, 2, 4] if rank == 0 else [6, 8, 10])
+
+
+# ------------------------------------------------------------------ pretrained weights per stage
+@pytest.fixture(scope="module")
+def pretrained(tmp_path_factory) -> str:
+    """A tiny Llama saved by save_pretrained in 11 shards with their index json."""
+    pytest.importorskip("transformers", reason="the [hf] extra is not installed")
+    from tests.harness.hf_models import hf_model
+
+    path = tmp_path_factory.mktemp("llama")
+    hf_model("llama").save_pretrained(path, max_shard_size="20KB")
+    assert (path / "model.safetensors.index.json").exists() and len(list(path.glob("*.safetensors"))) > 4
+    return str(path)
+
+
+@pytest.mark.parametrize("devices,stages", [(2, None), (1, 4)])
+def test_pretrained_weights_per_stage_equal_from_pretrained_on_one_device(pretrained, devices, stages, tmp_path):
+    """Each stage reads its own tensors (configure_model on the meta device, then load_stage_weights in
+    on_fit_start): the first step's loss and gradients, the weights after it, and the logits of the
+    checkpoint in the plain model equal from_pretrained on one device."""
+    from tests.distributed.test_hf_models import assert_weights_equal, logits
+    from tests.harness.hf_models import token_windows
+
+    common = {"max_steps": 1, "batch_size": 16}
+    reference = train({**common, "pretrained": {"path": pretrained, "per_stage": False}})
+    run = {**common, "pretrained": {"path": pretrained, "per_stage": True}, "devices": devices,
+           "ckpt_out": str(tmp_path / "last.ckpt"),
+           "strategy": {"schedule": "1f1b", "micro_batches": 4, **({"stages": stages} if stages else {})}}
+    if devices == 1:
+        records = [train(run)]
+    else:
+        code, output, records = launch(run)
+        assert code == 0, output[-3000:]
+    for record in records:
+        assert record["returned"] == pytest.approx(reference["returned"], rel=1e-5)
+        for name, grad in record["grads"].items():
+            torch.testing.assert_close(grad, reference["grads"][name], rtol=1e-5, atol=1e-7, msg=name)
+    assert set().union(*(r["grads"] for r in records)) == set(reference["grads"])
+    state = torch.load(tmp_path / "last.ckpt", weights_only=False)["state_dict"]
+    assert_weights_equal(state, reference["state"])
+    ids = token_windows(4, seed=3).tensors[0]
+    torch.testing.assert_close(logits("llama", state, ids), logits("llama", reference["state"], ids), rtol=1e-4, atol=1e-5)

@@ -210,6 +210,10 @@ def train(config: dict[str, Any]) -> dict[str, Any]:
 
         model: L.LightningModule = HFCausalLM(config["hf"])
         data = token_windows
+    elif "pretrained" in config:  # {"path": a save_pretrained directory, "per_stage": bool}
+        from tests.harness.hf_models import PretrainedLlama, token_windows
+
+        model, data = PretrainedLlama(**config["pretrained"]), token_windows
     else:
         model, data = TrunkModel(**config.get("model", {})), make_data
     strategy = config.get("strategy")

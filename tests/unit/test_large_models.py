@@ -6,8 +6,10 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_pipe.errors import PipeConfigError
+from lightning_pipe import load_stage_weights
+from lightning_pipe.errors import CheckpointMismatchError, PipeConfigError
 from lightning_pipe.partition.materialize import MetaConstruction, has_meta_tensors, materialize
+from lightning_pipe.partition.split import PartitionedTrunk
 from tests.harness.lightning_run import train
 from tests.unit.test_emulation_mode import emulated, reference
 
@@ -82,3 +84,49 @@ def test_configure_model_with_pipemare_equals_its_reference():
 def test_balance_auto_is_refused_for_a_model_built_on_the_meta_device():
     with pytest.raises(PipeConfigError, match="balance='auto' times the layers"):
         train({"max_steps": 1, "model": {"configure": True}, "strategy": {"schedule": "1f1b", "stages": 2, "balance": "auto"}})
+
+
+# ------------------------------------------------------------------ pretrained weights per stage
+def cut_module() -> nn.Module:
+    """A module whose trunk keeps layers 0 and 1 of 4, as stage 0 of 2 holds them."""
+    torch.manual_seed(1)
+    root = nn.Module()
+    root.embed = nn.Embedding(10, 8)
+    root.layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(4))
+    PartitionedTrunk(root.layers, "layers", [(0, 2), (2, 4)], [0])
+    return root
+
+
+@pytest.mark.parametrize("kind", ["safetensors", "checkpoint"])
+def test_load_stage_weights_reads_only_this_stages_tensors(kind, tmp_path):
+    from safetensors.torch import save_file
+
+    torch.manual_seed(2)
+    whole = nn.Module()
+    whole.embed = nn.Embedding(10, 8)
+    whole.layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(4))
+    state = whole.state_dict()
+    if kind == "safetensors":
+        source = tmp_path / "model.safetensors"
+        save_file({k: v.contiguous() for k, v in state.items()}, source)
+    else:  # a Lightning checkpoint of a LightningModule holding it as self.net
+        source = tmp_path / "last.ckpt"
+        torch.save({"state_dict": {f"net.{k}": v for k, v in state.items()}, "epoch": 3}, source)
+    module = cut_module()
+    if kind == "checkpoint":  # the checkpoint's keys are the holder's
+        holder = nn.Module()
+        holder.net = module
+        loaded = [k.removeprefix("net.") for k in load_stage_weights(holder, source)]
+    else:
+        loaded = load_stage_weights(module, tmp_path)
+    assert sorted(loaded) == sorted(module.state_dict())  # not layers 2 and 3
+    for key, value in module.state_dict().items():
+        assert torch.equal(value, state[key]), key
+
+
+def test_load_stage_weights_names_the_missing_tensors(tmp_path):
+    from safetensors.torch import save_file
+
+    save_file({"embed.weight": torch.zeros(10, 8)}, tmp_path / "model.safetensors")
+    with pytest.raises(CheckpointMismatchError, match=r"lacks 4 tensors this stage holds: layers.0.weight, layers.0.bias"):
+        load_stage_weights(cut_module(), tmp_path)
