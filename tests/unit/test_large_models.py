@@ -130,3 +130,15 @@ def test_load_stage_weights_names_the_missing_tensors(tmp_path):
     save_file({"embed.weight": torch.zeros(10, 8)}, tmp_path / "model.safetensors")
     with pytest.raises(CheckpointMismatchError, match=r"lacks 4 tensors this stage holds: layers.0.weight, layers.0.bias"):
         load_stage_weights(cut_module(), tmp_path)
+
+
+def test_configure_model_resumes_from_a_checkpoint_into_its_stages(tmp_path):
+    """The checkpoint is restored after setup, when each stage has memory (it cannot be before)."""
+    ckpt = str(tmp_path / "one.ckpt")
+    pipe = {"schedule": "1f1b", "stages": 2, "micro_batches": 4}
+    train({"epochs": 1, "model": {"configure": True}, "strategy": pipe, "ckpt_out": ckpt})
+    want = train({"epochs": 2, "model": {"configure": True}})
+    got = train({"epochs": 2, "model": {"configure": True}, "strategy": pipe, "ckpt_path": ckpt})
+    assert got["global_step"] == want["global_step"]
+    for key, value in want["state"].items():
+        torch.testing.assert_close(got["state"][key], value, rtol=1e-5, atol=1e-6, msg=key)
