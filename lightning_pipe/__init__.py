@@ -34,7 +34,7 @@ __version__ = "0.2.0"
 if find_spec("lightning") is not None:
     from lightning.pytorch.strategies import StrategyRegistry
 
-    from lightning_pipe.lightning import PipeStrategy
+    from lightning_pipe.lightning import PipeStrategy, consolidate_checkpoint
 
     PipeStrategy.register_strategies(StrategyRegistry)
 
@@ -43,5 +43,5 @@ __all__ = [
     "LightningPipeError", "PeerFailure",
     "PipeConfigError", "PipeDreamOptions", "PipeMareOptions", "PipeStrategy", "PipelineTimeout", "PlanError", "ScheduleError",
     "SharedParameterError", "StageOutputError", "TrunkError", "TrunkUsageError", "XPipeOptions", "__version__",
-    "load_stage_weights",
+    "consolidate_checkpoint", "load_stage_weights",
 ]

@@ -43,7 +43,7 @@ from lightning_pipe.engine.policies import AvgPipeOptions, DoubleBufferOptions, 
 from lightning_pipe.engine.policies.options import Averaging, Prediction
 from lightning_pipe.engine.watchdog import FAILURE_GRACE
 from lightning_pipe.errors import LightningPipeError, PipeConfigError
-from lightning_pipe.lightning import auto, checkpointing, checks
+from lightning_pipe.lightning import auto, checkpointing, checks, sharded
 from lightning_pipe.lightning import options as options_module
 from lightning_pipe.lightning.launcher import PipeLauncher
 from lightning_pipe.lightning.log_replay import ignore_sync_dist_advice
@@ -194,6 +194,11 @@ class PipeStrategy(DDPStrategy, metaclass=_NamesItsOptions):
         checkpoint_io: checkpoint writer plugin.
         precision_plugin: set by the Trainer from ``precision=``.
         process_group_backend: ``"gloo"`` or ``"nccl"``; default by device (gloo on CPU, NCCL on CUDA).
+        save_distributed_checkpoint: write each checkpoint as a directory in which every rank writes only
+            its own stage (``torch.distributed.checkpoint``); it resumes under another split, stage count
+            or the one-device emulation, and :func:`~lightning_pipe.consolidate_checkpoint` turns it into
+            one ordinary checkpoint. ``False`` (the default): one file, every stage gathered on rank 0.
+            Synchronous schedules only (docs/large-models.md).
     """
 
     strategy_name = "pipe"
@@ -246,6 +251,7 @@ class PipeStrategy(DDPStrategy, metaclass=_NamesItsOptions):
         checkpoint_io: CheckpointIO | None = None,
         precision_plugin: Precision | None = None,
         process_group_backend: str | None = None,
+        save_distributed_checkpoint: bool = False,
     ) -> None:
         deprecated = {name: value for name, value in locals().items() if name in options_module.DEPRECATED}
         self.options: PipeOptions = options_module.resolve(
@@ -254,7 +260,7 @@ class PipeStrategy(DDPStrategy, metaclass=_NamesItsOptions):
             {"pipemare": pipemare, "xpipe": xpipe, "pipedream_2bw": pipedream_2bw, "pipedream": pipedream, "avgpipe": avgpipe,
              "auto_balance": auto_balance},
             trace_dir, trace_steps, deprecated, stage_metrics, sync_warmup_steps, shape_headers, transport,
-            delay_warmup_steps,
+            delay_warmup_steps, save_distributed_checkpoint,
         )
         super().__init__(
             accelerator=accelerator,
@@ -376,7 +382,7 @@ class PipeStrategy(DDPStrategy, metaclass=_NamesItsOptions):
     @property
     def restore_checkpoint_after_setup(self) -> bool:
         """A model built on the meta device has no memory to restore a checkpoint into before setup."""
-        return self._construction is not None
+        return self._construction is not None or self.options.save_distributed_checkpoint
 
     # ------------------------------------------------------------------ setup
     def setup_environment(self) -> None:
@@ -565,6 +571,8 @@ class PipeStrategy(DDPStrategy, metaclass=_NamesItsOptions):
         if self._pipeline is None:
             return super().lightning_module_state_dict()
         self._drain()
+        if self.options.save_distributed_checkpoint:
+            return sharded.model_part(self._pipeline)
         return checkpointing.module_state(self._pipeline)
 
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
@@ -572,6 +580,8 @@ class PipeStrategy(DDPStrategy, metaclass=_NamesItsOptions):
         if self._pipeline is None:
             return unwrapped(optimizer).state_dict()
         self._drain()
+        if self.options.save_distributed_checkpoint:
+            return sharded.optimizer_part(self._pipeline, self._runtime, unwrapped(optimizer))
         return checkpointing.optimizer_state(self._pipeline, self._runtime, unwrapped(optimizer))
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
@@ -580,10 +590,27 @@ class PipeStrategy(DDPStrategy, metaclass=_NamesItsOptions):
             checkpoint.update(self._runtime.checkpoint_state())
         if self._counts is not None:  # what a resumed run with balance="auto" adopts instead of planning again
             checkpoint[checkpointing.BALANCE_KEY] = list(self._counts)
-        if self.is_global_zero:
+        if self.options.save_distributed_checkpoint and self._pipeline is not None:
+            with self._guard("every rank's part of the sharded checkpoint"):
+                sharded.save(self._pipeline, checkpoint, filepath)
+        elif self.is_global_zero:
             checkpointing.atomic_save(self.checkpoint_io, checkpoint, filepath, storage_options)
 
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        """A sharded directory: this rank's part only (its model entries loaded in place); a file: all of it."""
+        if not sharded.is_sharded(checkpoint_path):
+            return super().load_checkpoint(checkpoint_path, weights_only)
+        if self._pipeline is None:
+            raise PipeConfigError(
+                f"{checkpoint_path} is a sharded checkpoint, which each stage reads after setup; resume it with "
+                "PipeStrategy(save_distributed_checkpoint=True), or make one file of it with "
+                "lightning_pipe.consolidate_checkpoint."
+            )
+        return sharded.load(self._pipeline, checkpoint_path)
+
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
+        if sharded.SHARDED_KEY in checkpoint:  # loaded in place by load_checkpoint
+            return
         checkpointing.load_module_state(self.lightning_module, checkpoint["state_dict"], self._pipeline, strict)
 
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:
@@ -591,7 +618,10 @@ class PipeStrategy(DDPStrategy, metaclass=_NamesItsOptions):
             self._runtime.restore(checkpoint)
         assert self._pipeline is not None
         for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
-            checkpointing.load_optimizer_state(self._pipeline, self._runtime, unwrapped(optimizer), state)
+            if sharded.SHARDED_KEY in checkpoint:
+                sharded.load_optimizer(self._pipeline, self._runtime, unwrapped(optimizer), state)
+            else:
+                checkpointing.load_optimizer_state(self._pipeline, self._runtime, unwrapped(optimizer), state)
         _optimizers_to_device(self.optimizers, self.root_device)
 
     # ------------------------------------------------------------------ collectives

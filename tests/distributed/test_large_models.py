@@ -67,3 +67,40 @@ def test_pretrained_weights_per_stage_equal_from_pretrained_on_one_device(pretra
     assert_weights_equal(state, reference["state"])
     ids = token_windows(4, seed=3).tensors[0]
     torch.testing.assert_close(logits("llama", state, ids), logits("llama", reference["state"], ids), rtol=1e-4, atol=1e-5)
+
+
+# ------------------------------------------------------------------ sharded checkpoints
+def test_sharded_checkpoint_resumes_under_another_split_stage_count_and_one_device(tmp_path):
+    """Each rank writes only its own tensors; the directory resumes on 2 processes with another split, on 4
+    emulated stages, and, consolidated into one file, on one device: all equal uninterrupted training."""
+    import torch.distributed.checkpoint as dcp
+
+    from lightning_pipe import consolidate_checkpoint
+
+    model = {"optimizer": "adam"}
+    pipe = {"schedule": "1f1b", "micro_batches": 4, "save_distributed_checkpoint": True}
+    saved = tmp_path / "epoch1.ckpt"
+    code, output, _ = launch({"epochs": 1, "model": model, "devices": 2, "strategy": pipe, "ckpt_out": str(saved)})
+    assert code == 0, output[-3000:]
+    storage = dcp.FileSystemReader(str(saved)).read_metadata().storage_data
+    files = {index.fqn: info.relative_path for index, info in storage.items()}
+    assert {files[f"model.model.{i}.weight"] for i in (0, 2, 4)} == {"__0_0.distcp"}  # stage 0's layers: rank 0's file
+    assert {files[f"model.model.{i}.weight"] for i in (6, 8, 10)} == {"__1_0.distcp"}
+    assert files["model.head.weight"] == "__1_0.distcp" and files["model.pre.weight"] == "__0_0.distcp"  # their trainers' copies
+    assert files["optim.0.model.10.weight.exp_avg"] == "__1_0.distcp"
+    want = train({"epochs": 2, "model": model})
+
+    def assert_equal(state: dict) -> None:
+        assert state.keys() == want["state"].keys()
+        for key, value in want["state"].items():
+            torch.testing.assert_close(state[key], value, rtol=1e-5, atol=1e-6, msg=key)
+
+    resumed = tmp_path / "epoch2.ckpt"
+    code, output, _ = launch({"epochs": 2, "model": model, "devices": 2, "strategy": {**pipe, "balance": [4, 8]},
+                              "ckpt_path": str(saved), "ckpt_out": str(resumed)})
+    assert code == 0, output[-3000:]
+    consolidate_checkpoint(resumed, tmp_path / "whole2.ckpt")
+    assert_equal(torch.load(tmp_path / "whole2.ckpt", weights_only=False)["state_dict"])
+    assert_equal(train({"epochs": 2, "model": model, "strategy": {**pipe, "stages": 4}, "ckpt_path": str(saved)})["state"])
+    consolidate_checkpoint(saved, tmp_path / "whole1.ckpt")
+    assert_equal(train({"epochs": 2, "model": model, "ckpt_path": str(tmp_path / "whole1.ckpt")})["state"])

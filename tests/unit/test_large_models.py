@@ -142,3 +142,37 @@ def test_configure_model_resumes_from_a_checkpoint_into_its_stages(tmp_path):
     assert got["global_step"] == want["global_step"]
     for key, value in want["state"].items():
         torch.testing.assert_close(got["state"][key], value, rtol=1e-5, atol=1e-6, msg=key)
+
+
+def test_a_sharded_save_that_fails_half_way_leaves_the_previous_checkpoint(tmp_path, monkeypatch):
+    import torch.distributed.checkpoint as dcp
+
+    path = tmp_path / "last.ckpt"
+    pipe = {"schedule": "1f1b", "stages": 2, "micro_batches": 4, "save_distributed_checkpoint": True}
+    train({"max_steps": 1, "strategy": pipe, "ckpt_out": str(path)})
+    before = {f.name: f.read_bytes() for f in path.iterdir()}
+
+    def killed(state_dict, checkpoint_id, **kwargs):
+        checkpoint_id.mkdir()
+        (checkpoint_id / "__0_0.distcp").write_bytes(b"half a shard")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(dcp, "save", killed)
+    with pytest.raises(OSError, match="disk full"):
+        train({"max_steps": 2, "strategy": pipe, "ckpt_out": str(path)})
+    assert {f.name: f.read_bytes() for f in path.iterdir()} == before
+
+
+def test_sharded_checkpoints_are_refused_for_asynchronous_schedules():
+    from lightning_pipe import PipeStrategy
+
+    with pytest.raises(PipeConfigError, match="save_distributed_checkpoint=True writes the synchronous"):
+        PipeStrategy(schedule="pipemare", save_distributed_checkpoint=True)
+
+
+def test_a_sharded_checkpoint_of_another_model_names_the_missing_tensors(tmp_path):
+    path = tmp_path / "six.ckpt"
+    pipe = {"schedule": "1f1b", "stages": 2, "micro_batches": 4, "save_distributed_checkpoint": True}
+    train({"max_steps": 1, "strategy": pipe, "ckpt_out": str(path)})
+    with pytest.raises(CheckpointMismatchError, match=r"lacks 2 tensors this stage holds: model.12.weight, model.12.bias"):
+        train({"max_steps": 2, "model": {"depth": 7}, "strategy": pipe, "ckpt_path": str(path)})
