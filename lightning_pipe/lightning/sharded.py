@@ -122,11 +122,23 @@ def load(pipeline: StagePipeline, path: str | os.PathLike[str]) -> dict[str, Any
             fields = {key[len(prefix):]: meta for key, meta in stored.items() if key.startswith(prefix)}
             if fields:
                 optim[str(i)][name] = {f: torch.empty(m.size, dtype=m.properties.dtype) for f, m in fields.items()}
-    dcp.load({"model": model, "optim": optim}, checkpoint_id=str(path))
+    try:
+        dcp.load({"model": model, "optim": optim}, checkpoint_id=str(path))
+    except dcp.api.CheckpointException as error:  # a shard cut short or overwritten: DCP's own words are a traceback per rank
+        files = sorted({info.relative_path for info in dcp.FileSystemReader(str(path)).read_metadata().storage_data.values()})
+        raise CheckpointMismatchError(
+            f"the sharded checkpoint {path} could not be read ({_last_line(error)}): one of its files ({', '.join(files)}) "
+            "is damaged or was cut short; resume from an earlier checkpoint."
+        ) from error
     checkpoint["optimizer_states"] = [{"state": optim[str(i)], "param_groups": groups}
                                       for i, groups in enumerate(checkpoint.pop("optimizer_groups", []))]
     checkpoint["state_dict"] = model
     return checkpoint
+
+
+def _last_line(error: BaseException) -> str:
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    return lines[-1] if lines else type(error).__name__
 
 
 def load_optimizer(pipeline: StagePipeline, runtime: Runtime | None, optimizer: torch.optim.Optimizer,

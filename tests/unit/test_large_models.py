@@ -176,3 +176,13 @@ def test_a_sharded_checkpoint_of_another_model_names_the_missing_tensors(tmp_pat
     train({"max_steps": 1, "strategy": pipe, "ckpt_out": str(path)})
     with pytest.raises(CheckpointMismatchError, match=r"lacks 2 tensors this stage holds: model.12.weight, model.12.bias"):
         train({"max_steps": 2, "model": {"depth": 7}, "strategy": pipe, "ckpt_path": str(path)})
+
+
+def test_a_damaged_shard_is_named_as_such(tmp_path):
+    path = tmp_path / "last.ckpt"
+    pipe = {"schedule": "1f1b", "stages": 2, "micro_batches": 4, "save_distributed_checkpoint": True}
+    train({"max_steps": 1, "strategy": pipe, "ckpt_out": str(path)})
+    shard = path / "__0_0.distcp"
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    with pytest.raises(CheckpointMismatchError, match=r"could not be read \(EOFError\): one of its files \(__0_0.distcp\) is damaged"):
+        train({"max_steps": 2, "strategy": pipe, "ckpt_path": str(path)})
