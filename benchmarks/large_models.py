@@ -12,12 +12,15 @@ strategy's setup (``before setup``), right after the strategy's setup (``after s
 bytes of the rank's own parameters. The ``form`` says where the layers are built: in ``__init__`` (every
 rank first builds the whole model, then drops the other stages' layers at setup) or in
 ``configure_model`` (on the meta device; each rank creates only its own stage, replaying the other
-stages' initialisers one layer at a time). Prints one markdown row per rank; nothing here is timed.
+stages' initialisers one layer at a time). After training each rank saves a sharded checkpoint
+(``save_distributed_checkpoint=True``) and then a single file, and reports each save's own peak
+(``VmHWM`` reset before it) and seconds. Prints one markdown row per rank.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import subprocess
@@ -39,9 +42,17 @@ def memory() -> tuple[float, float]:
     return values["VmRSS"], values["VmHWM"]
 
 
+def reset_peak() -> None:
+    """Start a new peak: ``VmHWM`` counts from now (Linux ``clear_refs``)."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
 def run_rank(form: str, stages: int, width: int, depth: int, steps: int, out: str) -> None:
     """The training job (Lightning's launcher re-executes this for every other rank)."""
     imports = memory()
+    import time
+
     import lightning as L
     import torch
     from torch import nn
@@ -86,7 +97,17 @@ def run_rank(form: str, stages: int, width: int, depth: int, steps: int, out: st
         def on_train_end(self, trainer, module):
             points["training"] = memory()
             share = sum(p.numel() * p.element_size() for p in module.parameters()) / 2**20
-            record = {"rank": trainer.global_rank, "share": share, "points": points}
+            seconds = {}
+            for kind in ("sharded", "file"):  # each save's own peak, from what training left
+                trainer.strategy.options = dataclasses.replace(trainer.strategy.options,
+                                                               save_distributed_checkpoint=kind == "sharded")
+                trainer.strategy.barrier()
+                reset_peak()
+                start = time.perf_counter()
+                trainer.save_checkpoint(os.path.join(out, f"{kind}.ckpt"))
+                seconds[kind] = time.perf_counter() - start
+                points[f"{kind} save"] = memory()
+            record = {"rank": trainer.global_rank, "share": share, "points": points, "seconds": seconds}
             with open(os.path.join(out, f"rank{trainer.global_rank}.json"), "w") as f:
                 json.dump(record, f)
 
@@ -114,8 +135,8 @@ def main() -> None:
         return
     trunk = args.width * (args.width + 1) * args.depth * 4 / 2**20
     print(f"trunk {args.depth} x Linear({args.width}, {args.width}): {trunk:.0f} MiB fp32; MiB per rank, RSS now / peak\n")
-    print("| form | stages | rank | share | imports | before setup | after setup | training |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| form | stages | rank | share | imports | before setup | after setup | training | sharded save | file save |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for stages in args.stages:
         for form in args.form:
             with tempfile.TemporaryDirectory() as out:
@@ -130,6 +151,8 @@ def main() -> None:
                         record = json.load(f)
                     cells = " | ".join(f"{record['points'][p][0]:.0f} / {record['points'][p][1]:.0f}"
                                        for p in ("imports", "before setup", "after setup", "training"))
+                    cells += " | " + " | ".join(f"{record['points'][f'{k} save'][1]:.0f} MiB, {record['seconds'][k]:.1f} s"
+                                                for k in ("sharded", "file"))
                     name = "`__init__`" if form == "init" else "`configure_model`"
                     print(f"| {name} | {stages} | {rank} | {record['share']:.0f} | {cells} |", flush=True)
 
