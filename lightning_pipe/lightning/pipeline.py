@@ -82,7 +82,6 @@ class StagePipeline:
         self.param_order = param_order
         self.executor: Executor | LocalPipeline | None = None
         self.seen_batch = False  # a short batch is an error only before the first one
-        self.materialized = False  # built on the meta device: only this rank's stage ever had memory
 
     @classmethod
     def cut(cls, strategy: PipeStrategy, module: LightningModule, counts: list[int]) -> StagePipeline:

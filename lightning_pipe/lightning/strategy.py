@@ -431,7 +431,6 @@ class PipeStrategy(DDPStrategy, metaclass=_NamesItsOptions):
             self._pipeline = StagePipeline.cut(self, module, self._counts)
             if on_meta:  # only this rank's stage gets memory
                 materialize(module, self._construction or MetaConstruction(), getattr(module, INIT_HOOK, None))
-                self._pipeline.materialized = True
             else:  # built whole in __init__: give the other stages' layers back
                 release_memory()
             self._construction = None
