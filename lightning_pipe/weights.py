@@ -93,9 +93,12 @@ class _Safetensors:
         for key, name in names.items():
             by_file[self.files[name]].append((key, name))
         for path, entries in by_file.items():
-            with safe_open(str(path), framework="pt", device="cpu") as handle:
-                for key, name in entries:
-                    yield key, name, handle.get_tensor(name)
+            for key, name in entries:
+                # a handle per tensor: the file is memory-mapped while open, and its pages read so far count
+                # in the process's resident memory until it closes (a whole shard, for a shared handle)
+                with safe_open(str(path), framework="pt", device="cpu") as handle:
+                    value = handle.get_tensor(name)
+                yield key, name, value
 
 
 class _Checkpoint:
