@@ -285,6 +285,7 @@ class PipeStrategy(DDPStrategy, metaclass=_NamesItsOptions):
         self._metrics: StageMetrics | None = None
         self._generation = 0
         self._construction: MetaConstruction | None = None  # what configure_model / init_module built on meta
+        self._restore_after_setup: bool | None = None
 
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
@@ -381,8 +382,14 @@ class PipeStrategy(DDPStrategy, metaclass=_NamesItsOptions):
 
     @property
     def restore_checkpoint_after_setup(self) -> bool:
-        """A model built on the meta device has no memory to restore a checkpoint into before setup."""
-        return self._construction is not None or self.options.save_distributed_checkpoint
+        """A model built on the meta device has no memory to restore a checkpoint into before setup, and a
+        sharded checkpoint is read by stage. Decided once, at the first read (Lightning reads it before and
+        after setup, and the answer must not change in between)."""
+        if self._restore_after_setup is None:
+            module = self.lightning_module
+            self._restore_after_setup = self.options.save_distributed_checkpoint or (
+                module is not None and has_meta_tensors(module))
+        return self._restore_after_setup
 
     # ------------------------------------------------------------------ setup
     def setup_environment(self) -> None:
