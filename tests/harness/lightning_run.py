@@ -44,7 +44,7 @@ class TrunkModel(L.LightningModule):
         super().__init__()
         self.save_hyperparameters()
         self.tie, self.scheduler = tie, scheduler
-        self.width, self.depth, self.classes, self.configure = width, depth, classes, configure
+        self.width, self.depth, self.classes = width, depth, classes
         if not configure:  # configure=True: the layers are built in configure_model, as for a large model
             self.build()
         self.optimizer = optimizer
@@ -58,10 +58,6 @@ class TrunkModel(L.LightningModule):
         self.pre = nn.Linear(8, self.width)
         self.model = nn.Sequential(*[m for _ in range(self.depth) for m in (nn.Linear(self.width, self.width), nn.Tanh())])
         self.head = nn.Linear(self.width, self.classes)
-
-    def configure_model(self):
-        if self.configure and not hasattr(self, "model"):  # idempotent: Lightning calls it on every fit/validate
-            self.build()
 
     def forward(self, x):
         return self.output(self.model(torch.relu(self.pre(x))))
@@ -145,6 +141,17 @@ class TrunkModel(L.LightningModule):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": interval}}
 
 
+class ConfiguredTrunkModel(TrunkModel):
+    """TrunkModel with its layers built in ``configure_model``, as Lightning recommends for large models."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**{**kwargs, "configure": True})
+
+    def configure_model(self):
+        if not hasattr(self, "model"):  # idempotent: Lightning calls it on every fit / validate / test
+            self.build()
+
+
 class Recorder(L.Callback):
     def __init__(self):
         self.val_metrics: list[dict[str, float]] = []
@@ -215,7 +222,9 @@ def train(config: dict[str, Any]) -> dict[str, Any]:
 
         model, data = PretrainedLlama(**config["pretrained"]), token_windows
     else:
-        model, data = TrunkModel(**config.get("model", {})), make_data
+        options = dict(config.get("model", {}))
+        model_class = ConfiguredTrunkModel if options.pop("configure", False) else TrunkModel
+        model, data = model_class(**options), make_data
     strategy = config.get("strategy")
     if isinstance(strategy, dict):
         io = SlowCheckpointIO(config["slow_save"], config.get("kill_in_save", False)) if "slow_save" in config else None
