@@ -32,13 +32,14 @@ from lightning_pipe.errors import (
     TrunkUsageError,
 )
 from lightning_pipe.planning.auto_balance import AutoBalanceOptions
+from lightning_pipe.weights import load_stage_weights
 
 __version__ = "0.2.0"
 
 if find_spec("lightning") is not None:
     from lightning.pytorch.strategies import StrategyRegistry
 
-    from lightning_pipe.lightning import PipeStrategy
+    from lightning_pipe.lightning import PipeStrategy, consolidate_checkpoint
 
     PipeStrategy.register_strategies(StrategyRegistry)
 
@@ -48,4 +49,5 @@ __all__ = [
     "LightningPipeError", "MessageMismatchError", "PeerFailure",
     "PipeConfigError", "PipeDreamOptions", "PipeMareOptions", "PipeStrategy", "PipelineTimeout", "PlanError", "ScheduleError",
     "SharedParameterError", "StageOutputError", "StartupFailure", "TrunkError", "TrunkUsageError", "XPipeOptions", "__version__",
+    "consolidate_checkpoint", "load_stage_weights",
 ]

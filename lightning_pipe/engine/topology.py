@@ -3,7 +3,9 @@
 Consecutive global ranks form one pipeline (``rank = pipeline * stages + stage``), so a pipeline's
 neighbours share a node. Two kinds of groups: a pipeline group (all stages of one pipeline: metric
 broadcast) and a stage group (the same stage across pipelines: gradient all-reduce); on NCCL also
-one group per point-to-point channel, a direction of a pair and a message kind (``ChannelGroups``).
+one group per point-to-point channel, a direction of a pair and a message kind (``ChannelGroups``),
+and a gloo copy of the pipeline group for Python objects (a checkpoint's stages gathered on rank 0 go
+through host memory, never through GPU memory as NCCL's ``gather_object`` would take them).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ class Topology:
     pipeline_group: Any = field(default=None, repr=False)
     stage_group: Any = field(default=None, repr=False)
     channel_groups: Any = field(default=None, repr=False)  # a ChannelGroups on untagged backends
+    object_group: Any = field(default=None, repr=False)  # the pipeline group on gloo, for object collectives
 
     @property
     def world_size(self) -> int:
@@ -69,11 +72,13 @@ class Topology:
             return
         if directional and self.stages > 1:
             self.channel_groups = ChannelGroups.create(timeout)
+        on_gloo = dist.get_backend() == "gloo"
         for p in range(self.pipelines):
             ranks = [p * self.stages + s for s in range(self.stages)]
             group = dist.new_group(ranks, timeout=timeout) if self.pipelines > 1 else dist.group.WORLD
+            objects = group if on_gloo else dist.new_group(ranks, backend="gloo", timeout=timeout)
             if p == self.pipeline:
-                self.pipeline_group = group
+                self.pipeline_group, self.object_group = group, objects
         for s in range(self.stages):
             ranks = [p * self.stages + s for p in range(self.pipelines)]
             group = dist.new_group(ranks, timeout=timeout) if self.stages > 1 else dist.group.WORLD
@@ -87,6 +92,7 @@ class Topology:
             return
         channels = self.channel_groups
         point_to_point = (channels.down_activation, channels.up_gradient, channels.down_gradient) if channels else ()
-        groups = {id(g): g for g in (dist.group.WORLD, self.pipeline_group, self.stage_group, *point_to_point) if g is not None}
+        named = (dist.group.WORLD, self.pipeline_group, self.object_group, self.stage_group, *point_to_point)
+        groups = {id(g): g for g in named if g is not None}
         for group in groups.values():
             dist.distributed_c10d._set_pg_timeout(timedelta(seconds=seconds), group)

@@ -4,6 +4,7 @@
 of that (options, checks, the cut pipeline, the runtimes, checkpoints, log replay, setup-time choices).
 """
 
+from lightning_pipe.lightning.sharded import consolidate_checkpoint
 from lightning_pipe.lightning.strategy import PipeStrategy
 
-__all__ = ["PipeStrategy"]
+__all__ = ["PipeStrategy", "consolidate_checkpoint"]

@@ -16,11 +16,13 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from lightning.pytorch import LightningModule
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.utils.data import DataLoader
 
 from lightning_pipe.errors import AsyncQualityWarning, PipeConfigError
 from lightning_pipe.partition import find_trunk, resolve_balance
+from lightning_pipe.partition.trunk import candidates_of
 from lightning_pipe.quality import quality_warning
 from lightning_pipe.registry import ScheduleSpec
 
@@ -50,19 +52,49 @@ def resolve_stages(world_size: int, stages: int | None, pipelines: int) -> int:
     return stages
 
 
+def builds_in_configure_model(module: LightningModule) -> bool:
+    """Whether the module builds (some of) its layers in ``configure_model``, which Lightning calls
+    after ``connect``: its trunk is looked for at setup, once the hook ran (docs/large-models.md)."""
+    return is_overridden("configure_model", module, LightningModule)
+
+
 def check_module(
     module: LightningModule, trunk_name: str | None, balance: str | Sequence[int], virtual_stages: int, schedule: ScheduleSpec,
-    stages: int, micro_batches: int,
-) -> list[int]:
-    """Checks that need the module; returns the layer count of every virtual stage."""
+    stages: int, micro_batches: int, built: bool = True,
+) -> list[int] | None:
+    """Checks that need the module; returns the layer count of every virtual stage (``None`` when not
+    ``built`` yet: its trunk comes from ``configure_model``)."""
     if not module.automatic_optimization:
         raise PipeConfigError(
             f"{type(module).__name__} uses manual optimization, which pipeline schedules cannot drive; "
             "set self.automatic_optimization = True or train it with strategy='ddp'."
         )
     schedule.check(stages, micro_batches)
+    if not built:
+        return None
     _, trunk = find_trunk(module, trunk_name)
     return resolve_balance(balance, trunk, virtual_stages)
+
+
+def check_meta_build(options: PipeOptions) -> None:
+    """What cannot work with a model built on the meta device: the choices that time its layers."""
+    if options.balance == "auto" or options.tuned:
+        what = "balance='auto'" if options.balance == "auto" else "avgpipe's 'auto' values"
+        raise PipeConfigError(
+            f"{what} times the layers with real weights, but configure_model built them on the meta device (each rank "
+            "creates only its own stage); give balance as a list of counts, 'uniform' or 'parameters', and numbers "
+            "for avgpipe's options."
+        )
+
+
+def _has_trunk(module: LightningModule, trunk_name: str | None) -> bool:
+    """Whether a trunk is there to check (an ambiguous one is: its error is worth raising now)."""
+    if trunk_name is None:
+        return bool(candidates_of(module))
+    target: object = module
+    for part in trunk_name.split("."):
+        target = getattr(target, part, None)
+    return target is not None
 
 
 def check_trainer(schedule: ScheduleSpec, accumulate_grad_batches: int, optimizers: int) -> None:
@@ -88,9 +120,14 @@ def warn_quality(schedule: str, stages: int, optimizer: Any) -> None:
         warnings.warn(message, AsyncQualityWarning, stacklevel=2)
 
 
-def check_model(options: PipeOptions, stages: int, pipelines: int, model: LightningModule) -> list[int]:
+def check_model(options: PipeOptions, stages: int, pipelines: int, model: LightningModule, built: bool | None = None) -> list[int] | None:
     """Every check of the options against the module and the process count; returns the layer
-    count of every virtual stage (``balance="auto"`` is checked as ``"uniform"``, then chosen at setup)."""
+    count of every virtual stage (``balance="auto"`` is checked as ``"uniform"``, then chosen at setup).
+
+    ``built``: whether the module is complete; by default, unless its ``configure_model`` has yet to
+    build the trunk (then the trunk checks wait for setup and ``None`` is returned)."""
+    if built is None:
+        built = not builds_in_configure_model(model) or _has_trunk(model, options.module)
     if options.spec.family == "asynchronous" and pipelines > 1:
         raise PipeConfigError(
             f"schedule={options.schedule!r} steps each stage inside the pipeline, so data-parallel pipelines would "
@@ -105,7 +142,7 @@ def check_model(options: PipeOptions, stages: int, pipelines: int, model: Lightn
     return check_module(
         model, options.module, "uniform" if options.balance == "auto" else options.balance,
         stages * options.chunks_per_stage, options.spec, stages,
-        options.micro_batches if options.micro_batches != "auto" else 1,
+        options.micro_batches if options.micro_batches != "auto" else 1, built,
     )
 
 

@@ -82,6 +82,7 @@ class PipeOptions:
     transport: Literal["auto", "shared_memory", "process_group"] = "auto"
     delay_warmup_steps: int = 0
     quality_warning: bool = True
+    save_distributed_checkpoint: bool = False
 
     @property
     def spec(self) -> ScheduleSpec:
@@ -140,7 +141,7 @@ def resolve(
     chunks_per_stage: int | None, checkpoint_activations: bool, timeouts: tuple[float, float, float], sync_warmup_epochs: int,
     groups: Mapping[str, Any], trace_dir: str | None, trace_steps: int, deprecated: Mapping[str, Any],
     stage_metrics: bool = True, sync_warmup_steps: int = 0, shape_headers: str = "on_change", transport: str = "auto",
-    delay_warmup_steps: int = 0, quality_warning: bool = True,
+    delay_warmup_steps: int = 0, quality_warning: bool = True, save_distributed_checkpoint: bool = False,
 ) -> PipeOptions:
     """Check the arguments of ``PipeStrategy`` and return them as :class:`PipeOptions`."""
     row = spec(schedule)
@@ -153,7 +154,7 @@ def resolve(
         chunks_per_stage, checkpoint_activations, *map(float, timeouts), sync_warmup_epochs, resolved["pipemare"],
         resolved["xpipe"], resolved["avgpipe"], resolved["auto_balance"], trace_dir, trace_steps, stage_metrics,
         sync_warmup_steps, resolved["pipedream_2bw"], resolved["pipedream"], shape_headers, transport,  # type: ignore[arg-type]
-        delay_warmup_steps, quality_warning,
+        delay_warmup_steps, quality_warning, bool(save_distributed_checkpoint),
     )
     check(options)
     return options
@@ -194,6 +195,10 @@ def check(options: PipeOptions) -> None:
     for name in ("sync_warmup_epochs", "sync_warmup_steps", "delay_warmup_steps"):
         if not isinstance(getattr(o, name), int) or getattr(o, name) < 0:
             raise PipeConfigError(f"{name}={getattr(o, name)!r} must be a whole number, at least 0.")
+    if o.save_distributed_checkpoint and row.family != "synchronous":
+        raise PipeConfigError(f"save_distributed_checkpoint=True writes the synchronous schedules' state only; {o.schedule!r} "
+                              "keeps per-stage weight versions it cannot yet shard. Leave it False (one checkpoint file) "
+                              "or use a synchronous schedule such as '1f1b'.")
     if o.delay_warmup_steps and row.family != "asynchronous":
         stale = ", ".join(map(repr, names("asynchronous")))
         raise PipeConfigError(f"delay_warmup_steps={o.delay_warmup_steps} warms up stages whose gradients are stale, which "

@@ -252,8 +252,8 @@ class StagePipeline:
         if topology.pipeline != 0:
             return None
         parts = [None] * topology.stages if self.strategy.global_rank == 0 else None
-        with self.watchdog.guard("every stage's part of the checkpoint"):
-            dist.gather_object(obj, parts, dst=0, group=topology.pipeline_group)
+        with self.watchdog.guard("every stage's part of the checkpoint"):  # through host memory (gloo), even on NCCL
+            dist.gather_object(obj, parts, dst=0, group=topology.object_group)
         return parts
 
     # ------------------------------------------------------------------ the stage table

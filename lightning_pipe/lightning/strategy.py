@@ -18,7 +18,8 @@ from __future__ import annotations
 import difflib
 import inspect
 import logging
-from contextlib import nullcontext
+from collections.abc import Generator
+from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 from typing import Any, ContextManager, Literal
 
@@ -43,7 +44,7 @@ from lightning_pipe.engine.policies import AvgPipeOptions, DoubleBufferOptions, 
 from lightning_pipe.engine.policies.options import Averaging, Prediction
 from lightning_pipe.engine.watchdog import FAILURE_GRACE
 from lightning_pipe.errors import CheckpointMismatchError, LightningPipeError, PipeConfigError
-from lightning_pipe.lightning import _compat, auto, checkpointing, checks, preemption, startup
+from lightning_pipe.lightning import _compat, auto, checkpointing, checks, preemption, sharded, startup
 from lightning_pipe.lightning import options as options_module
 from lightning_pipe.lightning.launcher import PipeLauncher
 from lightning_pipe.lightning.model_summary import freeze_model_summaries
@@ -52,6 +53,7 @@ from lightning_pipe.lightning.pipeline import StagePipeline
 from lightning_pipe.lightning.preemption import Preemption
 from lightning_pipe.lightning.runtimes import Runtime, make_runtime, unwrapped
 from lightning_pipe.lightning.stage_metrics import StageMetrics
+from lightning_pipe.partition.materialize import INIT_HOOK, MetaConstruction, has_meta_tensors, materialize, release_memory
 from lightning_pipe.planning.auto_balance import AutoBalanceOptions
 from lightning_pipe.planning.planner import Plan
 from lightning_pipe.planning.trials import device_clock
@@ -198,6 +200,11 @@ class PipeStrategy(DDPStrategy, metaclass=_NamesItsOptions):
         checkpoint_io: checkpoint writer plugin.
         precision_plugin: set by the Trainer from ``precision=``.
         process_group_backend: ``"gloo"`` or ``"nccl"``; default by device (gloo on CPU, NCCL on CUDA).
+        save_distributed_checkpoint: write each checkpoint as a directory in which every rank writes only
+            its own stage (``torch.distributed.checkpoint``); it resumes under another split, stage count
+            or the one-device emulation, and :func:`~lightning_pipe.consolidate_checkpoint` turns it into
+            one ordinary checkpoint. ``False`` (the default): one file, every stage gathered on rank 0.
+            Synchronous schedules only (docs/large-models.md).
     """
 
     strategy_name = "pipe"
@@ -251,6 +258,7 @@ class PipeStrategy(DDPStrategy, metaclass=_NamesItsOptions):
         checkpoint_io: CheckpointIO | None = None,
         precision_plugin: Precision | None = None,
         process_group_backend: str | None = None,
+        save_distributed_checkpoint: bool = False,
     ) -> None:
         deprecated = {name: value for name, value in locals().items() if name in options_module.DEPRECATED}
         self.options: PipeOptions = options_module.resolve(
@@ -259,7 +267,7 @@ class PipeStrategy(DDPStrategy, metaclass=_NamesItsOptions):
             {"pipemare": pipemare, "xpipe": xpipe, "pipedream_2bw": pipedream_2bw, "pipedream": pipedream, "avgpipe": avgpipe,
              "auto_balance": auto_balance},
             trace_dir, trace_steps, deprecated, stage_metrics, sync_warmup_steps, shape_headers, transport,
-            delay_warmup_steps, quality_warning,
+            delay_warmup_steps, quality_warning, save_distributed_checkpoint,
         )
         super().__init__(
             accelerator=accelerator,
@@ -285,6 +293,8 @@ class PipeStrategy(DDPStrategy, metaclass=_NamesItsOptions):
         self._generation = 0
         self._loading: Any = None  # the checkpoint file being restored, for error messages
         self._preemption: Preemption | None = None
+        self._construction: MetaConstruction | None = None  # what configure_model / init_module built on meta
+        self._restore_after_setup: bool | None = None
 
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
@@ -371,6 +381,36 @@ class PipeStrategy(DDPStrategy, metaclass=_NamesItsOptions):
             counts = checks.check_model(self.options, self.num_stages, self.num_pipelines, model)
         self._counts = counts
 
+    # ------------------------------------------------------------------ building the model
+    @contextmanager
+    def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
+        """Where ``configure_model`` (and ``trainer.init_module()``) create tensors: on the meta device,
+        so that no rank ever holds the whole model; at setup each rank gives real memory only to its own
+        stage, initialised as on one device (docs/large-models.md). ``empty_init=False``: on the
+        device, as Lightning's other strategies do."""
+        if empty_init is False:
+            with super().tensor_init_context(empty_init):
+                yield
+            return
+        construction = MetaConstruction()
+        with construction, self.precision_plugin.tensor_init_context():
+            yield
+        if self._construction is None:
+            self._construction = construction
+        else:  # init_module, then configure_model: one construction, in that order
+            self._construction.finished += construction.finished
+
+    @property
+    def restore_checkpoint_after_setup(self) -> bool:
+        """A model built on the meta device has no memory to restore a checkpoint into before setup, and a
+        sharded checkpoint is read by stage. Decided once, at the first read (Lightning reads it before and
+        after setup, and the answer must not change in between)."""
+        if self._restore_after_setup is None:
+            module = self.lightning_module
+            self._restore_after_setup = self.options.save_distributed_checkpoint or (
+                module is not None and has_meta_tensors(module))
+        return self._restore_after_setup
+
     # ------------------------------------------------------------------ setup
     def setup_distributed(self) -> None:
         """As Lightning's, but every wait of the rendezvous is bounded by ``startup_timeout`` (:mod:`.startup`)."""
@@ -419,11 +459,26 @@ class PipeStrategy(DDPStrategy, metaclass=_NamesItsOptions):
         self.precision_plugin.convert_module(module)
         fitting = trainer.state.fn == TrainerFn.FITTING
         if self._pipeline is None:
+            if self._counts is None or checks.builds_in_configure_model(module):  # configure_model has run now
+                self._counts = checks.check_model(self.options, self.num_stages, self.num_pipelines, module, built=True)
+            on_meta = has_meta_tensors(module)
+            if on_meta:
+                checks.check_meta_build(self.options)
             self._choose_split(trainer, module)
             if fitting and self.topology.stages > 1:
                 freeze_model_summaries(trainer, module, self.is_global_zero)  # while every layer is here
             self._pipeline = StagePipeline.cut(self, module, self._counts)
+            if on_meta:  # only this rank's stage gets memory
+                materialize(module, self._construction or MetaConstruction(), getattr(module, INIT_HOOK, None))
+            else:  # built whole in __init__: give the other stages' layers back
+                release_memory()
+            self._construction = None
             rank_zero_info(self.describe())
+        elif has_meta_tensors(module):
+            raise PipeConfigError(
+                f"{type(module).__name__}.configure_model built new layers on a later Trainer call, after the pipeline "
+                "was cut; make it return early once the model exists (if self.model is not None: return)."
+            )
         self.model_to_device()
         for metric in module.modules():
             # every stage of a pipeline holds a replica of the last stage's metric state (see
@@ -593,6 +648,8 @@ class PipeStrategy(DDPStrategy, metaclass=_NamesItsOptions):
         if self._pipeline is None:
             return super().lightning_module_state_dict()
         self._drain()
+        if self.options.save_distributed_checkpoint:
+            return sharded.model_part(self._pipeline)
         return checkpointing.module_state(self._pipeline)
 
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
@@ -600,6 +657,8 @@ class PipeStrategy(DDPStrategy, metaclass=_NamesItsOptions):
         if self._pipeline is None:
             return unwrapped(optimizer).state_dict()
         self._drain()
+        if self.options.save_distributed_checkpoint:
+            return sharded.optimizer_part(self._pipeline, self._runtime, unwrapped(optimizer))
         return checkpointing.optimizer_state(self._pipeline, self._runtime, unwrapped(optimizer))
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
@@ -608,15 +667,29 @@ class PipeStrategy(DDPStrategy, metaclass=_NamesItsOptions):
             checkpoint.update(self._runtime.checkpoint_state())
         if self._counts is not None:  # what a resumed run with balance="auto" adopts instead of planning again
             checkpoint[checkpointing.BALANCE_KEY] = list(self._counts)
-        if self.is_global_zero:
+        if self.options.save_distributed_checkpoint and self._pipeline is not None:
+            with self._guard("every rank's part of the sharded checkpoint"):
+                sharded.save(self._pipeline, checkpoint, filepath)
+        elif self.is_global_zero:
             checkpointing.atomic_save(self.checkpoint_io, checkpoint, filepath, storage_options)
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        """Read the file; one that cannot be read fails with :class:`~lightning_pipe.CheckpointFileError` naming it."""
+        """A sharded directory: this rank's part only (its model entries loaded in place); a file: all of it,
+        and a file that cannot be read fails with :class:`~lightning_pipe.CheckpointFileError` naming it."""
         self._loading = checkpoint_path
-        return checkpointing.read(self.checkpoint_io, checkpoint_path, weights_only)
+        if not sharded.is_sharded(checkpoint_path):
+            return checkpointing.read(self.checkpoint_io, checkpoint_path, weights_only)
+        if self._pipeline is None:
+            raise PipeConfigError(
+                f"{checkpoint_path} is a sharded checkpoint, which each stage reads after setup; resume it with "
+                "PipeStrategy(save_distributed_checkpoint=True), or make one file of it with "
+                "lightning_pipe.consolidate_checkpoint."
+            )
+        return sharded.load(self._pipeline, checkpoint_path)
 
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
+        if sharded.SHARDED_KEY in checkpoint:  # loaded in place by load_checkpoint
+            return
         try:
             checkpointing.load_module_state(self.lightning_module, checkpoint["state_dict"], self._pipeline, strict)
         except CheckpointMismatchError as error:
@@ -628,7 +701,10 @@ class PipeStrategy(DDPStrategy, metaclass=_NamesItsOptions):
             self._runtime.restore(checkpoint)
         assert self._pipeline is not None
         for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
-            checkpointing.load_optimizer_state(self._pipeline, self._runtime, unwrapped(optimizer), state)
+            if sharded.SHARDED_KEY in checkpoint:
+                sharded.load_optimizer(self._pipeline, self._runtime, unwrapped(optimizer), state)
+            else:
+                checkpointing.load_optimizer_state(self._pipeline, self._runtime, unwrapped(optimizer), state)
         _optimizers_to_device(self.optimizers, self.root_device)
 
     # ------------------------------------------------------------------ collectives
@@ -670,6 +746,14 @@ class PipeStrategy(DDPStrategy, metaclass=_NamesItsOptions):
             self._preemption.uninstall()
         if self._watchdog is not None:
             self._watchdog.close()
+        module = self._lightning_module
+        if module is not None and has_meta_tensors(module):  # a failure before setup gave it memory: nothing to move
+            self._lightning_module = None
+            try:
+                super().teardown()
+            finally:
+                self._lightning_module = module
+            return
         super().teardown()
 
     def on_exception(self, exception: BaseException) -> None:

@@ -59,3 +59,31 @@ class HFCausalLM(L.LightningModule):
 def token_windows(n: int = 64, seed: int = 0) -> TensorDataset:
     g = torch.Generator().manual_seed(seed)
     return TensorDataset(torch.randint(0, VOCAB, (n, LENGTH), generator=g))
+
+
+class PretrainedLlama(HFCausalLM):
+    """A Llama started from ``save_pretrained`` weights at ``path``: with ``per_stage``, built in
+    ``configure_model`` (on the meta device under PipeStrategy) and each stage reads only its own
+    tensors (docs/large-models.md); otherwise ``from_pretrained``, whole, as on one device."""
+
+    def __init__(self, path: str, per_stage: bool, lr: float = 3e-3) -> None:
+        L.LightningModule.__init__(self)
+        import transformers
+
+        self.lr, self.path, self.per_stage = lr, path, per_stage
+        self.model = None if per_stage else transformers.LlamaForCausalLM.from_pretrained(path)
+
+    def configure_model(self):
+        import transformers
+
+        if self.model is None:
+            self.model = transformers.LlamaForCausalLM(transformers.AutoConfig.from_pretrained(self.path))
+
+    def reset_module_parameters(self, module):
+        self.model._init_weights(module)  # Hugging Face's own initialiser of one module (rotary tables too)
+
+    def on_fit_start(self):
+        from lightning_pipe import load_stage_weights
+
+        if self.per_stage and self.trainer.ckpt_path is None:  # a resumed fit restores its checkpoint instead
+            load_stage_weights(self, self.path, prefix="model.")

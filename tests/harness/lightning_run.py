@@ -40,19 +40,24 @@ class TrunkModel(L.LightningModule):
 
     def __init__(self, width: int = 16, depth: int = 6, classes: int = 4, optimizer: str = "sgd", fail_at: int = -1,
                  fail_rank: int = -1, tie: bool = False, scheduler: bool | str = False, fail_hook: str | None = None,
-                 fault: dict | None = None):
+                 fault: dict | None = None, configure: bool = False):
         super().__init__()
         self.save_hyperparameters()
         self.tie, self.scheduler = tie, scheduler
-        torch.manual_seed(0)
-        self.pre = nn.Linear(8, width)
-        self.model = nn.Sequential(*[m for _ in range(depth) for m in (nn.Linear(width, width), nn.Tanh())])
-        self.head = nn.Linear(width, classes)
+        self.width, self.depth, self.classes = width, depth, classes
+        if not configure:  # configure=True: the layers are built in configure_model, as for a large model
+            self.build()
         self.optimizer = optimizer
         self.fail_at, self.fail_rank, self.fail_hook = fail_at, fail_rank, fail_hook
         self.fault = fault  # {"kind": "stop" | "kill" | "sleep", "rank": r, "step": s}: see inject()
         self.val_acc = torchmetrics.classification.MulticlassAccuracy(num_classes=classes, average="micro")
         self.val_mae = torchmetrics.MeanAbsoluteError()
+
+    def build(self):
+        torch.manual_seed(0)
+        self.pre = nn.Linear(8, self.width)
+        self.model = nn.Sequential(*[m for _ in range(self.depth) for m in (nn.Linear(self.width, self.width), nn.Tanh())])
+        self.head = nn.Linear(self.width, self.classes)
 
     def forward(self, x):
         return self.output(self.model(torch.relu(self.pre(x))))
@@ -138,6 +143,17 @@ class TrunkModel(L.LightningModule):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": interval}}
 
 
+class ConfiguredTrunkModel(TrunkModel):
+    """TrunkModel with its layers built in ``configure_model``, as Lightning recommends for large models."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**{**kwargs, "configure": True})
+
+    def configure_model(self):
+        if not hasattr(self, "model"):  # idempotent: Lightning calls it on every fit / validate / test
+            self.build()
+
+
 class Recorder(L.Callback):
     def __init__(self):
         self.val_metrics: list[dict[str, float]] = []
@@ -203,8 +219,14 @@ def train(config: dict[str, Any]) -> dict[str, Any]:
 
         model: L.LightningModule = HFCausalLM(config["hf"])
         data = token_windows
+    elif "pretrained" in config:  # {"path": a save_pretrained directory, "per_stage": bool}
+        from tests.harness.hf_models import PretrainedLlama, token_windows
+
+        model, data = PretrainedLlama(**config["pretrained"]), token_windows
     else:
-        model, data = TrunkModel(**config.get("model", {})), make_data
+        options = dict(config.get("model", {}))
+        model_class = ConfiguredTrunkModel if options.pop("configure", False) else TrunkModel
+        model, data = model_class(**options), make_data
     strategy = config.get("strategy")
     if isinstance(strategy, dict):
         io = SlowCheckpointIO(config["slow_save"], config.get("kill_in_save", False)) if "slow_save" in config else None

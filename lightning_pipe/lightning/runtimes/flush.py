@@ -33,13 +33,17 @@ class FlushRuntime(BaseRuntime):
 
     def training_step(self, args: tuple, kwargs: dict) -> Tensor:
         params = trainable(self.strategy)
-        earlier = [p.grad for p in params]  # gradients of earlier batches of an accumulation window
+        trainer = self.strategy.lightning_module.trainer
+        # gradients of earlier batches of an accumulation window; at a window's first batch they are the
+        # last step's, which Lightning's zero_grad drops before backward: drop them now, so that they do
+        # not stay alive beside this step's (one gradient-sized buffer less at the peak)
+        first_of_window = trainer.fit_loop.epoch_loop.batch_idx % trainer.accumulate_grad_batches == 0
+        earlier = [None if first_of_window else p.grad for p in params]
         for p in params:
             p.grad = None  # the step starts from empty gradients
         # across pipelines, average while the last backward runs (DDP's overlap); not when the step adds
         # to earlier batches' gradients, which only the sum at backward() completes
         last_backward = None
-        trainer = self.strategy.lightning_module.trainer
         if self.strategy.num_pipelines > 1 and all(g is None for g in earlier) and not trainer.fit_loop._should_accumulate():
             if self._reducer is None or [id(p) for p in self._reducer.params] != [id(p) for p in params]:
                 self._reducer = GradientReducer(params, self.strategy.topology.stage_group, self.strategy.num_pipelines)

@@ -1,0 +1,112 @@
+"""Models larger than one device (docs/large-models.md): layers built in ``configure_model`` live on the
+meta device until setup, where each rank creates only its own stage, with the weights one device
+would have drawn; training then equals one device."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.distributed.test_strategy import assert_matches
+from tests.harness.launch import launch
+from tests.harness.lightning_run import train
+
+STEPS = 4
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_configure_model_on_two_processes_equals_one_device(schedule):
+    common = {"max_steps": STEPS, "batch_size": 16, "model": {"optimizer": "adam", "configure": True}}
+    reference = train(common)
+    assert reference["state"].keys() == train({**common, "model": {"optimizer": "adam"}})["state"].keys()
+    code, output, records = launch({**common, "devices": 2, "strategy": {"schedule": schedule, "micro_batches": 4}})
+    assert code == 0, output[-3000:]
+    assert_matches(reference, records, [0, 1])
+    for rank, record in enumerate(records):  # each rank holds only its own trunk layers
+        trunk = sorted({int(k.split(".")[1]) for k in record["state"] if k.startswith("model.")})
+        assert trunk == ([0, 2, 4] if rank == 0 else [6, 8, 10])
+
+
+# ------------------------------------------------------------------ pretrained weights per stage
+@pytest.fixture(scope="module")
+def pretrained(tmp_path_factory) -> str:
+    """A tiny Llama saved by save_pretrained in 11 shards with their index json."""
+    pytest.importorskip("transformers", reason="the [hf] extra is not installed")
+    from tests.harness.hf_models import hf_model
+
+    path = tmp_path_factory.mktemp("llama")
+    hf_model("llama").save_pretrained(path, max_shard_size="20KB")
+    assert (path / "model.safetensors.index.json").exists() and len(list(path.glob("*.safetensors"))) > 4
+    return str(path)
+
+
+@pytest.mark.parametrize("devices,stages", [(2, None), (1, 4)])
+def test_pretrained_weights_per_stage_equal_from_pretrained_on_one_device(pretrained, devices, stages, tmp_path):
+    """Each stage reads its own tensors (configure_model on the meta device, then load_stage_weights in
+    on_fit_start): the first step's loss and gradients, the weights after it, and the logits of the
+    checkpoint in the plain model equal from_pretrained on one device."""
+    from tests.distributed.test_hf_models import assert_weights_equal, logits
+    from tests.harness.hf_models import token_windows
+
+    common = {"max_steps": 1, "batch_size": 16}
+    reference = train({**common, "pretrained": {"path": pretrained, "per_stage": False}})
+    run = {**common, "pretrained": {"path": pretrained, "per_stage": True}, "devices": devices,
+           "ckpt_out": str(tmp_path / "last.ckpt"),
+           "strategy": {"schedule": "1f1b", "micro_batches": 4, **({"stages": stages} if stages else {})}}
+    if devices == 1:
+        records = [train(run)]
+    else:
+        code, output, records = launch(run)
+        assert code == 0, output[-3000:]
+    for record in records:
+        assert record["returned"] == pytest.approx(reference["returned"], rel=1e-5)
+        for name, grad in record["grads"].items():
+            torch.testing.assert_close(grad, reference["grads"][name], rtol=1e-5, atol=1e-7, msg=name)
+    assert set().union(*(r["grads"] for r in records)) == set(reference["grads"])
+    state = torch.load(tmp_path / "last.ckpt", weights_only=False)["state_dict"]
+    assert_weights_equal(state, reference["state"])
+    ids = token_windows(4, seed=3).tensors[0]
+    torch.testing.assert_close(logits("llama", state, ids), logits("llama", reference["state"], ids), rtol=1e-4, atol=1e-5)
+
+
+# ------------------------------------------------------------------ sharded checkpoints
+def test_sharded_checkpoint_resumes_under_another_split_stage_count_and_one_device(tmp_path):
+    """Each rank writes only its own tensors; the directory resumes on 2 processes with another split, on 4
+    emulated stages, and, consolidated into one file, on one device: all equal uninterrupted training."""
+    import torch.distributed.checkpoint as dcp
+
+    from lightning_pipe import consolidate_checkpoint
+
+    model = {"optimizer": "adam"}
+    pipe = {"schedule": "1f1b", "micro_batches": 4, "save_distributed_checkpoint": True}
+    saved = tmp_path / "epoch1.ckpt"
+    code, output, _ = launch({"epochs": 1, "model": model, "devices": 2, "strategy": pipe, "ckpt_out": str(saved)})
+    assert code == 0, output[-3000:]
+    storage = dcp.FileSystemReader(str(saved)).read_metadata().storage_data
+    files = {index.fqn: info.relative_path for index, info in storage.items()}
+    assert {files[f"model.model.{i}.weight"] for i in (0, 2, 4)} == {"__0_0.distcp"}  # stage 0's layers: rank 0's file
+    assert {files[f"model.model.{i}.weight"] for i in (6, 8, 10)} == {"__1_0.distcp"}
+    assert files["model.head.weight"] == "__1_0.distcp" and files["model.pre.weight"] == "__0_0.distcp"  # their trainers' copies
+    assert files["optim.0.model.10.weight.exp_avg"] == "__1_0.distcp"
+    want = train({"epochs": 2, "model": model})
+
+    def assert_equal(state: dict) -> None:
+        assert state.keys() == want["state"].keys()
+        for key, value in want["state"].items():
+            torch.testing.assert_close(state[key], value, rtol=1e-5, atol=1e-6, msg=key)
+
+    resumed = tmp_path / "epoch2.ckpt"
+    code, output, records = launch({"epochs": 2, "model": model, "devices": 2, "strategy": {**pipe, "balance": [4, 8]},
+                                    "ckpt_path": str(saved), "ckpt_out": str(resumed)})
+    assert code == 0, output[-3000:]
+    steps = len(want["returned"]) // 2  # a resumed run trains the second epoch only: it did restore
+    assert [len(r["returned"]) for r in records] == [steps, steps]
+    consolidate_checkpoint(resumed, tmp_path / "whole2.ckpt")
+    assert_equal(torch.load(tmp_path / "whole2.ckpt", weights_only=False)["state_dict"])
+    for run in ({"strategy": {**pipe, "stages": 4}, "ckpt_path": str(saved)},
+                {"ckpt_path": str(tmp_path / "whole1.ckpt")}):
+        if "strategy" not in run:
+            consolidate_checkpoint(saved, tmp_path / "whole1.ckpt")
+        got = train({"epochs": 2, "model": model, **run})
+        assert len(got["returned"]) == steps
+        assert_equal(got["state"])
