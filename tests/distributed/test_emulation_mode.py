@@ -48,7 +48,10 @@ def test_emulation_equals_distributed_run():
     for mine, theirs in zip(got["metrics"], want["metrics"]):
         assert set(theirs) - set(mine) == {f"pipe/stage{s}/{key}" for s in range(2) for key in timing}
         for key in mine:
-            assert mine[key] == pytest.approx(theirs[key], rel=1e-5, abs=1e-7), key
+            # weight_lag is a norm of a difference of nearly equal weights: the two runs' last-digit rounding
+            # differences (1e-7 of the weights) are percents of it
+            rel = 0.1 if key.endswith("/weight_lag") else 1e-5
+            assert mine[key] == pytest.approx(theirs[key], rel=rel, abs=1e-7), key
     owners = (("pre.", "model.0.", "model.2.", "model.4."), ("model.6.", "model.8.", "model.10.", "head."))
     for record, prefixes in zip(records, owners):
         for key, value in got["state"].items():

@@ -29,9 +29,12 @@ def config(kind: str, **strategy) -> dict:
 
 
 def assert_weights_equal(got: dict, want: dict) -> None:
+    """AdamW turns float-rounding differences of near-zero gradients into steps of up to its learning rate:
+    on some CPUs one element of GPT-2's 4,096-element c_fc weight ends 1.25e-5 apart after 3 steps, so weights
+    get 5e-5 where losses get 1e-5 (a wrong gradient moves whole tensors by far more)."""
     assert got.keys() == want.keys()
-    for key, value in want.items():  # AdamW turns float-rounding differences of tiny gradients into ~1e-6 steps
-        torch.testing.assert_close(got[key], value, rtol=TOL, atol=TOL, msg=key)
+    for key, value in want.items():
+        torch.testing.assert_close(got[key], value, rtol=TOL, atol=5 * TOL, msg=key)
 
 
 def logits(kind: str, state: dict, ids: torch.Tensor) -> torch.Tensor:
