@@ -123,9 +123,12 @@ def _store_failure(error: BaseException, rank: int, world_size: int, address: st
         return (f"rank 0 waited startup_timeout={seconds:g} s for the other {world_size - 1} rank(s) to connect to the "
                 f"job's key-value store at {where} ({_first_line(error)}). A rank did not start, or was pointed at another "
                 "address or port; raise PipeStrategy(startup_timeout=...) if ranks start slowly.")
+    # torch reports a refused connection as a timeout once its retries run out: look at the port once more
+    seen = "nothing listens there" if not _listens(address, port) else "something accepts connections there"
     return (f"rank {rank} waited startup_timeout={seconds:g} s for rank 0's key-value store at {where} "
-            f"({_first_line(error)}): rank 0 did not start, failed, listens elsewhere, or the port belongs to another "
-            "program. Check MASTER_ADDR and MASTER_PORT, or raise PipeStrategy(startup_timeout=...) if rank 0 starts slowly.")
+            f"({_first_line(error)}; {seen}): rank 0 did not start, failed, listens elsewhere, or the port belongs to "
+            "another program. Check MASTER_ADDR and MASTER_PORT, or raise PipeStrategy(startup_timeout=...) if rank 0 "
+            "starts slowly.")
 
 
 def _first_line(error: BaseException) -> str:

@@ -149,8 +149,9 @@ def run(case: Case, limit: float) -> Outcome:
         env = job_environment()
         holder = None
         if case.port_holder is not None:
-            holder = socket.socket()
-            holder.bind(("127.0.0.1", int(env["MASTER_PORT"])))
+            holder = socket.socket()  # the kernel's pick: a port freed a moment ago may still be in TIME_WAIT
+            holder.bind(("127.0.0.1", 0))
+            env["MASTER_PORT"] = str(holder.getsockname()[1])
             if case.port_holder == "listening":
                 holder.listen()
         if case.lone_rank is not None:
