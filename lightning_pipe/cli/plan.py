@@ -31,6 +31,7 @@ from lightning_pipe.cli.progress import ProfileProgress
 from lightning_pipe.engine import batch_size as batch_size_of
 from lightning_pipe.engine import split_micro_batches
 from lightning_pipe.errors import PlanError
+from lightning_pipe.lightning._compat import module_optimizers
 from lightning_pipe.lightning.log_replay import LogCapture
 from lightning_pipe.partition import find_trunk, resolve_balance, stage_bounds
 from lightning_pipe.planning import avgpipe_tuner as avg_tuner
@@ -441,10 +442,8 @@ def _candidate_plan(schedule: str, candidate: avg_tuner.Candidate, fits: Sequenc
 
 def _step_times(model: LightningModule, trunk: torch.nn.Module, counts: Sequence[int]) -> tuple[list[float] | None, str]:
     """Each stage's STEP + AVG seconds with the module's own optimizer, or ``None`` and why not."""
-    from lightning.pytorch.core.optimizer import _configure_optimizers
-
     try:
-        optimizers, _, _ = _configure_optimizers(model.configure_optimizers())
+        optimizers = module_optimizers(model)
         factory = optimizer_factory(optimizer_spec(optimizers[0]))
     except Exception as error:  # configure_optimizers may need a Trainer
         return None, (f"its optimizer steps are left out: configure_optimizers failed outside a Trainer "

@@ -7,16 +7,15 @@ from collections.abc import Sequence
 
 from lightning.pytorch import LightningModule
 
+from lightning_pipe.lightning._compat import module_optimizers
 from lightning_pipe.quality import Family, optimizer_family, plan_notes
 
 
 def module_family(model: LightningModule) -> Family | None:
     """The optimizer family of ``model.configure_optimizers()``, or ``None`` when it cannot be built outside a
     Trainer or has no family (then the block lists AdamW, Muon and SGD)."""
-    from lightning.pytorch.core.optimizer import _configure_optimizers
-
     try:
-        optimizers, _, _ = _configure_optimizers(model.configure_optimizers())
+        optimizers = module_optimizers(model)
     except Exception:  # configure_optimizers may need a Trainer: show every family instead
         return None
     return optimizer_family(optimizers[0]) if optimizers else None

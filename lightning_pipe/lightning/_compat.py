@@ -19,3 +19,12 @@ def set_received_sigterm(trainer: Any) -> None:
     on every rank at once, after the ranks agreed at a step boundary (:mod:`.preemption`)."""
     trainer._signal_connector.received_sigterm = True
 
+
+def module_optimizers(module: Any) -> list[Any]:
+    """The optimizers ``module.configure_optimizers()`` returns, in any of its return forms (``_configure_optimizers``:
+    Lightning's own reading of them, which it offers no public name for). Raises what the hook raises, e.g. outside
+    a Trainer."""
+    from lightning.pytorch.core.optimizer import _configure_optimizers
+
+    optimizers, _, _ = _configure_optimizers(module.configure_optimizers())
+    return optimizers
