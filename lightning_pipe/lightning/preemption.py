@@ -12,6 +12,9 @@ so a job with ``OnExceptionCheckpoint`` hung until killed, its checkpoint unwrit
   (:func:`._compat.set_received_sigterm`) and Lightning stops them all after that same batch with
   ``SIGTERMException``, whose ``on_exception`` hooks write the configured checkpoints with every rank
   in step;
+* before the first step boundary (start-up: the rendezvous, the model's checks and materialisation,
+  ``balance="auto"``) there is no progress to save, so a SIGTERM ends the rank at once (exit 143) with
+  one sentence, after forwarding it to the ranks this process launched;
 * a rank that does not reach a step boundary within ``timeout`` + :data:`FAILURE_GRACE` of the signal
   (its peers are hung, or it is blocked itself), or does not end within ``checkpoint_timeout`` +
   :data:`FAILURE_GRACE` of the agreement, says so and exits (status 143). A thread woken by the signal
@@ -54,23 +57,42 @@ class Preemption:
         self.received: float | None = None  # time.monotonic() of the first SIGTERM
         self.agreed: float | None = None  # when the ranks agreed to stop
         self.active = False
+        self.starting = False  # in start-up (see install): a SIGTERM ends this rank at once
+        self._previous: Any = None  # the handler before the first install, in charge again after the run
 
-    def install(self) -> None:
+    def install(self, starting: bool = False) -> None:
         """Handle SIGTERM here instead of Lightning (from the main thread; again after Lightning
-        registered its own at the start of a run)."""
+        registered its own at the start of a run). ``starting``: a (new) start-up begins, before
+        which a SIGTERM ends this rank at once."""
         if threading.current_thread() is not threading.main_thread():
             return
         global _current
         self.active, _current = True, self
-        if signal.getsignal(signal.SIGTERM) != self._handler:
+        if starting:
+            self.starting = True
+        current = signal.getsignal(signal.SIGTERM)
+        if current != self._handler:
+            if self._previous is None:
+                self._previous = current
             signal.signal(signal.SIGTERM, self._handler)
         _start_watcher()
 
+    def steps_begin(self) -> None:
+        """A step boundary was reached on every rank: from now on a SIGTERM stops the job after a batch,
+        with its checkpoints."""
+        self.starting = False
+
     def uninstall(self) -> None:
-        """The run is over: the watcher no longer ends this process (Lightning restores the handlers)."""
+        """The run is over: the watcher no longer ends this process, and a SIGTERM gets the handling it
+        had before the run (Lightning's teardown re-registers this handler, which it found installed)."""
         self.active = False
 
     def _handler(self, signum: int, frame: Any) -> None:
+        if not self.active:
+            _default_handling(self._previous, signum, frame)
+            return
+        if self.starting:
+            self.end_during_startup(signum)
         if self.received is not None:
             return
         self.received = time.monotonic()
@@ -78,6 +100,17 @@ class Preemption:
                          "and writes the checkpoints configured for an exception.\n")
         if self.forward is not None:
             self.forward(signum)
+
+    def end_during_startup(self, signum: int) -> None:
+        """End this rank now, with one sentence: SIGTERM came before the first step, when there is nothing
+        to save (from the handler, or from the watcher while the main thread is blocked in C++)."""
+        with _ending:
+            sys.stderr.write(f"lightning_pipe: rank {self.rank} received SIGTERM during start-up, before the first "
+                             "step; it ends now (exit 143), as there is no progress to checkpoint yet.\n")
+            sys.stderr.flush()
+            if self.forward is not None:
+                self.forward(signum)
+            os._exit(128 + signal.SIGTERM)
 
     def stop_now(self, any_rank_received: bool) -> bool:
         """Record the ranks' agreement (``any_rank_received``: the all-reduce of :attr:`pending`); whether to stop."""
@@ -101,9 +134,20 @@ class Preemption:
         return None
 
 
+def _default_handling(previous: Any, signum: int, frame: Any) -> None:
+    """What SIGTERM did before the first :meth:`Preemption.install`: call that handler, ignore the signal,
+    or end the process as the default action does."""
+    if callable(previous):
+        previous(signum, frame)
+    elif previous != signal.SIG_IGN:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
 # ---------------------------------------------------------------------- the bound: one watcher per process
 _current: Preemption | None = None  # the run being watched (a process may run several fits)
 _watching = False
+_ending = threading.Lock()  # one ending per process: the handler's or the watcher's
 
 
 def _start_watcher() -> None:
@@ -128,6 +172,8 @@ def _watch(read: int) -> None:
         while signal.SIGTERM not in os.read(read, 64):
             pass
         signalled = time.monotonic()
+        if (run := _current) is not None and run.active and run.starting:  # the main thread may be blocked in C++
+            run.end_during_startup(signal.SIGTERM)
         while (run := _current) is not None and run.active:
             why = run.overdue(signalled)
             if why is not None:

@@ -422,12 +422,15 @@ class PipeStrategy(DDPStrategy, metaclass=_NamesItsOptions):
         super().setup_distributed()  # the group exists: Lightning only sets its own state
 
     def setup_environment(self) -> None:
+        if self._preemption is None:
+            if self.cluster_environment is not None:
+                self.set_world_ranks()  # this rank's number, for the preemption's messages
+            forward = self._launcher.kill if isinstance(self._launcher, PipeLauncher) and self._launcher.procs else None
+            self._preemption = Preemption(self.global_rank, self.options.timeout, self.options.checkpoint_timeout, forward)
+        self._preemption.install(starting=True)  # a SIGTERM from here to the first step ends the job at once
         super().setup_environment()
         self._generation += 1
         self._watchdog = Watchdog.from_process_group(self.options.timeout, self._generation)
-        if self._preemption is None:
-            forward = self._launcher.kill if isinstance(self._launcher, PipeLauncher) and self._launcher.procs else None
-            self._preemption = Preemption(self.global_rank, self.options.timeout, self.options.checkpoint_timeout, forward)
         self._watchdog.listen(self.world_size)  # before the collective below: every listener counts
         with self._watchdog.guard("the other ranks to start"):
             self._watchdog.learn_peers()  # who to end if this rank gives up on a hung one
@@ -612,6 +615,7 @@ class PipeStrategy(DDPStrategy, metaclass=_NamesItsOptions):
             with self._guard("every rank at the step boundary (the SIGTERM check)"):
                 torch.distributed.all_reduce(flag, op=ReduceOp.MAX)
             received = bool(flag.item())
+        self._preemption.steps_begin()  # every rank is past start-up: a SIGTERM now stops after a batch
         trainer = self.lightning_module.trainer
         if self._preemption.stop_now(received) and not trainer.received_sigterm:
             _compat.set_received_sigterm(trainer)

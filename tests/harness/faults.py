@@ -72,6 +72,7 @@ def cases(timeout: float) -> list[Case]:
              checkpoint=True),
         *startup_cases(base),
         *sigterm_cases(base),
+        *startup_sigterm_cases(base),
         *sigint_cases(base),
         Case("rank 0 killed while saving, then the next job saves there",
              {**base, "max_steps": 2, "slow_save": 0, "kill_in_save": True, "ckpt_out": "<ckpt>"}, failed_rank=0,
@@ -106,6 +107,20 @@ def sigterm_cases(base: dict) -> list[Case]:
              checkpoint=True),
         Case("SIGTERM with both", {**config, **on_exception, **every_step}, says=stopped, written="exc/on_exception.ckpt",
              checkpoint=True),
+    ]
+
+
+def startup_sigterm_cases(base: dict) -> list[Case]:
+    """SIGTERM during start-up (in the module's ``setup``, before the first step): there is nothing to save, so
+    every rank ends at once, with exit 143 and a sentence, whether a checkpoint callback is configured or not."""
+    config = {**base, "max_steps": 12, "on_exception_ckpt": "<out>/exc"}
+    says = "received SIGTERM during start-up, before the first step"
+    return [
+        Case("SIGTERM during start-up", {**config, "model": {"fault": {"kind": "sigterm", "rank": 0, "step": "setup"}}},
+             says=says, notes="exit 143: nothing to checkpoint yet"),
+        Case("SIGTERM to rank 0 alone during start-up",
+             {**config, "model": {"fault": {"kind": "sigterm_self", "rank": 0, "step": "setup"}}}, says=says,
+             notes="rank 0 passes it on to the rank it started"),
     ]
 
 

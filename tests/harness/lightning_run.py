@@ -73,6 +73,7 @@ class TrunkModel(L.LightningModule):
 
     def setup(self, stage):
         self._fail_in("setup")
+        self.inject("setup")  # a fault with "step": "setup" strikes before the first step
 
     def on_train_start(self):
         self._fail_in("on_train_start")
@@ -101,7 +102,8 @@ class TrunkModel(L.LightningModule):
             return
         import signal
 
-        print(f"injecting {fault['kind']} on rank {self.global_rank} at step {batch_idx} at {time.time()}", flush=True)
+        at = -1 if batch_idx == "setup" else batch_idx  # setup: before the first step
+        print(f"injecting {fault['kind']} on rank {self.global_rank} at step {at} at {time.time()}", flush=True)
         if fault["kind"] == "stop":
             os.kill(os.getpid(), signal.SIGSTOP)
         elif fault["kind"] == "kill":
@@ -110,6 +112,8 @@ class TrunkModel(L.LightningModule):
             time.sleep(3600)
         elif fault["kind"] in ("sigterm", "sigint"):  # a scheduler's preemption, a Ctrl+C: to the whole process group
             os.killpg(os.getpgid(0), signal.SIGTERM if fault["kind"] == "sigterm" else signal.SIGINT)
+        elif fault["kind"] == "sigterm_self":  # SIGTERM to this rank's process alone
+            os.kill(os.getpid(), signal.SIGTERM)
 
     def training_step(self, batch, batch_idx):
         self.inject(batch_idx)

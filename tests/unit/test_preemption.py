@@ -48,3 +48,36 @@ def test_a_rank_that_never_reaches_a_step_boundary_still_ends():
     assert "lightning_pipe: rank 1 received SIGTERM" in done.stderr
     assert "rank 1 did not reach a step boundary within 6 s of SIGTERM (it or a peer is blocked); exiting without a checkpoint." \
         in done.stderr
+
+
+STARTING = """
+import os, signal
+from lightning_pipe.lightning.preemption import Preemption
+Preemption(rank=2, timeout=60.0, checkpoint_timeout=60.0).install(starting=True)
+read, write = os.pipe()
+os.kill(os.getpid(), signal.SIGTERM)
+os.read(read, 1)  # blocked: start-up never ends
+"""
+
+
+def test_a_sigterm_during_startup_ends_the_rank_at_once():
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    done = subprocess.run([sys.executable, "-c", STARTING], capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 128 + signal.SIGTERM, done.stderr
+    assert done.stderr.count("rank 2 received SIGTERM during start-up, before the first step") == 1, done.stderr
+
+
+def test_after_the_run_a_sigterm_gets_the_handling_it_had_before():
+    seen: list[int] = []
+    previous = signal.getsignal(signal.SIGTERM)
+    signal.signal(signal.SIGTERM, lambda signum, frame: seen.append(signum))
+    preemption = Preemption(rank=0, timeout=60.0, checkpoint_timeout=60.0)
+    try:
+        preemption.install(starting=True)
+        preemption.steps_begin()
+        preemption.uninstall()
+        os.kill(os.getpid(), signal.SIGTERM)  # Lightning's teardown leaves this handler installed: it must pass it on
+        assert seen == [signal.SIGTERM] and not preemption.pending
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        signal.set_wakeup_fd(-1)
