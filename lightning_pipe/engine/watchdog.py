@@ -94,6 +94,9 @@ class Watchdog:
         self.world_size = 1  # known once listening
         self.reported = False
         self.reported_first: str | None = None  # this rank's report, when it is the job's first
+        #: the option and seconds that bound a collective now, when not ``timeout``: during start-up the
+        #: groups wait ``startup_timeout`` (lightning/startup.py), and a timed-out collective names it
+        self.collective_bound: tuple[str, float] | None = None
 
     @classmethod
     def from_process_group(cls, timeout: float, generation: int = 0) -> Watchdog:
@@ -252,9 +255,12 @@ class Watchdog:
             return PeerFailure(f"rank {self.rank} stopped waiting for {what}: {message}")
         if "timed out" in text or "timeout" in text:
             who = f"rank {peer}" if peer is not None else "a peer"
+            name, seconds = ("timeout", self.timeout)
+            if peer is None and self.collective_bound is not None:
+                name, seconds = self.collective_bound
             return PipelineTimeout(
-                f"rank {self.rank} waited {self.timeout:.0f} s for {what}; {who} is hung or much slower. "
-                "Raise PipeStrategy(timeout=...) if that is expected."
+                f"rank {self.rank} waited {name}={seconds:g} s for {what}; {who} is hung or much slower. "
+                f"Raise PipeStrategy({name}=...) if that is expected."
             )
         if "closed" in text or "reset" in text or "broken pipe" in text or "connection" in text:
             gone = [peer] if peer is not None else self.gone_peers()

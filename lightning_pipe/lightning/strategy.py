@@ -431,6 +431,7 @@ class PipeStrategy(DDPStrategy, metaclass=_NamesItsOptions):
         super().setup_environment()
         self._generation += 1
         self._watchdog = Watchdog.from_process_group(self.options.timeout, self._generation)
+        self._watchdog.collective_bound = ("startup_timeout", self.options.startup_timeout)  # until startup.end
         self._watchdog.listen(self.world_size)  # before the collective below: every listener counts
         with self._watchdog.guard("the other ranks to start"):
             self._watchdog.learn_peers()  # who to end if this rank gives up on a hung one
@@ -505,6 +506,7 @@ class PipeStrategy(DDPStrategy, metaclass=_NamesItsOptions):
             optimizer, clip_val, self.root_device
         )
         startup.end(self.topology, self.options.process_group_timeout)
+        self.watchdog.collective_bound = None
         if isinstance(self._launcher, PipeLauncher):
             self._launcher.startup_over()
         if fitting:

@@ -71,6 +71,7 @@ def cases(timeout: float) -> list[Case]:
              {**base, "max_steps": 2, "slow_save": timeout * 1.5, "ckpt_out": "<ckpt>"}, expect_success=True,
              checkpoint=True),
         *startup_cases(base),
+        auto_balance_hang_case(base),
         *sigterm_cases(base),
         *startup_sigterm_cases(base),
         *sigint_cases(base),
@@ -90,6 +91,16 @@ def startup_cases(base: dict, startup_timeout: float = 5.0) -> list[Case]:
         Case(f"a lone rank 1, another program at MASTER_PORT (startup_timeout={startup_timeout:g})", config, lone_rank=1,
              port_holder="listening"),
     ]
+
+
+def auto_balance_hang_case(base: dict, startup_timeout: float = 60.0) -> Case:
+    """Rank 0 hangs while it profiles the first batch for ``balance="auto"`` (its step sleeps): rank 1, waiting
+    for the plan, gives up after ``startup_timeout`` (the start-up's bound; long enough for the imports of a
+    loaded machine) and names it; the reaper ends the hung rank 0."""
+    config = {**base, "strategy": {**base["strategy"], "balance": "auto", "startup_timeout": startup_timeout},
+              "model": {"fault": {"kind": "sleep", "rank": 0, "step": 0}}}
+    return Case(f"rank 0 hangs profiling for balance='auto' (startup_timeout={startup_timeout:g})", config, failed_rank=0,
+                notes="its first step, run by the profiler, sleeps")
 
 
 def sigterm_cases(base: dict) -> list[Case]:
