@@ -34,8 +34,11 @@ class BaseRuntime:
 
     def drain(self) -> None: ...
 
-    def checkpoint_state(self) -> dict[str, Any]:
+    def checkpoint_state(self, policy: bool = True) -> dict[str, Any]:
         return {}
+
+    def policy_state(self) -> tuple[str, Any] | None:
+        return None
 
     def restore(self, checkpoint: dict[str, Any]) -> None: ...
 
