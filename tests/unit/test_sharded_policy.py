@@ -58,3 +58,37 @@ def test_another_schedules_policy_state_is_refused_at_load(tmp_path):
         with pytest.raises(CheckpointMismatchError, match=rf"{ckpt}: the checkpoint holds schedule='pipedream_2bw''s "
                                                           r"weight-policy state \(DoubleBufferPolicy\), which schedule='pipemare'"):
             emulated("pipemare", 2, 2, ckpt_path=str(ckpt), strategy={"save_distributed_checkpoint": sharded})
+
+
+AVGPIPE = {"schedule": "avgpipe", "micro_batches": 2, "avgpipe": {"parallel_pipelines": 2}}
+
+
+def avgpipe(replicas: int = 2, **config) -> dict:
+    import warnings
+
+    from tests.harness.lightning_run import train
+
+    strategy = {**AVGPIPE, "avgpipe": {"parallel_pipelines": replicas}, **config.pop("strategy", {})}
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*one-stage pipeline.*")
+        return train({"devices": 1, "epochs": 2, "batch_size": 16, "strategy": strategy, **config})
+
+
+def test_an_avgpipe_sharded_checkpoint_resumes_bit_exactly_and_refuses_another_replica_count(tmp_path):
+    """The replicas, their optimizer states and the center are written by name; resumed, the run equals
+    the uninterrupted one bit for bit. Another parallel_pipelines cannot take them over: refused at
+    load, in both formats, naming the file and the count to use."""
+    sharded = {"save_distributed_checkpoint": True}
+    whole = avgpipe(strategy=sharded)
+    ckpt = tmp_path / "epoch1.ckpt"
+    avgpipe(epochs=1, ckpt_out=str(ckpt), strategy=sharded)
+    resumed = avgpipe(ckpt_path=str(ckpt), strategy=sharded)
+    for key, value in whole["state"].items():
+        assert torch.equal(resumed["state"][key], value), key
+    consolidate_checkpoint(ckpt, tmp_path / "one.ckpt")
+    state = torch.load(tmp_path / "one.ckpt", weights_only=False)["pipe_avgpipe_state"]
+    assert len(state["weights"]) == 2 and set(state["states"][1]) == set(state["center"])
+    for path, options in ((ckpt, sharded), (tmp_path / "one.ckpt", {})):
+        with pytest.raises(CheckpointMismatchError, match=rf"{path}: the checkpoint holds 2 avgpipe replicas but this run "
+                                                          r"has parallel_pipelines=3; resume with avgpipe=\{'parallel_pipelines': 2\}"):
+            avgpipe(3, ckpt_path=str(path), strategy=options)
