@@ -9,7 +9,7 @@ import torch
 
 from lightning_pipe import CheckpointMismatchError, consolidate_checkpoint
 from lightning_pipe.lightning import sharded_policy
-from tests.unit.test_emulation_mode import emulated
+from tests.unit.test_emulation_mode import _reference_from_checkpoint, emulated, run_epochs
 
 NAMES = {"a.weight", "a.bias", "b.weight"}
 
@@ -49,6 +49,23 @@ def test_a_sharded_checkpoint_resumes_bit_exactly(schedule, tmp_path):
     per_parameter = {"pipedream_2bw": "previous", "pipemare": "delta", "xpipe": "last_grad"}.get(schedule)
     if per_parameter is not None:
         assert set(state[per_parameter]) == set(whole["state"]) - {k for k in whole["state"] if "running" in k}
+
+
+@pytest.mark.parametrize("schedule", ["pipemare", "xpipe"])
+def test_a_sharded_checkpoint_resumes_under_another_stage_count_and_split(schedule, tmp_path):
+    """Written by 2 stages, resumed by 4 (and by another split): each stage reads its own parameters'
+    entries, and the run continues exactly as the literal reference started from the checkpoint."""
+    sharded = {"save_distributed_checkpoint": True}
+    ckpt = tmp_path / "two-stages.ckpt"
+    emulated(schedule, 2, 2, epochs=1, ckpt_out=str(ckpt), strategy=sharded)
+    resumed = emulated(schedule, 4, 2, ckpt_path=str(ckpt), strategy=sharded)
+    consolidate_checkpoint(ckpt, tmp_path / "one.ckpt")
+    reference, model = _reference_from_checkpoint(schedule, 4, str(tmp_path / "one.ckpt"))
+    assert [m["train_loss"] for m in resumed["metrics"]] == pytest.approx(run_epochs(reference, [], None, 2, 1), rel=1e-5)
+    for key, value in model.state_dict().items():
+        torch.testing.assert_close(resumed["state"][key], value, rtol=1e-5, atol=1e-6, msg=key)
+    other = emulated(schedule, 2, 2, ckpt_path=str(ckpt), strategy={**sharded, "balance": [3, 9]})
+    assert other["global_step"] == 12
 
 
 def test_another_schedules_policy_state_is_refused_at_load(tmp_path):
