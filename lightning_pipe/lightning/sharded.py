@@ -54,9 +54,9 @@ def owns(pipeline: StagePipeline) -> Callable[[str], bool]:
     0). An emulated pipeline runs every stage, so it writes every name."""
     if pipeline.strategy.emulating:
         return lambda name: True
-    outside, stage = pipeline.outside, pipeline.topology.stage
+    outside, stage, absent = pipeline.outside, pipeline.topology.stage, pipeline.absent
     owner = outside.owner()
-    return lambda name: outside.in_trunk(name) or owner.get(name, 0) == stage
+    return lambda name: name not in absent and (outside.in_trunk(name) or owner.get(name, 0) == stage)
 
 
 def owned_keys(pipeline: StagePipeline) -> list[str]:
@@ -148,7 +148,8 @@ def load(pipeline: StagePipeline, path: str | os.PathLike[str]) -> dict[str, Any
     module in place; the returned checkpoint holds Lightning's entries and this rank's optimizer states."""
     checkpoint = torch.load(Path(path) / META, map_location="cpu", weights_only=False)
     stored = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
-    model = pipeline.strategy.lightning_module.state_dict()  # every local entry: replicas outside the trunk too
+    model = {k: v for k, v in pipeline.strategy.lightning_module.state_dict().items()  # replicas outside the trunk too,
+             if k not in pipeline.absent}  # but not the stand-ins of a stage that never uses them
     missing = [k for k in model if f"model.{k}" not in stored]
     if missing:
         shown = ", ".join(missing[:8]) + (", ..." if len(missing) > 8 else "")

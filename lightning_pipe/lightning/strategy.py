@@ -53,6 +53,7 @@ from lightning_pipe.lightning.pipeline import StagePipeline
 from lightning_pipe.lightning.preemption import Preemption
 from lightning_pipe.lightning.runtimes import Runtime, make_runtime, unwrapped
 from lightning_pipe.lightning.stage_metrics import StageMetrics
+from lightning_pipe.partition.absent import move_stand_ins
 from lightning_pipe.partition.materialize import INIT_HOOK, MetaConstruction, has_meta_tensors, materialize, release_memory
 from lightning_pipe.planning.auto_balance import AutoBalanceOptions
 from lightning_pipe.planning.planner import Plan
@@ -751,6 +752,9 @@ class PipeStrategy(DDPStrategy, metaclass=_NamesItsOptions):
     def teardown(self) -> None:
         if self._preemption is not None:
             self._preemption.uninstall()
+        if self._pipeline is not None and self._pipeline.absent and self._lightning_module is not None:
+            # Lightning moves the module to the CPU next: a stand-in on a GPU would arrive there at full size
+            move_stand_ins(self._lightning_module, torch.device("cpu"))
         if self._watchdog is not None:
             self._watchdog.close()
         module = self._lightning_module

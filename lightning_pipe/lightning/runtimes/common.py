@@ -7,13 +7,16 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
+from lightning_pipe.partition.absent import is_absent
+
 if TYPE_CHECKING:
     from lightning_pipe.lightning.pipeline import StagePipeline
     from lightning_pipe.lightning.strategy import PipeStrategy
 
 
 def trainable(strategy: PipeStrategy) -> list[torch.nn.Parameter]:
-    return [p for p in strategy.lightning_module.parameters() if p.requires_grad]
+    """The parameters this rank trains (not the stand-ins of :mod:`lightning_pipe.partition.absent`)."""
+    return [p for p in strategy.lightning_module.parameters() if p.requires_grad and not is_absent(p)]
 
 
 def unwrapped(optimizer: Any) -> torch.optim.Optimizer:
