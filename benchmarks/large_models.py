@@ -29,6 +29,11 @@ restore (after the strategy's setup: the share's parameters, not yet loaded), th
 (``VmHWM`` reset before it), the memory after it and its seconds (from ``on_fit_start``, which runs after
 setup and before the restore, to ``on_train_start``, which runs after it); the save's row beside it.
 The load average (``/proc/loadavg``, 1 minute) is read at the start and the end of every job.
+
+``--vocab V`` makes the model language-model shaped: an ``nn.Embedding(V, width)`` before the trunk and a
+``Linear(width, V)`` head after it, both outside the trunk, so each rank's share column then counts the
+parameters it really holds (the middle stages of the Sequential trunk hold one-element stand-ins for
+them, docs/large-models.md).
 """
 
 from __future__ import annotations
@@ -77,7 +82,7 @@ def checkpoint_share(module, optimizer) -> tuple[float, float]:
     return sum(sizes), max(sizes)
 
 
-def run_rank(form: str, stages: int, width: int, depth: int, steps: int, out: str, saves: list[str]) -> None:
+def run_rank(form: str, stages: int, width: int, depth: int, steps: int, out: str, saves: list[str], vocab: int = 0) -> None:
     """The training job (Lightning's launcher re-executes this for every other rank); ``form="restore"``:
     the ``configure_model`` form resuming ``out/sharded.ckpt``."""
     imports = memory()
@@ -100,9 +105,9 @@ def run_rank(form: str, stages: int, width: int, depth: int, steps: int, out: st
 
         def build(self) -> None:
             torch.manual_seed(0)
-            self.pre = nn.Linear(16, width)
+            self.pre = nn.Embedding(vocab, width) if vocab else nn.Linear(16, width)
             self.model = nn.Sequential(*(nn.Linear(width, width) for _ in range(depth)))
-            self.head = nn.Linear(width, 4)
+            self.head = nn.Linear(width, vocab or 4)
 
         def configure_model(self) -> None:
             if form != "init" and not hasattr(self, "model"):  # restore: the configure_model form
@@ -150,7 +155,8 @@ def run_rank(form: str, stages: int, width: int, depth: int, steps: int, out: st
             if form == "restore":
                 return
             points["training"] = memory()
-            share = sum(p.numel() * p.element_size() for p in module.parameters()) / 2**20
+            share = sum(p.numel() * p.element_size() for p in module.parameters()  # a stand-in holds one element
+                        if p.untyped_storage().nbytes() >= p.numel() * p.element_size()) / 2**20
             ckpt_share, largest = checkpoint_share(module, trainer.optimizers[0])
             seconds = {}
             for kind in saves:  # each save's own peak, from what training left
@@ -170,7 +176,8 @@ def run_rank(form: str, stages: int, width: int, depth: int, steps: int, out: st
     load = load_average()
     restore = form == "restore"
     g = torch.Generator().manual_seed(0)
-    data = TensorDataset(torch.randn(8 * steps, 16, generator=g), torch.randint(0, 4, (8 * steps,), generator=g))
+    inputs = torch.randint(0, vocab, (8 * steps,), generator=g) if vocab else torch.randn(8 * steps, 16, generator=g)
+    data = TensorDataset(inputs, torch.randint(0, vocab or 4, (8 * steps,), generator=g))
     strategy = PipeStrategy(schedule="1f1b", micro_batches=4, save_distributed_checkpoint=restore)
     trainer = L.Trainer(accelerator="cpu", devices=stages, strategy=strategy, max_steps=steps + restore, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, callbacks=[Probe()])
@@ -211,6 +218,8 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=4096)
     parser.add_argument("--depth", type=int, default=16)
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--vocab", type=int, default=0,
+                        help="an Embedding(vocab, width) input and a Linear(width, vocab) head outside the trunk (0: small ones)")
     parser.add_argument("--timeout", type=float, default=600)
     parser.add_argument("--saves", nargs="+", default=["sharded", "file"], choices=["sharded", "file"],
                         help="the saves measured after training (the file save gathers the whole model on rank 0)")
@@ -220,12 +229,16 @@ def main() -> None:
     args = parser.parse_args()
     if args.rank_job:
         form, out = args.rank_job
-        run_rank(form, args.stages[0], args.width, args.depth, args.steps, out, args.saves)
+        run_rank(form, args.stages[0], args.width, args.depth, args.steps, out, args.saves, args.vocab)
         return
+    if args.vocab and "pretrained" in args.form:
+        parser.error("--vocab: the pretrained form's shards hold the small input layer and head")
     if args.restore and ("sharded" not in args.saves or "configure_model" not in args.form):
         parser.error("--restore resumes the sharded checkpoint of the configure_model form: keep both")
     trunk = args.width * (args.width + 1) * args.depth * 4 / 2**20
-    print(f"trunk {args.depth} x Linear({args.width}, {args.width}): {trunk:.0f} MiB fp32; MiB per rank, RSS now / peak\n")
+    outside = f"; Embedding({args.vocab}, {args.width}) and Linear({args.width}, {args.vocab}) outside it: " \
+              f"{2 * args.vocab * args.width * 4 / 2**20:.0f} MiB" if args.vocab else ""
+    print(f"trunk {args.depth} x Linear({args.width}, {args.width}): {trunk:.0f} MiB fp32{outside}; MiB per rank, RSS now / peak\n")
     print("| form | stages | rank | share | imports | before setup | after setup | pretrained load | training | "
           + " | ".join(f"{k} save" for k in args.saves) + " |")
     print("|---|---|---|---|---|---|---|---|---|" + "---|" * len(args.saves))
@@ -236,7 +249,8 @@ def main() -> None:
                 if form == "pretrained":
                     save_shards(os.path.join(out, "weights"), args.width, args.depth)
                 command = [sys.executable, os.path.abspath(__file__), "--stages", str(stages), "--width", str(args.width),
-                           "--depth", str(args.depth), "--steps", str(args.steps), "--rank-job", form, out]
+                           "--depth", str(args.depth), "--steps", str(args.steps), "--vocab", str(args.vocab),
+                           "--rank-job", form, out]
                 env = {**os.environ, "OMP_NUM_THREADS": "1"}
                 done = subprocess.run(command + ["--saves", *args.saves], capture_output=True, text=True,
                                       timeout=args.timeout, env=env)
