@@ -13,6 +13,7 @@ from lightning_pipe.engine.policies import make_clip, merge_states
 from lightning_pipe.errors import CheckpointMismatchError, PipeConfigError, SharedParameterError
 from lightning_pipe.lightning.module_glue import ModuleStages
 from lightning_pipe.lightning.runtimes.common import BaseRuntime, unwrapped
+from lightning_pipe.lightning.sharded import SHARDED_KEY
 from lightning_pipe.planning.avgpipe_autotune import CHECKPOINT_KEY as AVGPIPE_CONFIG_KEY
 from lightning_pipe.planning.avgpipe_autotune import options_record
 
@@ -111,8 +112,10 @@ class AvgPipeRuntime(BaseRuntime):
             return
         saved, replicas = len(state["weights"]), self.rounds.options.parallel_pipelines
         if isinstance(replicas, int) and saved != replicas:  # each replica's weights and optimizer state belong to that replica: no mapping
+            # "auto" adopts a single file's values before setup; a sharded checkpoint is read after it
+            adopts = "" if SHARDED_KEY in checkpoint else " (or 'auto', which adopts the checkpoint's)"
             raise CheckpointMismatchError(
                 f"the checkpoint holds {saved} avgpipe replicas but this run has parallel_pipelines={replicas}; resume "
-                f"with avgpipe={{'parallel_pipelines': {saved}}} (or 'auto', which adopts the checkpoint's)."
+                f"with avgpipe={{'parallel_pipelines': {saved}}}{adopts}."
             )
         self.rounds.restore(state)
