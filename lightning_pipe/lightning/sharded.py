@@ -81,15 +81,15 @@ def optimizer_part(pipeline: StagePipeline, runtime: Runtime | None, optimizer: 
         parts = [(optimizer.state_dict(), local_param_names(pipeline.strategy.lightning_module, runtime, optimizer))]
     mine = owns(pipeline)
     by_name: dict[str, Any] = {}
-    names: list[list[str]] = [[] for _ in parts[0][0]["param_groups"]]
+    names: list[dict[str, None]] = [{} for _ in parts[0][0]["param_groups"]]  # ordered sets: each name once
     for state, part_names in parts:
         for g, (group, group_names) in enumerate(zip(state["param_groups"], part_names)):
             for index, name in zip(group["params"], group_names):
                 if mine(name) and index in state["state"]:
                     by_name[name] = state["state"][index]
-            names[g] += [n for n in group_names if n not in names[g]]
+            names[g].update(dict.fromkeys(group_names))
     groups = [{k: v for k, v in group.items() if k != "params"} for group in parts[0][0]["param_groups"]]
-    return {"state": by_name, "param_groups": groups, "names": names}
+    return {"state": by_name, "param_groups": groups, "names": [list(group) for group in names]}
 
 
 def policy_part(pipeline: StagePipeline, runtime: Runtime | None) -> tuple[str, Any, dict[str, Any]] | None:

@@ -106,6 +106,7 @@ def test_an_avgpipe_sharded_checkpoint_resumes_bit_exactly_and_refuses_another_r
     state = torch.load(tmp_path / "one.ckpt", weights_only=False)["pipe_avgpipe_state"]
     assert len(state["weights"]) == 2 and set(state["states"][1]) == set(state["center"])
     for path, options, end in ((ckpt, sharded, r"\.$"), (tmp_path / "one.ckpt", {}, r" \(or 'auto', which adopts")):
-        with pytest.raises(CheckpointMismatchError, match=rf"{path}: the checkpoint holds 2 avgpipe replicas but this run "
-                                                          rf"has parallel_pipelines=3; resume with avgpipe=\{{'parallel_pipelines': 2\}}{end}"):
+        message = (rf"{path}: the checkpoint holds 2 avgpipe replicas but this run has parallel_pipelines=3; "
+                   rf"resume with avgpipe=\{{'parallel_pipelines': 2\}}{end}")
+        with pytest.raises(CheckpointMismatchError, match=message):
             avgpipe(3, ckpt_path=str(path), strategy=options)
