@@ -3,6 +3,7 @@
     python benchmarks/large_models.py --stages 2 --form init configure_model pretrained
     python benchmarks/large_models.py --stages 4 --form init configure_model
     python benchmarks/large_models.py --stages 2 4 --form configure_model --saves sharded --restore
+    python benchmarks/large_models.py --stages 4 --form configure_model --saves sharded --vocab 16384
 
 The model is a trunk of ``--depth`` × ``Linear(--width, --width)`` (default 16 × 4096: 1.0 GiB in fp32)
 with a small input layer and head, trained a few steps with 1F1B and SGD with momentum on CPU ranks
