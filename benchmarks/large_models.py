@@ -2,6 +2,8 @@
 
     python benchmarks/large_models.py --stages 2 --form init configure_model pretrained
     python benchmarks/large_models.py --stages 4 --form init configure_model
+    python benchmarks/large_models.py --stages 2 4 --form configure_model --saves sharded --restore
+    python benchmarks/large_models.py --stages 4 --form configure_model --saves sharded --vocab 16384
 
 The model is a trunk of ``--depth`` × ``Linear(--width, --width)`` (default 16 × 4096: 1.0 GiB in fp32)
 with a small input layer and head, trained a few steps with 1F1B and SGD with momentum on CPU ranks
@@ -19,7 +21,20 @@ layers each, with the index json) with ``lightning_pipe.load_stage_weights`` in 
 (``pretrained load``: that load's own peak, ``VmHWM`` reset before it).
 
 After training each rank saves a sharded checkpoint (``save_distributed_checkpoint=True``) and then a
-single file, and reports each save's own peak and seconds. Prints one markdown row per rank.
+single file (``--saves``), and reports each save's own peak and seconds. Prints one markdown row per rank.
+
+``--restore`` then starts a new job of the ``configure_model`` form that resumes the sharded checkpoint
+(``fit(ckpt_path=directory)``) and reports, per rank, the bytes it reads (its share of the checkpoint:
+its parameters and their optimizer state), the largest tensor among them, its resident memory before the
+restore (after the strategy's setup: the share's parameters, not yet loaded), the restore's own peak
+(``VmHWM`` reset before it), the memory after it and its seconds (from ``on_fit_start``, which runs after
+setup and before the restore, to ``on_train_start``, which runs after it); the save's row beside it.
+The load average (``/proc/loadavg``, 1 minute) is read at the start and the end of every job.
+
+``--vocab V`` makes the model language-model shaped: an ``nn.Embedding(V, width)`` before the trunk and a
+``Linear(width, V)`` head after it, both outside the trunk, so each rank's share column then counts the
+parameters it really holds (the middle stages of the Sequential trunk hold one-element stand-ins for
+them, docs/large-models.md).
 """
 
 from __future__ import annotations
@@ -53,8 +68,24 @@ def reset_peak() -> None:
         f.write("5")
 
 
-def run_rank(form: str, stages: int, width: int, depth: int, steps: int, out: str) -> None:
-    """The training job (Lightning's launcher re-executes this for every other rank)."""
+def load_average() -> float:
+    with open("/proc/loadavg") as f:
+        return float(f.read().split()[0])
+
+
+def checkpoint_share(module, optimizer) -> tuple[float, float]:
+    """(MiB of this rank's parameters and their optimizer state, MiB of the largest such tensor)."""
+    import torch
+
+    tensors = [p for p in module.parameters()] + [v for state in optimizer.state.values()
+                                                   for v in state.values() if isinstance(v, torch.Tensor)]
+    sizes = [t.numel() * t.element_size() / 2**20 for t in tensors]
+    return sum(sizes), max(sizes)
+
+
+def run_rank(form: str, stages: int, width: int, depth: int, steps: int, out: str, saves: list[str], vocab: int = 0) -> None:
+    """The training job (Lightning's launcher re-executes this for every other rank); ``form="restore"``:
+    the ``configure_model`` form resuming ``out/sharded.ckpt``."""
     imports = memory()
     import time
 
@@ -75,12 +106,12 @@ def run_rank(form: str, stages: int, width: int, depth: int, steps: int, out: st
 
         def build(self) -> None:
             torch.manual_seed(0)
-            self.pre = nn.Linear(16, width)
+            self.pre = nn.Embedding(vocab, width) if vocab else nn.Linear(16, width)
             self.model = nn.Sequential(*(nn.Linear(width, width) for _ in range(depth)))
-            self.head = nn.Linear(width, 4)
+            self.head = nn.Linear(width, vocab or 4)
 
         def configure_model(self) -> None:
-            if form != "init" and not hasattr(self, "model"):
+            if form != "init" and not hasattr(self, "model"):  # restore: the configure_model form
                 self.build()
 
         def training_step(self, batch, batch_idx):
@@ -98,6 +129,10 @@ def run_rank(form: str, stages: int, width: int, depth: int, steps: int, out: st
 
         def on_fit_start(self, trainer, module):
             points["after setup"] = memory()
+            if form == "restore":  # the restore comes next (it runs after setup, before on_train_start)
+                trainer.strategy.barrier()
+                reset_peak()
+                self.started = time.perf_counter()
             if form == "pretrained":  # each rank reads its own tensors from the shards the driver wrote
                 from lightning_pipe import load_stage_weights
 
@@ -105,11 +140,27 @@ def run_rank(form: str, stages: int, width: int, depth: int, steps: int, out: st
                 load_stage_weights(module, os.path.join(out, "weights"))
                 points["load"] = memory()
 
+        def on_train_start(self, trainer, module):
+            if form != "restore":
+                return
+            seconds = {"restore": time.perf_counter() - self.started}
+            points["restore"] = memory()
+            share, largest = checkpoint_share(module, trainer.optimizers[0])
+            record = {"rank": trainer.global_rank, "share": share, "largest": largest, "points": points,
+                      "seconds": seconds, "load": [load, load_average()]}
+            with open(os.path.join(out, f"restore{trainer.global_rank}.json"), "w") as f:
+                json.dump(record, f)
+            trainer.should_stop = True  # nothing to train: the restore was measured
+
         def on_train_end(self, trainer, module):
+            if form == "restore":
+                return
             points["training"] = memory()
-            share = sum(p.numel() * p.element_size() for p in module.parameters()) / 2**20
+            share = sum(p.numel() * p.element_size() for p in module.parameters()  # a stand-in holds one element
+                        if p.untyped_storage().nbytes() >= p.numel() * p.element_size()) / 2**20
+            ckpt_share, largest = checkpoint_share(module, trainer.optimizers[0])
             seconds = {}
-            for kind in ("sharded", "file"):  # each save's own peak, from what training left
+            for kind in saves:  # each save's own peak, from what training left
                 trainer.strategy.options = dataclasses.replace(trainer.strategy.options,
                                                                save_distributed_checkpoint=kind == "sharded")
                 trainer.strategy.barrier()
@@ -118,16 +169,20 @@ def run_rank(form: str, stages: int, width: int, depth: int, steps: int, out: st
                 trainer.save_checkpoint(os.path.join(out, f"{kind}.ckpt"))
                 seconds[kind] = time.perf_counter() - start
                 points[f"{kind} save"] = memory()
-            record = {"rank": trainer.global_rank, "share": share, "points": points, "seconds": seconds}
+            record = {"rank": trainer.global_rank, "share": share, "points": points, "seconds": seconds,
+                      "checkpoint share": ckpt_share, "largest": largest, "load": [load, load_average()]}
             with open(os.path.join(out, f"rank{trainer.global_rank}.json"), "w") as f:
                 json.dump(record, f)
 
+    load = load_average()
+    restore = form == "restore"
     g = torch.Generator().manual_seed(0)
-    data = TensorDataset(torch.randn(8 * steps, 16, generator=g), torch.randint(0, 4, (8 * steps,), generator=g))
-    trainer = L.Trainer(accelerator="cpu", devices=stages, strategy=PipeStrategy(schedule="1f1b", micro_batches=4),
-                        max_steps=steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False, callbacks=[Probe()])
-    trainer.fit(Big(), DataLoader(data, batch_size=8))
+    inputs = torch.randint(0, vocab, (8 * steps,), generator=g) if vocab else torch.randn(8 * steps, 16, generator=g)
+    data = TensorDataset(inputs, torch.randint(0, vocab or 4, (8 * steps,), generator=g))
+    strategy = PipeStrategy(schedule="1f1b", micro_batches=4, save_distributed_checkpoint=restore)
+    trainer = L.Trainer(accelerator="cpu", devices=stages, strategy=strategy, max_steps=steps + restore, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, callbacks=[Probe()])
+    trainer.fit(Big(), DataLoader(data, batch_size=8), ckpt_path=os.path.join(out, "sharded.ckpt") if restore else None)
 
 
 def save_shards(directory: str, width: int, depth: int) -> None:
@@ -164,26 +219,42 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=4096)
     parser.add_argument("--depth", type=int, default=16)
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--vocab", type=int, default=0,
+                        help="an Embedding(vocab, width) input and a Linear(width, vocab) head outside the trunk (0: small ones)")
     parser.add_argument("--timeout", type=float, default=600)
+    parser.add_argument("--saves", nargs="+", default=["sharded", "file"], choices=["sharded", "file"],
+                        help="the saves measured after training (the file save gathers the whole model on rank 0)")
+    parser.add_argument("--restore", action="store_true",
+                        help="then resume the sharded checkpoint in a new job and measure the restore")
     parser.add_argument("--rank-job", nargs=2, help=argparse.SUPPRESS)  # form, out: run one job
     args = parser.parse_args()
     if args.rank_job:
         form, out = args.rank_job
-        run_rank(form, args.stages[0], args.width, args.depth, args.steps, out)
+        run_rank(form, args.stages[0], args.width, args.depth, args.steps, out, args.saves, args.vocab)
         return
+    if args.vocab and "pretrained" in args.form:
+        parser.error("--vocab: the pretrained form's shards hold the small input layer and head")
+    if args.restore and ("sharded" not in args.saves or "configure_model" not in args.form):
+        parser.error("--restore resumes the sharded checkpoint of the configure_model form: keep both")
     trunk = args.width * (args.width + 1) * args.depth * 4 / 2**20
-    print(f"trunk {args.depth} x Linear({args.width}, {args.width}): {trunk:.0f} MiB fp32; MiB per rank, RSS now / peak\n")
-    print("| form | stages | rank | share | imports | before setup | after setup | pretrained load | training | sharded save | file save |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    outside = f"; Embedding({args.vocab}, {args.width}) and Linear({args.width}, {args.vocab}) outside it: " \
+              f"{2 * args.vocab * args.width * 4 / 2**20:.0f} MiB" if args.vocab else ""
+    print(f"trunk {args.depth} x Linear({args.width}, {args.width}): {trunk:.0f} MiB fp32{outside}; MiB per rank, RSS now / peak\n")
+    print("| form | stages | rank | share | imports | before setup | after setup | pretrained load | training | "
+          + " | ".join(f"{k} save" for k in args.saves) + " |")
+    print("|---|---|---|---|---|---|---|---|---|" + "---|" * len(args.saves))
+    restored = []
     for stages in args.stages:
         for form in args.form:
             with tempfile.TemporaryDirectory() as out:
                 if form == "pretrained":
                     save_shards(os.path.join(out, "weights"), args.width, args.depth)
                 command = [sys.executable, os.path.abspath(__file__), "--stages", str(stages), "--width", str(args.width),
-                           "--depth", str(args.depth), "--steps", str(args.steps), "--rank-job", form, out]
+                           "--depth", str(args.depth), "--steps", str(args.steps), "--vocab", str(args.vocab),
+                           "--rank-job", form, out]
                 env = {**os.environ, "OMP_NUM_THREADS": "1"}
-                done = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout, env=env)
+                done = subprocess.run(command + ["--saves", *args.saves], capture_output=True, text=True,
+                                      timeout=args.timeout, env=env)
                 if done.returncode != 0:
                     raise SystemExit(done.stdout[-2000:] + done.stderr[-3000:])
                 for rank in range(stages):
@@ -193,10 +264,41 @@ def main() -> None:
                     cells = " | ".join(f"{points[p][0]:.0f} / {points[p][1]:.0f}" if p in points else "-"
                                        for p in ("imports", "before setup", "after setup", "load", "training"))
                     cells += " | " + " | ".join(f"{record['points'][f'{k} save'][1]:.0f} MiB, {record['seconds'][k]:.1f} s"
-                                                for k in ("sharded", "file"))
+                                                for k in args.saves)
                     name = {"init": "`__init__`", "configure_model": "`configure_model`",
                             "pretrained": "`configure_model` + `load_stage_weights`"}[form]
                     print(f"| {name} | {stages} | {rank} | {record['share']:.0f} | {cells} |", flush=True)
+                if args.restore and form == "configure_model":
+                    restored += restore_rows(command, env, args.timeout, stages, out)
+    if restored:
+        print("\nSharded save and restore, MiB per rank (checkpoint share: the rank's parameters and their optimizer "
+              "state; RSS before -> peak (peak - before); load average at the job's start / end)\n")
+        print("| stages | rank | checkpoint share | largest tensor | save: before -> peak | save s | save load avg "
+              "| restore: before -> peak | after | restore s | restore load avg |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|")
+        print("\n".join(restored))
+
+
+def restore_rows(command: list[str], env: dict[str, str], timeout: float, stages: int, out: str) -> list[str]:
+    """Resume ``out/sharded.ckpt`` in a new job of the configure_model form; one row per rank beside its save."""
+    command = [*command[:-2], "restore", out]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env)
+    if done.returncode != 0:
+        raise SystemExit(done.stdout[-2000:] + done.stderr[-3000:])
+    rows = []
+    for rank in range(stages):
+        with open(os.path.join(out, f"rank{rank}.json")) as f:
+            saved = json.load(f)
+        with open(os.path.join(out, f"restore{rank}.json")) as f:
+            restored = json.load(f)
+        before, peak = saved["points"]["training"][0], saved["points"]["sharded save"][1]
+        r_before, r_peak = restored["points"]["after setup"][0], restored["points"]["restore"][1]
+        rows.append(
+            f"| {stages} | {rank} | {saved['checkpoint share']:.0f} | {saved['largest']:.0f} | {before:.0f} -> {peak:.0f} "
+            f"({peak - before:+.0f}) | {saved['seconds']['sharded']:.1f} | {saved['load'][0]:.1f} / {saved['load'][1]:.1f} "
+            f"| {r_before:.0f} -> {r_peak:.0f} ({r_peak - r_before:+.0f}) | {restored['points']['restore'][0]:.0f} "
+            f"| {restored['seconds']['restore']:.1f} | {restored['load'][0]:.1f} / {restored['load'][1]:.1f} |")
+    return rows
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_pipe.errors import CheckpointMismatchError
+from lightning_pipe.partition.absent import is_absent
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -37,7 +38,8 @@ def load_stage_weights(module: nn.Module, source: str | os.PathLike[str], prefix
 
     Args:
         module: the LightningModule (or any module) after the pipeline's cut: only the keys its
-            ``state_dict()`` still has are read.
+            ``state_dict()`` still has are read, not those of the stand-ins a stage keeps for parameters
+            outside the trunk that it never uses (docs/large-models.md).
         source: a safetensors directory, index json or file, or a torch / Lightning checkpoint file.
         prefix: what the module's keys have in front of the source's (``"model."`` when the
             LightningModule holds the Hugging Face model as ``self.model``); keys without it are not
@@ -74,7 +76,8 @@ def load_stage_weights(module: nn.Module, source: str | os.PathLike[str], prefix
 def _wanted(module: nn.Module, prefix: str) -> dict[str, tuple[str, Tensor]]:
     """The module's keys this source can fill: key -> (the source's name, the tensor to fill)."""
     state = module.state_dict(keep_vars=True)
-    return {key: (key[len(prefix):], t) for key, t in state.items() if key.startswith(prefix) and isinstance(t, Tensor)}
+    return {key: (key[len(prefix):], t) for key, t in state.items()
+            if key.startswith(prefix) and isinstance(t, Tensor) and not is_absent(t)}
 
 
 class _Safetensors:

@@ -17,6 +17,7 @@ from torch import nn
 
 from lightning_pipe.engine.collectives import all_reduce_flat
 from lightning_pipe.engine.topology import Topology
+from lightning_pipe.partition.absent import is_absent
 
 
 def reject_shared(users: dict[str, list[int]], why: str, error: type[Exception]) -> None:
@@ -77,10 +78,15 @@ class OutsideParameters:
         shared = [p for n, p in self.module.named_parameters() if len(users.get(n, ())) > 1]
         if not shared or self.topology.stages == 1:
             return
+        grads = []
         for p in shared:
+            if is_absent(p):  # a stand-in: this rank takes part in the sum with zeros, and keeps none of it
+                grads.append(torch.zeros(p.shape, dtype=p.dtype, device=p.device))
+                continue
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-        all_reduce_flat([p.grad for p in shared], self.topology.pipeline_group)
+            grads.append(p.grad)
+        all_reduce_flat(grads, self.topology.pipeline_group)
 
     def clip_by_global_norm(self, optimizer: Any, clip_val: float, device: torch.device) -> None:
         """Norm clipping over the whole model: every parameter counted once, on the stage owning it."""

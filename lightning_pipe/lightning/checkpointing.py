@@ -202,8 +202,10 @@ def _cpu(value: Any) -> Any:
 
 
 def module_state(pipeline: StagePipeline) -> dict[str, Any]:
-    """The unpartitioned module's state_dict, gathered on rank 0 (``{}`` elsewhere; collective)."""
-    parts = pipeline.gather_in_first_pipeline(_cpu(pipeline.strategy.lightning_module.state_dict()))
+    """The unpartitioned module's state_dict, gathered on rank 0 (``{}`` elsewhere; collective). A rank's
+    stand-ins (:attr:`StagePipeline.absent`) are left out: another stage holds those tensors."""
+    state = pipeline.strategy.lightning_module.state_dict()
+    parts = pipeline.gather_in_first_pipeline(_cpu({k: v for k, v in state.items() if k not in pipeline.absent}))
     return merge_state_dicts(parts, pipeline.key_order, pipeline.outside.owner()) if parts else {}
 
 
@@ -259,6 +261,9 @@ def load_module_state(module: nn.Module, state: Mapping[str, Any], pipeline: Sta
         module.load_state_dict(state, strict=strict)
         return
     check_keys(list(state), pipeline.key_order, strict, mismatched_shapes(state, own))  # this stage's keys' shapes
+    if pipeline.absent:  # stand-ins take no values; check_keys above was the strict check
+        module.load_state_dict({k: v for k, v in state.items() if k in own and k not in pipeline.absent}, strict=False)
+        return
     module.load_state_dict({k: v for k, v in state.items() if k in own}, strict=strict)
 
 
@@ -267,4 +272,8 @@ def load_optimizer_state(
 ) -> None:
     """Load this rank's slice of a merged (or one-device) optimizer state into ``optimizer``."""
     names = local_param_names(pipeline.strategy.lightning_module, runtime, optimizer)
-    optimizer.load_state_dict(slice_optimizer_state(state, names, pipeline.param_order))
+    local = slice_optimizer_state(state, names, pipeline.param_order)
+    if pipeline.absent:  # a stand-in is never stepped: no state (it would be allocated at its full size)
+        flat = [name for group in names for name in group]
+        local["state"] = {i: s for i, s in local["state"].items() if flat[i] not in pipeline.absent}
+    optimizer.load_state_dict(local)

@@ -195,10 +195,6 @@ def check(options: PipeOptions) -> None:
     for name in ("sync_warmup_epochs", "sync_warmup_steps", "delay_warmup_steps"):
         if not isinstance(getattr(o, name), int) or getattr(o, name) < 0:
             raise PipeConfigError(f"{name}={getattr(o, name)!r} must be a whole number, at least 0.")
-    if o.save_distributed_checkpoint and row.family != "synchronous":
-        raise PipeConfigError(f"save_distributed_checkpoint=True writes the synchronous schedules' state only; {o.schedule!r} "
-                              "keeps per-stage weight versions it cannot yet shard. Leave it False (one checkpoint file) "
-                              "or use a synchronous schedule such as '1f1b'.")
     if o.delay_warmup_steps and row.family != "asynchronous":
         stale = ", ".join(map(repr, names("asynchronous")))
         raise PipeConfigError(f"delay_warmup_steps={o.delay_warmup_steps} warms up stages whose gradients are stale, which "

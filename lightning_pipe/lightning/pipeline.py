@@ -25,6 +25,7 @@ from lightning_pipe.errors import PipeConfigError
 from lightning_pipe.lightning.log_replay import LogCapture, combine, replay
 from lightning_pipe.lightning.module_glue import ModuleStages, detach_to_cpu, merge_outputs, step_loss
 from lightning_pipe.partition import find_trunk, stage_bounds
+from lightning_pipe.partition.absent import replace_outside, runs_outside_code
 from lightning_pipe.partition.split import PartitionedTrunk
 from lightning_pipe.planning.planner import Plan, format_bytes
 from lightning_pipe.registry import build_schedule
@@ -67,6 +68,9 @@ class StagePipeline:
         layers: every trunk layer, before the cut.
         key_order: ``state_dict`` keys of the unpartitioned module.
         param_order: parameter names of the unpartitioned module.
+
+    ``absent``: the ``state_dict`` names outside the trunk that this rank holds as stand-ins
+    (:mod:`lightning_pipe.partition.absent`), because it never runs the code that uses them.
     """
 
     def __init__(
@@ -78,6 +82,7 @@ class StagePipeline:
         self.outside = outside
         self.counts = counts
         self.layers = layers
+        self.absent: set[str] = set()
         self.key_order = key_order
         self.param_order = param_order
         self.executor: Executor | LocalPipeline | None = None
@@ -96,7 +101,14 @@ class StagePipeline:
         key_order = list(module.state_dict().keys())
         param_order = [n for n, _ in module.named_parameters()]
         partition = PartitionedTrunk(trunk, name, stage_bounds(counts), local, options.checkpoint_activations)
-        return cls(strategy, partition, OutsideParameters(module, name, topology), list(counts), layers, key_order, param_order)
+        outside = OutsideParameters(module, name, topology)
+        pipeline = cls(strategy, partition, outside, list(counts), layers, key_order, param_order)
+        virtual = strategy.num_stages * options.chunks_per_stage
+        if not strategy.emulating and not runs_outside_code(local, virtual, partition.looped):
+            # a Sequential's middle stage: never reads the embedding, head, ... (docs/large-models.md)
+            names = [k for k in key_order if not outside.in_trunk(k)]
+            pipeline.absent = set(replace_outside(module, names, strategy.root_device))
+        return pipeline
 
     # ------------------------------------------------------------------ the executor
     @property

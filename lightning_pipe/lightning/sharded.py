@@ -7,6 +7,8 @@ under another split, another stage count or the one-device emulation:
 * ``model.<state_dict key>``: each rank's trunk entries, and the entries outside the trunk of which
   its stage holds the authoritative copy (:meth:`OutsideParameters.owner`; buffers: stage 0);
 * ``optim.<i>.<parameter name>.<field>``: optimizer ``i``'s per-parameter state, for the same parameters;
+* ``policy.<location>/<parameter>[/<field>]``: an asynchronous schedule's or avgpipe's weight-policy
+  state for the same parameters (:mod:`.sharded_policy`);
 * ``meta.pt`` (rank 0): everything else Lightning's checkpoint holds (epoch, loops, callbacks,
   schedulers), the optimizers' param groups without their parameters, and the names needed to
   consolidate it into one ordinary checkpoint (:func:`consolidate_checkpoint`).
@@ -19,15 +21,17 @@ from __future__ import annotations
 
 import os
 import shutil
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import Tensor
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from lightning_pipe.errors import CheckpointMismatchError
+from lightning_pipe.lightning import sharded_policy
 from lightning_pipe.lightning.checkpointing import NAMES_KEY, local_param_names
 
 if TYPE_CHECKING:
@@ -44,11 +48,21 @@ def is_sharded(path: str | os.PathLike[str]) -> bool:
 
 
 # ------------------------------------------------------------------ this rank's part
+def owns(pipeline: StagePipeline) -> Callable[[str], bool]:
+    """Whether this rank writes a name's entries: its trunk's, and those outside the trunk whose
+    authoritative copy its stage holds (:meth:`OutsideParameters.owner`; unused ones and buffers: stage
+    0). An emulated pipeline runs every stage, so it writes every name."""
+    if pipeline.strategy.emulating:
+        return lambda name: True
+    outside, stage, absent = pipeline.outside, pipeline.topology.stage, pipeline.absent
+    owner = outside.owner()
+    return lambda name: name not in absent and (outside.in_trunk(name) or owner.get(name, 0) == stage)
+
+
 def owned_keys(pipeline: StagePipeline) -> list[str]:
     """The state_dict keys whose authoritative copy this rank holds."""
-    module, outside = pipeline.strategy.lightning_module, pipeline.outside
-    owner, stage = outside.owner(), pipeline.topology.stage
-    return [k for k in module.state_dict() if outside.in_trunk(k) or owner.get(k, 0) == stage]
+    mine = owns(pipeline)
+    return [k for k in pipeline.strategy.lightning_module.state_dict() if mine(k)]
 
 
 def model_part(pipeline: StagePipeline) -> dict[str, Tensor]:
@@ -58,23 +72,43 @@ def model_part(pipeline: StagePipeline) -> dict[str, Tensor]:
 
 
 def optimizer_part(pipeline: StagePipeline, runtime: Runtime | None, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """This rank's optimizer state by parameter name, and its param groups without their parameters."""
-    names = local_param_names(pipeline.strategy.lightning_module, runtime, optimizer)
-    owned = set(owned_keys(pipeline))
-    state = optimizer.state_dict()
-    by_name, groups = {}, []
-    for group, group_names in zip(state["param_groups"], names):
-        for index, name in zip(group["params"], group_names):
-            if name in owned and index in state["state"]:
-                by_name[name] = state["state"][index]
-        groups.append({k: v for k, v in group.items() if k != "params"})
-    return {"state": by_name, "param_groups": groups, "names": names}
+    """This rank's optimizer state by parameter name, and its param groups without their parameters.
+
+    An emulated asynchronous pipeline steps one optimizer share per stage (:meth:`Runtime.optimizer_parts`):
+    their states are united by name."""
+    parts = runtime.optimizer_parts() if runtime is not None else None
+    if parts is None:
+        parts = [(optimizer.state_dict(), local_param_names(pipeline.strategy.lightning_module, runtime, optimizer))]
+    mine = owns(pipeline)
+    by_name: dict[str, Any] = {}
+    names: list[dict[str, None]] = [{} for _ in parts[0][0]["param_groups"]]  # ordered sets: each name once
+    for state, part_names in parts:
+        for g, (group, group_names) in enumerate(zip(state["param_groups"], part_names)):
+            for index, name in zip(group["params"], group_names):
+                if mine(name) and index in state["state"]:
+                    by_name[name] = state["state"][index]
+            names[g].update(dict.fromkeys(group_names))
+    groups = [{k: v for k, v in group.items() if k != "params"} for group in parts[0][0]["param_groups"]]
+    return {"state": by_name, "param_groups": groups, "names": [list(group) for group in names]}
+
+
+def policy_part(pipeline: StagePipeline, runtime: Runtime | None) -> tuple[str, Any, dict[str, Any]] | None:
+    """``(checkpoint key, skeleton, this rank's entries)`` of the weight policy's state (``None``: no policy)."""
+    state = runtime.policy_state() if runtime is not None else None
+    if state is None:
+        return None
+    key, value = state
+    names = {n for n, _ in pipeline.strategy.lightning_module.named_parameters()}
+    skeleton, entries = sharded_policy.split(value, names, owns(pipeline))
+    return key, skeleton, entries
 
 
 # ------------------------------------------------------------------ save
-def save(pipeline: StagePipeline, checkpoint: dict[str, Any], path: str | os.PathLike[str]) -> None:
+def save(pipeline: StagePipeline, checkpoint: dict[str, Any], path: str | os.PathLike[str],
+         policy: tuple[str, Any, dict[str, Any]] | None = None) -> None:
     """Collective: write ``checkpoint`` (its ``state_dict`` and ``optimizer_states`` being this rank's
-    parts, see the strategy's hooks) as a sharded directory at ``path``."""
+    parts, see the strategy's hooks) and this rank's part of the weight ``policy`` (:func:`policy_part`)
+    as a sharded directory at ``path``."""
     strategy = pipeline.strategy
     path = Path(path)
     partial = path.with_name(path.name + ".partial")
@@ -83,14 +117,20 @@ def save(pipeline: StagePipeline, checkpoint: dict[str, Any], path: str | os.Pat
     strategy.barrier("sharded checkpoint: start")
     optimizers = checkpoint.pop("optimizer_states", [])
     tensors = {"model": checkpoint.pop("state_dict"), "optim": {str(i): o["state"] for i, o in enumerate(optimizers)}}
+    if policy is not None:
+        tensors[sharded_policy.PREFIX] = policy[2]
     dcp.save(tensors, checkpoint_id=partial)
-    names = pipeline.gather_in_first_pipeline([o["names"] for o in optimizers])
+    # the names and the policy's skeleton hold no tensors: gathering them costs nothing
+    gathered = pipeline.gather_in_first_pipeline(([o["names"] for o in optimizers], None if policy is None else policy[1]))
     if strategy.is_global_zero:
-        assert names is not None
+        assert gathered is not None
+        names = [stage_names for stage_names, _ in gathered]
         groups = [[[n for stage in names for n in stage[i][g]] for g in range(len(o["param_groups"]))]
                   for i, o in enumerate(optimizers)]
         checkpoint["optimizer_groups"] = [o["param_groups"] for o in optimizers]
         checkpoint[SHARDED_KEY] = {"key_order": pipeline.key_order, "param_order": pipeline.param_order, "groups": groups}
+        if policy is not None:
+            checkpoint[SHARDED_KEY]["policy"] = (policy[0], sharded_policy.merge_skeletons([s for _, s in gathered]))
         torch.save(checkpoint, partial / META)
     strategy.barrier("sharded checkpoint: written")
     if strategy.is_global_zero:  # the previous checkpoint stays whole until the new one is
@@ -108,7 +148,8 @@ def load(pipeline: StagePipeline, path: str | os.PathLike[str]) -> dict[str, Any
     module in place; the returned checkpoint holds Lightning's entries and this rank's optimizer states."""
     checkpoint = torch.load(Path(path) / META, map_location="cpu", weights_only=False)
     stored = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
-    model = pipeline.strategy.lightning_module.state_dict()  # every local entry: replicas outside the trunk too
+    model = {k: v for k, v in pipeline.strategy.lightning_module.state_dict().items()  # replicas outside the trunk too,
+             if k not in pipeline.absent}  # but not the stand-ins of a stage that never uses them
     missing = [k for k in model if f"model.{k}" not in stored]
     if missing:
         shown = ", ".join(missing[:8]) + (", ..." if len(missing) > 8 else "")
@@ -122,8 +163,15 @@ def load(pipeline: StagePipeline, path: str | os.PathLike[str]) -> dict[str, Any
             fields = {key[len(prefix):]: meta for key, meta in stored.items() if key.startswith(prefix)}
             if fields:
                 optim[str(i)][name] = {f: torch.empty(m.size, dtype=m.properties.dtype) for f, m in fields.items()}
+    request: dict[str, Any] = {"model": model, "optim": optim}
+    policy = checkpoint[SHARDED_KEY].get("policy")
+    if policy is not None:  # the weight policy's entries of the parameters this rank holds
+        prefix = sharded_policy.PREFIX + "."
+        names = {n for n, _ in pipeline.strategy.lightning_module.named_parameters()}
+        request[sharded_policy.PREFIX] = sharded_policy.request(
+            policy[1], {k[len(prefix):]: m for k, m in stored.items() if k.startswith(prefix)}, names, _placeholder)
     try:
-        dcp.load({"model": model, "optim": optim}, checkpoint_id=str(path))
+        dcp.load(request, checkpoint_id=str(path))
     except dcp.api.CheckpointException as error:  # a shard cut short or overwritten: DCP's own words are a traceback per rank
         files = sorted({info.relative_path for info in dcp.FileSystemReader(str(path)).read_metadata().storage_data.values()})
         raise CheckpointMismatchError(
@@ -133,7 +181,16 @@ def load(pipeline: StagePipeline, path: str | os.PathLike[str]) -> dict[str, Any
     checkpoint["optimizer_states"] = [{"state": optim[str(i)], "param_groups": groups}
                                       for i, groups in enumerate(checkpoint.pop("optimizer_groups", []))]
     checkpoint["state_dict"] = model
+    if policy is not None:  # as the single-file format's merged state, restricted to this rank's parameters
+        checkpoint[policy[0]] = sharded_policy.join(policy[1], request[sharded_policy.PREFIX])
     return checkpoint
+
+
+def _placeholder(metadata: Any) -> Any:
+    """What DCP reads an entry into: a tensor of its size and dtype, or ``None`` for a pickled value."""
+    if isinstance(metadata, TensorStorageMetadata):
+        return torch.empty(metadata.size, dtype=metadata.properties.dtype)
+    return None
 
 
 def _last_line(error: BaseException) -> str:
@@ -173,6 +230,9 @@ def consolidate_checkpoint(directory: str | os.PathLike[str], output: str | os.P
     finally:
         flat.unlink(missing_ok=True)
     checkpoint["state_dict"] = {k: tensors["model"][k] for k in names["key_order"]}
+    if names.get("policy") is not None:  # the weight policy's state, merged as the single-file format has it
+        key, skeleton = names["policy"]
+        checkpoint[key] = sharded_policy.join(skeleton, tensors.get(sharded_policy.PREFIX, {}))
     rank = {name: i for i, name in enumerate(names["param_order"])}
     states = []
     for i, groups in enumerate(checkpoint.pop("optimizer_groups", [])):

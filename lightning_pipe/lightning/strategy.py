@@ -53,6 +53,7 @@ from lightning_pipe.lightning.pipeline import StagePipeline
 from lightning_pipe.lightning.preemption import Preemption
 from lightning_pipe.lightning.runtimes import Runtime, make_runtime, unwrapped
 from lightning_pipe.lightning.stage_metrics import StageMetrics
+from lightning_pipe.partition.absent import move_stand_ins
 from lightning_pipe.partition.materialize import INIT_HOOK, MetaConstruction, has_meta_tensors, materialize, release_memory
 from lightning_pipe.planning.auto_balance import AutoBalanceOptions
 from lightning_pipe.planning.planner import Plan
@@ -204,7 +205,8 @@ class PipeStrategy(DDPStrategy, metaclass=_NamesItsOptions):
             its own stage (``torch.distributed.checkpoint``); it resumes under another split, stage count
             or the one-device emulation, and :func:`~lightning_pipe.consolidate_checkpoint` turns it into
             one ordinary checkpoint. ``False`` (the default): one file, every stage gathered on rank 0.
-            Synchronous schedules only (docs/large-models.md).
+            Every schedule: an asynchronous one's and avgpipe's weight-policy state is written by name
+            too, each rank its own parameters' (docs/large-models.md).
     """
 
     strategy_name = "pipe"
@@ -669,13 +671,15 @@ class PipeStrategy(DDPStrategy, metaclass=_NamesItsOptions):
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
         """Add the pipeline's own state, then write on rank 0 (atomically: see :func:`~.checkpointing.atomic_save`)."""
-        if self._runtime is not None:
-            checkpoint.update(self._runtime.checkpoint_state())
+        distributed = self.options.save_distributed_checkpoint and self._pipeline is not None
+        if self._runtime is not None:  # sharded: the policy's state stays with each rank (sharded.policy_part)
+            checkpoint.update(self._runtime.checkpoint_state(policy=not distributed))
         if self._counts is not None:  # what a resumed run with balance="auto" adopts instead of planning again
             checkpoint[checkpointing.BALANCE_KEY] = list(self._counts)
-        if self.options.save_distributed_checkpoint and self._pipeline is not None:
+        if distributed:
+            assert self._pipeline is not None
             with self._guard("every rank's part of the sharded checkpoint"):
-                sharded.save(self._pipeline, checkpoint, filepath)
+                sharded.save(self._pipeline, checkpoint, filepath, sharded.policy_part(self._pipeline, self._runtime))
         elif self.is_global_zero:
             checkpointing.atomic_save(self.checkpoint_io, checkpoint, filepath, storage_options)
 
@@ -704,7 +708,11 @@ class PipeStrategy(DDPStrategy, metaclass=_NamesItsOptions):
 
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:
         if self._runtime is not None:
-            self._runtime.restore(checkpoint)
+            try:
+                self._runtime.restore(checkpoint)
+            except CheckpointMismatchError as error:  # say which file: a run may resume one of many
+                where = f"{self._loading}: " if self._loading is not None else ""
+                raise CheckpointMismatchError(f"{where}{error}") from None
         assert self._pipeline is not None
         for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
             if sharded.SHARDED_KEY in checkpoint:
@@ -750,6 +758,9 @@ class PipeStrategy(DDPStrategy, metaclass=_NamesItsOptions):
     def teardown(self) -> None:
         if self._preemption is not None:
             self._preemption.uninstall()
+        if self._pipeline is not None and self._pipeline.absent and self._lightning_module is not None:
+            # Lightning moves the module to the CPU next: a stand-in on a GPU would arrive there at full size
+            move_stand_ins(self._lightning_module, torch.device("cpu"))
         if self._watchdog is not None:
             self._watchdog.close()
         module = self._lightning_module

@@ -31,6 +31,7 @@ from torch import Tensor, nn
 from torch.nn.modules.module import register_module_module_registration_hook
 
 from lightning_pipe.errors import PipeConfigError
+from lightning_pipe.partition.absent import is_absent
 
 #: the LightningModule method that replaces ``module.reset_parameters()`` when defined
 INIT_HOOK = "reset_module_parameters"
@@ -132,8 +133,8 @@ def materialize(root: nn.Module, construction: MetaConstruction, initialiser: In
     for entry in construction.order(root):
         module = entry.module
         initialise = _initialiser(module, initialiser)
-        if initialise is None:
-            if any(id(t) in kept for t in _entry_tensors(entry)):
+        if initialise is None:  # a stand-in's module counts too: every rank must stop, not only the users
+            if any(id(t) in kept for t in _entry_tensors(entry)) or any(is_absent(t) for t in _tensors(module, recurse=False)):
                 uninitialised.append(module)
             continue
         current = (dict(module._parameters), dict(module._buffers))

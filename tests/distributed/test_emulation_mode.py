@@ -34,6 +34,24 @@ def test_a_two_process_checkpoint_resumes_emulated_as_four_stages(tmp_path):
         torch.testing.assert_close(resumed["state"][key], value, rtol=1e-5, atol=1e-6, msg=key)
 
 
+def test_a_two_process_sharded_checkpoint_resumes_emulated_as_four_stages(tmp_path):
+    """The same with save_distributed_checkpoint=True: each of the 2 ranks wrote its own parameters'
+    velocity, and the one process emulating 4 stages reads every stage's entries by name."""
+    from lightning_pipe import consolidate_checkpoint
+
+    sharded = {"save_distributed_checkpoint": True}
+    ckpt = tmp_path / "two-processes.ckpt"
+    code, output, _ = launch({"devices": 2, "epochs": 1, "batch_size": BATCH, "ckpt_out": str(ckpt),
+                              "strategy": {"schedule": "pipemare", "micro_batches": 2, **OPTIONS, **sharded}})
+    assert code == 0, output[-3000:]
+    resumed = emulated("pipemare", 4, 2, ckpt_path=str(ckpt), strategy=sharded)
+    consolidate_checkpoint(ckpt, tmp_path / "one.ckpt")
+    reference, model = _reference_from_checkpoint("pipemare", 4, str(tmp_path / "one.ckpt"))
+    assert [m["train_loss"] for m in resumed["metrics"]] == pytest.approx(run_epochs(reference, [], None, 2, 1), rel=1e-5)
+    for key, value in model.state_dict().items():
+        torch.testing.assert_close(resumed["state"][key], value, rtol=1e-5, atol=1e-6, msg=key)
+
+
 def test_emulation_equals_distributed_run():
     """The 2-process run and the emulation log the same losses, weights and per-stage diagnostics."""
     config = {"epochs": EPOCHS, "batch_size": BATCH, "model": {"scheduler": "step"},

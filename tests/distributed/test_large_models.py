@@ -110,3 +110,89 @@ def test_sharded_checkpoint_resumes_under_another_split_stage_count_and_one_devi
         got = train({"epochs": 2, "model": model, **run})
         assert len(got["returned"]) == steps
         assert_equal(got["state"])
+
+
+WEIGHT_POLICIES = {  # a schedule and the options that make its policy keep per-parameter state
+    "pipedream": {"micro_batches": 4}, "pipedream_2bw": {"micro_batches": 4}, "pipemare": {"micro_batches": 4},
+    "xpipe": {"micro_batches": 4, "xpipe": {"prediction": "sgd"}},
+    "avgpipe": {"micro_batches": 2, "avgpipe": {"parallel_pipelines": 2, "advance_forward": 1}},
+}
+
+
+@pytest.mark.parametrize("schedule", list(WEIGHT_POLICIES))
+def test_sharded_checkpoint_of_a_weight_policy_resumes_bit_exactly(schedule, tmp_path):
+    """Each rank writes its own parameters' policy state (2BW's previous version, PipeMare's velocity,
+    XPipe's last gradient, avgpipe's replicas and center) into its own file of the directory, and the
+    run resumed from it equals the uninterrupted one bit for bit, on each stage's parameters."""
+    import torch.distributed.checkpoint as dcp
+
+    common = {"devices": 2, "batch_size": 16,
+              "strategy": {"schedule": schedule, "save_distributed_checkpoint": True, **WEIGHT_POLICIES[schedule]}}
+    code, output, whole = launch({**common, "epochs": 2})
+    assert code == 0, output[-3000:]
+    saved = tmp_path / "epoch1.ckpt"
+    code, output, _ = launch({**common, "epochs": 1, "ckpt_out": str(saved)})
+    assert code == 0, output[-3000:]
+    code, output, resumed = launch({**common, "epochs": 2, "ckpt_path": str(saved)})
+    assert code == 0, output[-3000:]
+    owners = (("pre.", "model.0.", "model.2.", "model.4."), ("model.6.", "model.8.", "model.10.", "head."))
+    for a, b, prefixes in zip(whole, resumed, owners):
+        for key, value in a["state"].items():
+            if key.startswith(prefixes):  # each stage's own parameters (the others' copies are stale by design)
+                assert torch.equal(b["state"][key], value), key
+        steps = len(b["metrics"])
+        assert [m["train_loss"] for m in b["metrics"]] == [m["train_loss"] for m in a["metrics"]][-steps:]
+    storage = dcp.FileSystemReader(str(saved)).read_metadata().storage_data
+    policy = {index.fqn: info.relative_path for index, info in storage.items() if index.fqn.startswith("policy.")}
+    if schedule != "pipedream":  # pipedream keeps no per-parameter state after a drain
+        assert policy and all(f == ("__0_0.distcp" if any(f"/{p}" in k for p in owners[0]) else "__1_0.distcp")
+                              for k, f in policy.items()), policy
+
+
+# ------------------------------------------------------------------ parameters outside the trunk
+@pytest.mark.parametrize("tie", [False, True])
+def test_middle_stages_keep_only_stand_ins_outside_the_trunk(tie, tmp_path):
+    """4 stages of a Sequential trunk built in configure_model: stages 1 and 2 only run their layers, so
+    they hold one-element stand-ins for the input layer and the head. Training equals one device
+    (tie=True: the input layer's weight is used by the first and the last stage, and the middle ones take
+    part in the sum of its gradient with zeros); a sharded checkpoint written without the middle
+    stages' copies resumes on 4 processes, and equals uninterrupted one-device training."""
+    from lightning_pipe import consolidate_checkpoint
+
+    model = {"optimizer": "adam", "configure": True, "tie": tie}
+    pipe = {"schedule": "1f1b", "micro_batches": 4, "save_distributed_checkpoint": True}
+    saved = tmp_path / "epoch1.ckpt"
+    reference = train({"epochs": 1, "batch_size": 16, "model": model})
+    code, output, records = launch({"epochs": 1, "batch_size": 16, "model": model, "devices": 4, "strategy": pipe,
+                                    "ckpt_out": str(saved)})
+    assert code == 0, output[-3000:]
+    outside = ["head.bias", "head.weight", "pre.bias", "pre.weight"]
+    assert [r["absent"] for r in records] == [[], outside, outside, []]
+    assert_matches(reference, records, [0, 1, 2, 3])
+    code, output, resumed = launch({"epochs": 2, "batch_size": 16, "model": model, "devices": 4, "strategy": pipe,
+                                    "ckpt_path": str(saved), "ckpt_out": str(tmp_path / "epoch2.ckpt")})
+    assert code == 0, output[-3000:]
+    assert [r["absent"] for r in resumed] == [[], outside, outside, []]
+    consolidate_checkpoint(tmp_path / "epoch2.ckpt", tmp_path / "one.ckpt")
+    state = torch.load(tmp_path / "one.ckpt", weights_only=False)["state_dict"]
+    want = train({"epochs": 2, "batch_size": 16, "model": model})["state"]
+    assert state.keys() == want.keys()
+    for key, value in want.items():
+        torch.testing.assert_close(state[key], value, rtol=1e-5, atol=1e-6, msg=key)
+
+
+@pytest.mark.parametrize("schedule", ["pipedream_2bw", "pipemare"])
+def test_asynchronous_schedules_with_stand_ins_equal_their_emulation(schedule):
+    """The weight policies of the middle stages leave the stand-ins out (no snapshot, master copy or
+    velocity of them): 4 processes equal the 4-stage one-device emulation, which keeps every tensor."""
+    config = {"epochs": 2, "batch_size": 16, "strategy": {"schedule": schedule, "micro_batches": 4}}
+    code, output, records = launch({**config, "devices": 4})
+    assert code == 0, output[-3000:]
+    assert [len(r["absent"]) for r in records] == [0, 4, 4, 0]
+    emulated = train({**config, "strategy": {**config["strategy"], "stages": 4}})
+    merged = {k: v for r in records for k, v in r["state"].items() if k.startswith("model.")}
+    merged.update({k: v for k, v in records[0]["state"].items() if k.startswith("pre.")})
+    merged.update({k: v for k, v in records[3]["state"].items() if k.startswith("head.")})
+    for key, value in emulated["state"].items():
+        assert torch.equal(merged[key], value), key
+    assert [m["train_loss"] for m in records[0]["metrics"]] == [m["train_loss"] for m in emulated["metrics"]]

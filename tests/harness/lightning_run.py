@@ -305,6 +305,7 @@ def train(config: dict[str, Any]) -> dict[str, Any]:
         "counts": getattr(trainer.strategy, "_counts", None),
         "avgpipe": avgpipe_values(trainer.strategy),
         "transport": transport_of(trainer.strategy),
+        "absent": sorted(getattr(getattr(trainer.strategy, "_pipeline", None), "absent", ())),
     }
 
 

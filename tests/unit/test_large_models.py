@@ -164,13 +164,6 @@ def test_a_sharded_save_that_fails_half_way_leaves_the_previous_checkpoint(tmp_p
     assert {f.name: f.read_bytes() for f in path.iterdir()} == before
 
 
-def test_sharded_checkpoints_are_refused_for_asynchronous_schedules():
-    from lightning_pipe import PipeStrategy
-
-    with pytest.raises(PipeConfigError, match="save_distributed_checkpoint=True writes the synchronous"):
-        PipeStrategy(schedule="pipemare", save_distributed_checkpoint=True)
-
-
 def test_a_sharded_checkpoint_of_another_model_names_the_missing_tensors(tmp_path):
     path = tmp_path / "six.ckpt"
     pipe = {"schedule": "1f1b", "stages": 2, "micro_batches": 4, "save_distributed_checkpoint": True}

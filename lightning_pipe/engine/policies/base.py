@@ -20,6 +20,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_pipe.engine.policies.options import AsyncOptions
+from lightning_pipe.partition.absent import is_absent
 
 Clip = Callable[[Sequence[Tensor]], None]
 
@@ -71,8 +72,9 @@ class WeightPolicy:
         self.options = options
         self.scheduler = scheduler
         self.clip = clip
-        self.params = {
-            name: p for name, p in root.named_parameters() if p.requires_grad and (names is None or name in names)
+        self.params = {  # a stand-in (lightning_pipe.partition.absent) has no values to step or copy
+            name: p for name, p in root.named_parameters()
+            if p.requires_grad and not is_absent(p) and (names is None or name in names)
         }
         self.steps = 0  # global STEPs of this stage
         self.batches_before_segment = 0  # mini-batches trained in earlier segments

@@ -49,11 +49,17 @@ class Runtime(Protocol):
     def drain(self) -> None:
         """Finish every micro-batch in flight (before evaluation, checkpoints, the end of training)."""
 
-    def checkpoint_state(self) -> dict[str, Any]:
-        """Extra checkpoint entries (collective: every rank calls it)."""
+    def checkpoint_state(self, policy: bool = True) -> dict[str, Any]:
+        """Extra checkpoint entries (collective: every rank calls it). ``policy=False``: without the weight
+        policy's state, which a sharded checkpoint stores per rank (:meth:`policy_state`)."""
+
+    def policy_state(self) -> tuple[str, Any] | None:
+        """The checkpoint key and the weight-policy state of the stages this process runs, after a drain,
+        not gathered (``None``: no policy, or not started yet)."""
 
     def restore(self, checkpoint: dict[str, Any]) -> None:
-        """Resume from a checkpoint's extra entries."""
+        """Resume from a checkpoint's extra entries; a policy state this run cannot map onto its own
+        raises :class:`~lightning_pipe.CheckpointMismatchError` here, before training."""
 
     def optimizer_parts(self) -> list[tuple[dict[str, Any], list[list[str]]]] | None:
         """Every stage's optimizer state and parameter names when this process holds them all (emulation)."""

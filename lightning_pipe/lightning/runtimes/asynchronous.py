@@ -13,11 +13,12 @@ from typing import TYPE_CHECKING, Any
 
 from torch import Tensor
 
+from lightning_pipe import registry
 from lightning_pipe.engine import AsyncSegments, batch_size, split_micro_batches
 from lightning_pipe.engine.emulated import EmulatedAsyncSegments
 from lightning_pipe.engine.outside import reject_shared
 from lightning_pipe.engine.policies import make_clip, merge_states
-from lightning_pipe.errors import PipeConfigError, SharedParameterError
+from lightning_pipe.errors import CheckpointMismatchError, PipeConfigError, SharedParameterError
 from lightning_pipe.lightning.log_replay import LogCapture
 from lightning_pipe.lightning.module_glue import ModuleStages, stage_parameter_names
 from lightning_pipe.lightning.runtimes.common import BaseRuntime, unwrapped
@@ -28,6 +29,22 @@ if TYPE_CHECKING:
     from lightning_pipe.lightning.strategy import PipeStrategy
 
 ASYNC_STATE_KEY = "pipe_async_state"  #: per stage: what resuming an asynchronous schedule exactly needs
+
+
+def check_policy_kind(state: dict[str, Any], schedule: str) -> None:
+    """Raise :class:`CheckpointMismatchError` when ``state`` is another schedule's weight-policy state: its
+    stashed versions, velocity or last gradient mean nothing to this schedule's policy, so the run could
+    not continue as the checkpoint's would (a synchronous checkpoint has no policy state: any resumes it)."""
+    saved, wanted = state.get("policy"), registry.spec(schedule).policy
+    if saved is None or wanted is None or saved == wanted.__name__:
+        return
+    writers = [n for n, row in registry.SCHEDULES.items() if row.policy is not None and row.policy.__name__ == saved]
+    writer = f"schedule={writers[0]!r}" if writers else f"a {saved}"
+    raise CheckpointMismatchError(
+        f"the checkpoint holds {writer}'s weight-policy state ({saved}), which schedule={schedule!r} cannot continue "
+        f"from; resume it with {writer if writers else 'that schedule'}, or start the new schedule from its weights "
+        "(MyModule.load_from_checkpoint, or lightning_pipe.load_stage_weights in on_fit_start)."
+    )
 
 
 class AsyncRuntime(BaseRuntime):
@@ -165,18 +182,25 @@ class AsyncRuntime(BaseRuntime):
             return super().stage_diagnostics()
         return [policy.diagnostics() for policy in self.segments.policies]
 
-    def checkpoint_state(self) -> dict[str, Any]:
-        if self.segments.policy is None:
+    def checkpoint_state(self, policy: bool = True) -> dict[str, Any]:
+        if self.segments.policy is None or not policy:
             return {}
         self.drain()
         parts = self.pipeline.gather_in_first_pipeline(self.segments.state_dict())
         return {ASYNC_STATE_KEY: merge_states(parts, self.pipeline.outside.owner())} if parts else {}
+
+    def policy_state(self) -> tuple[str, Any] | None:
+        if self.segments.policy is None:
+            return None
+        self.drain()
+        return ASYNC_STATE_KEY, self.segments.state_dict()
 
     def restore(self, checkpoint: dict[str, Any]) -> None:
         state = checkpoint.get(ASYNC_STATE_KEY)
         if isinstance(state, list):  # lightning_pipe 0.1 saved one entry per stage, each keyed by name too
             state = merge_states(state, self.pipeline.outside.owner())
         if state is not None:
+            check_policy_kind(state, self.strategy.options.schedule)
             self.segments.restore(state)
 
     def optimizer_parts(self) -> list[tuple[dict[str, Any], list[list[str]]]] | None:

@@ -10,9 +10,10 @@ from torch import Tensor
 from lightning_pipe.engine import AvgPipeRounds, batch_size
 from lightning_pipe.engine.outside import reject_shared
 from lightning_pipe.engine.policies import make_clip, merge_states
-from lightning_pipe.errors import PipeConfigError, SharedParameterError
+from lightning_pipe.errors import CheckpointMismatchError, PipeConfigError, SharedParameterError
 from lightning_pipe.lightning.module_glue import ModuleStages
 from lightning_pipe.lightning.runtimes.common import BaseRuntime, unwrapped
+from lightning_pipe.lightning.sharded import SHARDED_KEY
 from lightning_pipe.planning.avgpipe_autotune import CHECKPOINT_KEY as AVGPIPE_CONFIG_KEY
 from lightning_pipe.planning.avgpipe_autotune import options_record
 
@@ -89,20 +90,32 @@ class AvgPipeRuntime(BaseRuntime):
             strategy.topology.stage_group if data_parallel else None, strategy.num_pipelines,
         )
 
-    def checkpoint_state(self) -> dict[str, Any]:
+    def checkpoint_state(self, policy: bool = True) -> dict[str, Any]:
         o = self.strategy.options
         state: dict[str, Any] = {  # what a resumed run with "auto" options adopts instead of tuning again
             AVGPIPE_CONFIG_KEY: options_record(int(o.avgpipe.parallel_pipelines), int(o.micro_batches), int(o.avgpipe.advance_forward)),
         }
-        if self.rounds.policy is not None:
+        if self.rounds.policy is not None and policy:
             parts = self.pipeline.gather_in_first_pipeline(self.rounds.policy.state_dict())
             if parts:
                 state[AVGPIPE_STATE_KEY] = merge_states(parts, self.pipeline.outside.owner())
         return state
 
+    def policy_state(self) -> tuple[str, Any] | None:
+        return None if self.rounds.policy is None else (AVGPIPE_STATE_KEY, self.rounds.policy.state_dict())
+
     def restore(self, checkpoint: dict[str, Any]) -> None:
         state = checkpoint.get(AVGPIPE_STATE_KEY)
         if isinstance(state, list):  # lightning_pipe 0.1 saved one entry per stage, each keyed by name too
             state = merge_states(state, self.pipeline.outside.owner())
-        if state is not None:
-            self.rounds.restore(state)
+        if state is None:
+            return
+        saved, replicas = len(state["weights"]), self.rounds.options.parallel_pipelines
+        if isinstance(replicas, int) and saved != replicas:  # each replica's weights and optimizer state belong to that replica: no mapping
+            # "auto" adopts a single file's values before setup; a sharded checkpoint is read after it
+            adopts = "" if SHARDED_KEY in checkpoint else " (or 'auto', which adopts the checkpoint's)"
+            raise CheckpointMismatchError(
+                f"the checkpoint holds {saved} avgpipe replicas but this run has parallel_pipelines={replicas}; resume "
+                f"with avgpipe={{'parallel_pipelines': {saved}}}{adopts}."
+            )
+        self.rounds.restore(state)

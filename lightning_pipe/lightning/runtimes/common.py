@@ -7,13 +7,16 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
+from lightning_pipe.partition.absent import is_absent
+
 if TYPE_CHECKING:
     from lightning_pipe.lightning.pipeline import StagePipeline
     from lightning_pipe.lightning.strategy import PipeStrategy
 
 
 def trainable(strategy: PipeStrategy) -> list[torch.nn.Parameter]:
-    return [p for p in strategy.lightning_module.parameters() if p.requires_grad]
+    """The parameters this rank trains (not the stand-ins of :mod:`lightning_pipe.partition.absent`)."""
+    return [p for p in strategy.lightning_module.parameters() if p.requires_grad and not is_absent(p)]
 
 
 def unwrapped(optimizer: Any) -> torch.optim.Optimizer:
@@ -34,8 +37,11 @@ class BaseRuntime:
 
     def drain(self) -> None: ...
 
-    def checkpoint_state(self) -> dict[str, Any]:
+    def checkpoint_state(self, policy: bool = True) -> dict[str, Any]:
         return {}
+
+    def policy_state(self) -> tuple[str, Any] | None:
+        return None
 
     def restore(self, checkpoint: dict[str, Any]) -> None: ...
 
