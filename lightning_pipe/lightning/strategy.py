@@ -64,6 +64,16 @@ log = logging.getLogger(__name__)
 class _NamesItsOptions(type(DDPStrategy)):  # type: ignore[misc]
     """``PipeStrategy(micro_batch=4)`` says which option was meant instead of Python's bare TypeError."""
 
+    @property
+    def __signature__(cls) -> inspect.Signature:
+        """``inspect.signature(PipeStrategy)``: ``__init__``'s options with their types and defaults (without this,
+        ``__call__`` below would make it ``(*args, **kwargs)`` for IDEs and documentation tools)."""
+        try:
+            signature = inspect.signature(cls.__init__, eval_str=True)
+        except NameError:  # an annotation only importable for type checkers: keep it as text
+            signature = inspect.signature(cls.__init__)
+        return signature.replace(parameters=list(signature.parameters.values())[1:])
+
     def __call__(cls, *args: Any, **kwargs: Any) -> Any:
         known = inspect.signature(cls.__init__).parameters
         for name in kwargs:
@@ -258,14 +268,10 @@ class PipeStrategy(DDPStrategy, metaclass=_NamesItsOptions):
         process_group_backend: str | None = None,
         save_distributed_checkpoint: bool = False,
     ) -> None:
-        deprecated = {name: value for name, value in locals().items() if name in options_module.DEPRECATED}
+        given = locals()  # every option by its name: a new option is a parameter here and a field of PipeOptions
         self.options: PipeOptions = options_module.resolve(
-            schedule, micro_batches, stages, pipelines, balance, module, chunks_per_stage, checkpoint_activations,
-            (timeout, startup_timeout, checkpoint_timeout), sync_warmup_epochs,
-            {"pipemare": pipemare, "xpipe": xpipe, "pipedream_2bw": pipedream_2bw, "pipedream": pipedream, "avgpipe": avgpipe,
-             "auto_balance": auto_balance},
-            trace_dir, trace_steps, deprecated, stage_metrics, sync_warmup_steps, shape_headers, transport,
-            delay_warmup_steps, quality_warning, save_distributed_checkpoint,
+            {name: given[name] for name in options_module.FIELDS},
+            {name: given[name] for name in options_module.DEPRECATED},
         )
         super().__init__(
             accelerator=accelerator,
