@@ -10,6 +10,7 @@ with the chosen values given by hand. Rank 0 decides; every rank adopts the same
 from __future__ import annotations
 
 import copy
+import logging
 import math
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
@@ -17,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_only, rank_zero_warn
 
 from lightning_pipe.engine import batch_size, keeps_one_fifo_order, split_micro_batches
 from lightning_pipe.errors import PipeConfigError
@@ -36,6 +37,9 @@ from lightning_pipe.planning.trials import on_device
 
 if TYPE_CHECKING:
     from lightning_pipe.lightning.strategy import PipeStrategy
+
+log = logging.getLogger(__name__)
+rank_zero_info = rank_zero_only(log.info)  # rank 0 decides and says so; every rank adopts the choice
 
 _STEPS = {
     TrainerFn.FITTING: ("fit_loop", "training_step"),
@@ -100,7 +104,7 @@ def balance(strategy: PipeStrategy, trainer: Trainer, module: LightningModule) -
         rank_zero_warn(warning)
     _, trunk = find_trunk(module, options.module)
     if isinstance(trunk, torch.nn.ModuleList) and options.auto_balance.refine and strategy.topology.stages > 1:
-        rank_zero_info(f"lightning_pipe: balance='auto' keeps the profiled split of the {container_name(trunk)} trunk: "
+        rank_zero_info(f"balance='auto' keeps the profiled split of the {container_name(trunk)} trunk: "
                        "the refinement runs stage copies as nn.Sequential, which a looped trunk's blocks are not.")
         return auto.plan, None
     if not options.auto_balance.refine or strategy.topology.stages == 1 or options.chunks_per_stage > 1:
@@ -150,7 +154,7 @@ def tune_avgpipe(strategy: PipeStrategy, trainer: Trainer, module: LightningModu
     candidates on the devices; every rank returns the same values."""
     stored = _compat.loaded_checkpoint(trainer).get(avgpipe_autotune.CHECKPOINT_KEY)
     if stored is not None:
-        rank_zero_info(f"lightning_pipe: avgpipe adopts the tuned values of the checkpoint: {stored}")
+        rank_zero_info(f"avgpipe adopts the tuned values of the checkpoint: {stored}")
         return stored
     options, stages = strategy.options, strategy.num_stages
     trunk = find_trunk(module, options.module)[1]

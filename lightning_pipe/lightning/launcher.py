@@ -90,7 +90,7 @@ def end_children(children: list[subprocess.Popen]) -> None:
     for child in alive:
         child.wait()
     if alive:
-        log.error(f"lightning_pipe: the job failed during start-up; ended the {len(alive)} rank(s) this process started.")
+        log.error(f"the job failed during start-up; ended the {len(alive)} rank(s) this process started.")
 
 
 class LauncherWatch(threading.Thread):
@@ -128,6 +128,7 @@ class LauncherWatch(threading.Thread):
                 return
         if self.stop.wait(self.grace):
             return
+        # raw stderr: the process ends at once, and a thread blocked in start-up may hold a logging lock
         sys.stderr.write(f"lightning_pipe: the launching process (pid {self.launcher}) is gone and this rank did not end "
                          f"within {self.grace:.0f} s; exiting.\n")
         sys.stderr.flush()
@@ -166,7 +167,7 @@ class ChildObserver(threading.Thread):
         while time.monotonic() < deadline:  # this process normally raises that rank's error meanwhile
             if self.stop.wait(self.period):
                 return
-        log.error(f"lightning_pipe: local rank {rank} exited with code {code} and this process did not end within "
+        log.error(f"local rank {rank} exited with code {code} and this process did not end within "
                   f"{self.grace:.0f} s; ending the job's processes on this node.")
         for child in self.children:
             if child.poll() is None:

@@ -264,7 +264,7 @@ class StagePipeline:
         stages = strategy.num_stages
         chunked = options.chunks_per_stage > 1
         lines = [
-            f"lightning_pipe: {options.schedule}, {stages} stage(s) × {strategy.num_pipelines} pipeline(s), "
+            f"{options.schedule}, {stages} stage(s) × {strategy.num_pipelines} pipeline(s), "
             f"{options.micro_batches} micro-batches per batch"
             + (f", {options.avgpipe.parallel_pipelines} parallel pipelines per device" if options.spec.family == "averaging" else "")
             + (f", {options.chunks_per_stage} chunks per stage" if chunked else "")

@@ -31,7 +31,7 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from torch import Tensor
 from torch.distributed import ReduceOp
 from torchmetrics import Metric
@@ -59,6 +59,7 @@ from lightning_pipe.registry import DEFAULT, SCHEDULES, ScheduleName
 from lightning_pipe.sim.tracing import RunTracer
 
 log = logging.getLogger(__name__)
+rank_zero_info = rank_zero_only(log.info)  # messages every rank would repeat: global rank 0 says them
 
 
 class _NamesItsOptions(type(DDPStrategy)):  # type: ignore[misc]
@@ -531,7 +532,7 @@ class PipeStrategy(DDPStrategy, metaclass=_NamesItsOptions):
         stored = _compat.loaded_checkpoint(trainer).get(checkpointing.BALANCE_KEY)
         if options.balance == "auto" and stored is not None and len(stored) == len(self._counts):
             # the checkpoint's per-stage state (asynchronous policies, avgpipe replicas) fits only its split
-            rank_zero_info(f"lightning_pipe: balance='auto' adopts the checkpoint's split {stored}")
+            rank_zero_info(f"balance='auto' adopts the checkpoint's split {stored}")
             self._counts = list(stored)
         elif options.balance == "auto":
             self._plan, self._measured = auto.balance(self, trainer, module)
@@ -643,7 +644,7 @@ class PipeStrategy(DDPStrategy, metaclass=_NamesItsOptions):
         if self._tracer is not None:
             title = f"{self.schedule}: {self.num_stages} stages, M={self.micro_batches}, measured"
             for path in self._tracer.write(self.global_rank, self.world_size, title):
-                rank_zero_info(f"lightning_pipe: wrote {path}")
+                rank_zero_info(f"wrote {path}")
         super().on_train_end()
 
     # ------------------------------------------------------------------ evaluation
@@ -807,7 +808,7 @@ class PipeStrategy(DDPStrategy, metaclass=_NamesItsOptions):
             if not isinstance(exception, LightningPipeError):  # e.g. a raw collective error inside Lightning
                 report = self._watchdog.peer_error(wait=self._watchdog.grace)
                 if report is not None and not report.startswith(f"rank {self.global_rank} "):
-                    log.error(f"lightning_pipe: rank {self.global_rank} failed ({type(exception).__name__}: {exception}) "
+                    log.error(f"rank {self.global_rank} failed ({type(exception).__name__}: {exception}) "
                               f"after {report}")
             self._watchdog.end_stragglers(FAILURE_GRACE)
         super().on_exception(exception)
