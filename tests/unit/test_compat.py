@@ -70,10 +70,15 @@ def test_script_launcher_is_what_ddp_starts_scripts_with():
         "_SubprocessScriptLauncher's procs / kill, which the strategy forwards SIGTERM through")
 
 
-def test_start_children_calls_the_launchers_own_starter():
+def test_start_children_calls_the_launchers_own_starter(monkeypatch: pytest.MonkeyPatch):
     starter = getattr(_compat.ScriptLauncher, "_call_children_scripts", None)
     assert callable(starter), _changed("_SubprocessScriptLauncher._call_children_scripts (starting the other local ranks)")
     assert list(inspect.signature(starter).parameters) == ["self"], _changed("_call_children_scripts' arguments")
+    started = []
+    monkeypatch.setattr(_compat.ScriptLauncher, "_call_children_scripts", lambda launcher: started.append(launcher))
+    launcher = _compat.ScriptLauncher(LightningEnvironment(), 2, 1)
+    _compat.start_children(launcher)  # no process is started: the starter is replaced above
+    assert started == [launcher]
 
 
 def test_set_num_threads_if_needed(monkeypatch: pytest.MonkeyPatch):
