@@ -10,6 +10,7 @@ The engine, schedules, planning and simulation (``lightning_pipe.engine``, ``.sc
 :class:`PipeStrategy` is missing.
 """
 
+import logging
 from importlib.util import find_spec
 
 from lightning_pipe.engine.policies import AvgPipeOptions, DoubleBufferOptions, PipeDreamOptions, PipeMareOptions, XPipeOptions
@@ -35,6 +36,18 @@ from lightning_pipe.planning.auto_balance import AutoBalanceOptions
 from lightning_pipe.weights import load_stage_weights
 
 __version__ = "0.2.0"
+
+# Everything the package says goes through the standard logger "lightning_pipe" (one child per module), so it can be
+# filtered, routed or silenced like any library's. As Lightning does for its own logger: INFO by default, and printed
+# to stderr by a handler of its own only when the application has configured no logging at all.
+_logger = logging.getLogger(__name__)
+if _logger.level == logging.NOTSET:
+    _logger.setLevel(logging.INFO)
+if not logging.getLogger().hasHandlers() and not _logger.handlers:
+    _handler = logging.StreamHandler()
+    _handler.setFormatter(logging.Formatter("lightning_pipe: %(message)s"))
+    _logger.addHandler(_handler)
+    _logger.propagate = False
 
 if find_spec("lightning") is not None:
     from lightning.pytorch.strategies import StrategyRegistry

@@ -26,8 +26,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from lightning_pipe.engine.stand_ins import is_absent
 from lightning_pipe.errors import CheckpointMismatchError
-from lightning_pipe.partition.absent import is_absent
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"

@@ -27,7 +27,7 @@ from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
-from typing import Any, ContextManager
+from typing import Any, ContextManager, Protocol, runtime_checkable
 
 import torch
 from torch import Tensor
@@ -36,8 +36,8 @@ from lightning_pipe.engine.p2p import (
     ACTIVATION_TAG,
     GRADIENT_TAG,
     Header,
+    MessageTransport,
     ShapeCache,
-    Transport,
     is_differentiable,
     lane_tag,
 )
@@ -90,8 +90,41 @@ def _check_output(value: Any, where: str) -> Activation:
     )
 
 
+@runtime_checkable
+class ScheduleRunner(Protocol):
+    """What runs a schedule for one training step (or one window of an asynchronous segment):
+    :class:`Executor` (this device's list) and :class:`~.local.LocalPipeline` (every device's, in one process)
+    conform structurally. Arguments and result as :meth:`Executor.run`."""
+
+    def run(
+        self,
+        schedule: Schedule,
+        micro_batches: Sequence[Any],
+        loss_weights: Sequence[float] | None = None,
+        step: Callable[[], None] | None = None,
+        scale_loss: Callable[[Tensor], Tensor] | None = None,
+        first_micro_batch: int = 0,
+        carry_over: bool = False,
+        last_backward: Callable[[], ContextManager[Any]] | None = None,
+    ) -> list[Any]:
+        """Run the schedule's actions; what the last virtual stage returned for each micro-batch forwarded."""
+        ...
+
+    def current_weights(self) -> ContextManager[None]:
+        """Within: the weights evaluation and checkpoints read (an asynchronous policy's current version)."""
+        ...
+
+    def finish(self) -> None:
+        """At the end of a segment: wait for the pending sends and forget what is in flight."""
+        ...
+
+    def abort(self) -> None:
+        """Forget everything in flight after a failure."""
+        ...
+
+
 class Executor:
-    """Executes a :class:`~lightning_pipe.schedules.Schedule` on one device of one pipeline.
+    """Executes a :class:`~lightning_pipe.schedules.Schedule` on one device of one pipeline (a :class:`ScheduleRunner`).
 
     Args:
         schedule_device: index of this device in the pipeline (``0 .. P-1``).
@@ -114,7 +147,7 @@ class Executor:
         schedule_device: int,
         ranks: Sequence[int],
         chunks: Sequence[StageFn],
-        transport: Transport | None = None,
+        transport: MessageTransport | None = None,
         watchdog: Watchdog | None = None,
         names: Sequence[str] | None = None,
         policy: WeightPolicy | None = None,
@@ -449,7 +482,7 @@ class Executor:
         backend (NCCL) the order is the messages' order on their direction's stream, so posting stops at
         an activation whose shape header must be read first: its compute posts it, header then payload,
         before anything after it."""
-        if self.transport is None or not getattr(self.transport, "receives_ahead", True):
+        if self.transport is None or not self.transport.receives_ahead:
             return  # in-process queues: a receive takes its message at once, so it waits for its action
         limit = next((k for k in range(index + 1, len(actions)) if actions[k].kind.is_compute), len(actions))
         while self._posted <= limit and self._posted < len(actions):

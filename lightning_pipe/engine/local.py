@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
-from typing import Any
+from typing import Any, ContextManager
 
 from torch import Tensor
 
@@ -202,7 +202,7 @@ class LocalPipeline:
         scale_loss: Callable[[Tensor], Tensor] | None = None,
         first_micro_batch: int = 0,
         carry_over: bool = False,
-        last_backward: Callable[[], Any] | None = None,
+        last_backward: Callable[[], ContextManager[Any]] | None = None,
     ) -> list[Any]:
         """Run every device's actions (arguments and result as :meth:`Executor.run`; ``step`` is
         called at every device's STEP when it has no weight policy). ``last_backward`` is not used:

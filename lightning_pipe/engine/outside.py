@@ -16,8 +16,8 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_pipe.engine.collectives import all_reduce_flat
+from lightning_pipe.engine.stand_ins import is_absent
 from lightning_pipe.engine.topology import Topology
-from lightning_pipe.partition.absent import is_absent
 
 
 def reject_shared(users: dict[str, list[int]], why: str, error: type[Exception]) -> None:

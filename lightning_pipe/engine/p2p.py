@@ -26,7 +26,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 import torch.distributed as dist
@@ -227,8 +227,43 @@ class ChannelGroups:
         return self.down_activation if downward else self.up_activation
 
 
+@runtime_checkable
+class MessageTransport(Protocol):
+    """What an :class:`~.executor.Executor` needs to exchange activations and gradients with its peers.
+
+    :class:`Transport` (``torch.distributed``), :class:`~.shm.SharedMemoryTransport` and
+    :class:`~.local.LocalTransport` (in-process queues) conform structurally; none needs to subclass this.
+    Every returned request has ``wait()``; peers are addressed by global rank (by device index in one process).
+    """
+
+    #: whether the backend matches messages by tag, so receives of different kinds may be posted in any order
+    tagged: bool
+    #: whether receives may be posted before the compute action that needs them
+    receives_ahead: bool
+
+    def send_activation(self, value: Tensor | tuple[Tensor, ...], dst: int, lane: int = 0, header: bool = True,
+                        micro_batch: int = -1) -> list[tuple[Any, Tensor]]:
+        """Send ``value`` (with its shape header unless ``header=False``); requests with the buffers they use."""
+        ...
+
+    def send_gradients(self, grads: Sequence[Tensor], dst: int, lane: int = 0, micro_batch: int = -1,
+                       ) -> list[tuple[Any, Tensor]]:
+        """Send the gradients of a received activation back to ``dst``."""
+        ...
+
+    def post_header(self, src: int, lane: int = 0) -> tuple[Any, Tensor]:
+        """Post the receive of an activation's shape header."""
+        ...
+
+    def post_payload(self, metas: Sequence[TensorMeta], src: int, tag: int, micro_batch: int = -1,
+                     ) -> list[tuple[Any, Tensor]]:
+        """Post a receive per tensor of ``metas``; requests with the buffers the tensors arrive in."""
+        ...
+
+
 class Transport:
-    """Sends and receives of one rank, addressed by global rank.
+    """Sends and receives of one rank, addressed by global rank, through ``torch.distributed``
+    (a :class:`MessageTransport`).
 
     Args:
         device: where received tensors are allocated.

@@ -10,6 +10,7 @@ with the chosen values given by hand. Rank 0 decides; every rank adopts the same
 from __future__ import annotations
 
 import copy
+import logging
 import math
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
@@ -17,10 +18,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_only, rank_zero_warn
 
 from lightning_pipe.engine import batch_size, keeps_one_fifo_order, split_micro_batches
 from lightning_pipe.errors import PipeConfigError
+from lightning_pipe.lightning import _compat
 from lightning_pipe.lightning.log_replay import LogCapture
 from lightning_pipe.partition import find_trunk, stage_bounds
 from lightning_pipe.partition.trunk import container_name
@@ -35,6 +37,9 @@ from lightning_pipe.planning.trials import on_device
 
 if TYPE_CHECKING:
     from lightning_pipe.lightning.strategy import PipeStrategy
+
+log = logging.getLogger(__name__)
+rank_zero_info = rank_zero_only(log.info)  # rank 0 decides and says so; every rank adopts the choice
 
 _STEPS = {
     TrainerFn.FITTING: ("fit_loop", "training_step"),
@@ -53,7 +58,7 @@ def first_batch(trainer: Trainer, module: LightningModule) -> tuple[Any, str]:
     restored afterwards, so the data order of the run is unchanged.
     """
     loop_name, hook = _STEPS.get(trainer.state.fn, _STEPS[TrainerFn.FITTING])
-    source = getattr(trainer, loop_name)._data_source
+    source = _compat.loop_data_source(trainer, loop_name)
     if not source.is_defined():
         raise PipeConfigError(f"balance='auto' profiles one batch but no {source.name} is defined; pass a dataloader or "
                               "give a list of layer counts.")
@@ -70,7 +75,7 @@ def first_batch(trainer: Trainer, module: LightningModule) -> tuple[Any, str]:
             raise PipeConfigError(f"balance='auto' profiles one batch but {source.name} is empty.") from None
         finally:
             del iterator  # shuts down worker processes
-    return module._apply_batch_transfer_handler(batch), hook
+    return _compat.transfer_batch(module, batch), hook
 
 
 # ------------------------------------------------------------------------------- balance="auto"
@@ -99,7 +104,7 @@ def balance(strategy: PipeStrategy, trainer: Trainer, module: LightningModule) -
         rank_zero_warn(warning)
     _, trunk = find_trunk(module, options.module)
     if isinstance(trunk, torch.nn.ModuleList) and options.auto_balance.refine and strategy.topology.stages > 1:
-        rank_zero_info(f"lightning_pipe: balance='auto' keeps the profiled split of the {container_name(trunk)} trunk: "
+        rank_zero_info(f"balance='auto' keeps the profiled split of the {container_name(trunk)} trunk: "
                        "the refinement runs stage copies as nn.Sequential, which a looped trunk's blocks are not.")
         return auto.plan, None
     if not options.auto_balance.refine or strategy.topology.stages == 1 or options.chunks_per_stage > 1:
@@ -114,9 +119,7 @@ def balance(strategy: PipeStrategy, trainer: Trainer, module: LightningModule) -
 def user_optimizer(module: LightningModule) -> tuple[type, dict[str, Any]]:
     """The class and defaults of the module's (first) optimizer; ``configure_optimizers`` is called
     once to learn them and its objects are discarded."""
-    from lightning.pytorch.core.optimizer import _init_optimizers_and_lr_schedulers
-
-    optimizer = _init_optimizers_and_lr_schedulers(module)[0][0]
+    optimizer = _compat.init_optimizers(module)[0]
     return optimizer_spec(optimizer)
 
 
@@ -149,9 +152,9 @@ def predict_candidates(
 def tune_avgpipe(strategy: PipeStrategy, trainer: Trainer, module: LightningModule, counts: list[int]) -> dict[str, int]:
     """avgpipe's ``"auto"`` options: a checkpoint's values, or profile, predict and try the best
     candidates on the devices; every rank returns the same values."""
-    stored = (trainer._checkpoint_connector._loaded_checkpoint or {}).get(avgpipe_autotune.CHECKPOINT_KEY)
+    stored = _compat.loaded_checkpoint(trainer).get(avgpipe_autotune.CHECKPOINT_KEY)
     if stored is not None:
-        rank_zero_info(f"lightning_pipe: avgpipe adopts the tuned values of the checkpoint: {stored}")
+        rank_zero_info(f"avgpipe adopts the tuned values of the checkpoint: {stored}")
         return stored
     options, stages = strategy.options, strategy.num_stages
     trunk = find_trunk(module, options.module)[1]

@@ -20,11 +20,11 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any
 
-from lightning.fabric.utilities.distributed import _set_num_threads_if_needed
 from lightning.pytorch import LightningModule
-from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+from typing_extensions import override
 
 from lightning_pipe.engine.watchdog import FAILURE_GRACE, process_alive
+from lightning_pipe.lightning import _compat
 from lightning_pipe.lightning.checks import check_loader, check_model
 
 if TYPE_CHECKING:
@@ -35,7 +35,7 @@ log = logging.getLogger(__name__)
 LAUNCHER_ENV = "LIGHTNING_PIPE_LAUNCHER_PID"
 
 
-class PipeLauncher(_SubprocessScriptLauncher):
+class PipeLauncher(_compat.ScriptLauncher):
     """Starts the other ranks of this node like Lightning's script launcher does (re-running the
     script), after the strategy's checks, and watches them with :class:`ChildObserver`.
 
@@ -49,6 +49,7 @@ class PipeLauncher(_SubprocessScriptLauncher):
         self._observer: ChildObserver | None = None
         self._watch: LauncherWatch | None = None
 
+    @override
     def launch(self, function: Any, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
         strategy = self.strategy
         if not self.cluster_environment.creates_processes_externally and args and isinstance(args[0], LightningModule):
@@ -58,12 +59,12 @@ class PipeLauncher(_SubprocessScriptLauncher):
         self.cluster_environment.validate_settings(num_devices=self.num_processes, num_nodes=self.num_nodes)
         if not self.cluster_environment.creates_processes_externally:
             os.environ[LAUNCHER_ENV] = str(os.getpid())  # the ranks started below watch this process
-            self._call_children_scripts()
+            _compat.start_children(self)
             self._observer = ChildObserver(self.procs, grace=FAILURE_GRACE)
             self._observer.start()
         else:
             self._watch = LauncherWatch.start_if_launched()
-        _set_num_threads_if_needed(num_processes=self.num_processes)
+        _compat.set_num_threads_if_needed(self.num_processes)
         try:
             return function(*args, **kwargs)
         except BaseException:
@@ -89,7 +90,7 @@ def end_children(children: list[subprocess.Popen]) -> None:
     for child in alive:
         child.wait()
     if alive:
-        log.error(f"lightning_pipe: the job failed during start-up; ended the {len(alive)} rank(s) this process started.")
+        log.error(f"the job failed during start-up; ended the {len(alive)} rank(s) this process started.")
 
 
 class LauncherWatch(threading.Thread):
@@ -127,6 +128,7 @@ class LauncherWatch(threading.Thread):
                 return
         if self.stop.wait(self.grace):
             return
+        # raw stderr: the process ends at once, and a thread blocked in start-up may hold a logging lock
         sys.stderr.write(f"lightning_pipe: the launching process (pid {self.launcher}) is gone and this rank did not end "
                          f"within {self.grace:.0f} s; exiting.\n")
         sys.stderr.flush()
@@ -165,7 +167,7 @@ class ChildObserver(threading.Thread):
         while time.monotonic() < deadline:  # this process normally raises that rank's error meanwhile
             if self.stop.wait(self.period):
                 return
-        log.error(f"lightning_pipe: local rank {rank} exited with code {code} and this process did not end within "
+        log.error(f"local rank {rank} exited with code {code} and this process did not end within "
                   f"{self.grace:.0f} s; ending the job's processes on this node.")
         for child in self.children:
             if child.poll() is None:

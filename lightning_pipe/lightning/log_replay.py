@@ -19,6 +19,8 @@ from lightning.pytorch import LightningModule
 from torch import Tensor
 from torchmetrics import Metric
 
+from lightning_pipe.lightning import _compat
+
 _LOG_SIGNATURE = inspect.signature(LightningModule.log)
 _REDUCTIONS = {"mean": "mean", "avg": "mean", "sum": "sum", "max": "max", "min": "min"}
 _TORCH_REDUCTIONS = {torch.mean: "mean", torch.sum: "sum", torch.max: "max", torch.min: "min"}
@@ -169,9 +171,8 @@ def _to_cpu(value: Any) -> Any:
 
 
 def _metric_state(metric: Metric) -> dict[str, Any]:
-    state = {name: _to_cpu(getattr(metric, name)) for name in metric._defaults}
-    state["_update_count"] = metric._update_count
-    state["_forward_cache"] = _to_cpu(metric._forward_cache)
+    state = {name: _to_cpu(value) for name, value in metric.metric_state.items()}
+    state.update({name: _to_cpu(value) for name, value in _compat.metric_bookkeeping(metric).items()})
     return state
 
 
@@ -183,4 +184,4 @@ def _load_metric_state(metric: Metric, state: dict[str, Any]) -> None:
         elif isinstance(value, list):
             value = [v.to(device) if isinstance(v, Tensor) else v for v in value]
         setattr(metric, name, value)
-    metric._computed = None
+    _compat.forget_computed(metric)

@@ -17,6 +17,8 @@ from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelSummary
 from lightning.pytorch.utilities.model_summary import summarize
 
+from lightning_pipe.lightning import _compat
+
 
 @dataclass(frozen=True)
 class FrozenSummary:
@@ -35,7 +37,7 @@ class FrozenSummary:
     @classmethod
     def of(cls, module: LightningModule, max_depth: int) -> FrozenSummary:
         summary = summarize(module, max_depth=max_depth)
-        return cls(summary._get_summary_data(), summary.total_parameters, summary.trainable_parameters,
+        return cls(_compat.summary_data(summary), summary.total_parameters, summary.trainable_parameters,
                    summary.model_size, dict(summary.total_training_modes), getattr(summary, "total_flops", 0))
 
 
@@ -46,9 +48,9 @@ def freeze_model_summaries(trainer: Trainer, module: LightningModule, is_global_
     callbacks report an empty one.
     """
     for callback in trainer.callbacks:
-        if isinstance(callback, ModelSummary) and callback._max_depth:
-            frozen = FrozenSummary.of(module, callback._max_depth) if is_global_zero else FrozenSummary()
-            callback._summary = _returning(frozen)  # instance attribute: shadows ModelSummary._summary
+        if isinstance(callback, ModelSummary) and _compat.summary_depth(callback):
+            frozen = FrozenSummary.of(module, _compat.summary_depth(callback)) if is_global_zero else FrozenSummary()
+            _compat.replace_summary(callback, _returning(frozen))
 
 
 def _returning(summary: FrozenSummary) -> Any:

@@ -24,6 +24,7 @@ from torchmetrics import Metric
 from lightning_pipe.engine.outside import reject_shared
 from lightning_pipe.engine.stage import batch_size
 from lightning_pipe.errors import SharedParameterError
+from lightning_pipe.lightning import _compat
 from lightning_pipe.lightning.log_replay import LogCapture
 from lightning_pipe.partition.split import PartitionedTrunk, StagePass, StageStop
 
@@ -191,8 +192,8 @@ def _metric_states(module: nn.Module) -> list[tuple[Any, dict[str, Any]]]:
     saved = []
     for metric in module.modules():
         if isinstance(metric, Metric):
-            state = {attr: copy.deepcopy(getattr(metric, attr)) for attr in metric._defaults}
-            state.update(_update_count=metric._update_count, _computed=metric._computed)
+            state = {attr: copy.deepcopy(value) for attr, value in metric.metric_state.items()}
+            state.update(_compat.metric_bookkeeping(metric))
             saved.append((metric, state))
     return saved
 

@@ -136,26 +136,35 @@ def apply_deprecated(groups: dict[str, Any], flat: Mapping[str, Any]) -> dict[st
     return groups
 
 
-def resolve(
-    schedule: str, micro_batches: int | str, stages: int | None, pipelines: int, balance: str | list[int], module: str | None,
-    chunks_per_stage: int | None, checkpoint_activations: bool, timeouts: tuple[float, float, float], sync_warmup_epochs: int,
-    groups: Mapping[str, Any], trace_dir: str | None, trace_steps: int, deprecated: Mapping[str, Any],
-    stage_metrics: bool = True, sync_warmup_steps: int = 0, shape_headers: str = "on_change", transport: str = "auto",
-    delay_warmup_steps: int = 0, quality_warning: bool = True, save_distributed_checkpoint: bool = False,
-) -> PipeOptions:
-    """Check the arguments of ``PipeStrategy`` and return them as :class:`PipeOptions`."""
-    row = spec(schedule)
-    resolved = {name: as_group(groups.get(name), cls, name) for name, cls in _GROUPS.items()}
-    resolved = apply_deprecated(resolved, deprecated)
-    if chunks_per_stage is None:
-        chunks_per_stage = row.default_chunks
-    options = PipeOptions(
-        schedule, micro_batches, stages, pipelines, list(balance) if not isinstance(balance, str) else balance, module,  # type: ignore[arg-type]
-        chunks_per_stage, checkpoint_activations, *map(float, timeouts), sync_warmup_epochs, resolved["pipemare"],
-        resolved["xpipe"], resolved["avgpipe"], resolved["auto_balance"], trace_dir, trace_steps, stage_metrics,
-        sync_warmup_steps, resolved["pipedream_2bw"], resolved["pipedream"], shape_headers, transport,  # type: ignore[arg-type]
-        delay_warmup_steps, quality_warning, bool(save_distributed_checkpoint),
-    )
+#: The names of :class:`PipeOptions`' fields: the ``PipeStrategy`` arguments :func:`resolve` takes.
+FIELDS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(PipeOptions))
+
+
+def resolve(given: Mapping[str, Any], deprecated: Mapping[str, Any] | None = None) -> PipeOptions:
+    """Check the arguments of ``PipeStrategy`` and return them as :class:`PipeOptions`.
+
+    Args:
+        given: ``PipeStrategy``'s arguments by name, any of :data:`FIELDS` (those left out keep their
+            defaults); an option group may be its dataclass, a dict of its fields or ``None``, and
+            ``chunks_per_stage=None`` takes the schedule's default.
+        deprecated: the 0.1 flat names (:data:`DEPRECATED`) by name; ``None`` values were not given.
+    """
+    unknown = sorted(set(given) - set(FIELDS))
+    if unknown:  # PipeStrategy's signature and PipeOptions' fields must name the same options
+        raise TypeError(f"PipeOptions has no field {', '.join(unknown)}")
+    values = {name: value for name, value in given.items() if name not in _GROUPS}
+    groups = {name: as_group(given.get(name), cls, name) for name, cls in _GROUPS.items()}
+    groups = apply_deprecated(groups, deprecated or {})
+    if values.get("chunks_per_stage") is None:
+        values["chunks_per_stage"] = spec(values.get("schedule", DEFAULT)).default_chunks
+    if "balance" in values and not isinstance(values["balance"], str):
+        values["balance"] = list(values["balance"])
+    for name in ("timeout", "startup_timeout", "checkpoint_timeout"):
+        if name in values:
+            values[name] = float(values[name])
+    if "save_distributed_checkpoint" in values:
+        values["save_distributed_checkpoint"] = bool(values["save_distributed_checkpoint"])
+    options = PipeOptions(**values, **groups)
     check(options)
     return options
 

@@ -21,11 +21,11 @@ from lightning_pipe.engine import Executor, Topology, Transport, Watchdog, batch
 from lightning_pipe.engine.local import LocalPipeline
 from lightning_pipe.engine.outside import OutsideParameters
 from lightning_pipe.engine.recorder import ActionRecorder
+from lightning_pipe.engine.stand_ins import replace_outside, runs_outside_code
 from lightning_pipe.errors import PipeConfigError
 from lightning_pipe.lightning.log_replay import LogCapture, combine, replay
 from lightning_pipe.lightning.module_glue import ModuleStages, detach_to_cpu, merge_outputs, step_loss
 from lightning_pipe.partition import find_trunk, stage_bounds
-from lightning_pipe.partition.absent import replace_outside, runs_outside_code
 from lightning_pipe.partition.split import PartitionedTrunk
 from lightning_pipe.planning.planner import Plan, format_bytes
 from lightning_pipe.registry import build_schedule
@@ -70,7 +70,7 @@ class StagePipeline:
         param_order: parameter names of the unpartitioned module.
 
     ``absent``: the ``state_dict`` names outside the trunk that this rank holds as stand-ins
-    (:mod:`lightning_pipe.partition.absent`), because it never runs the code that uses them.
+    (:mod:`lightning_pipe.engine.stand_ins`), because it never runs the code that uses them.
     """
 
     def __init__(
@@ -276,7 +276,7 @@ class StagePipeline:
         stages = strategy.num_stages
         chunked = options.chunks_per_stage > 1
         lines = [
-            f"lightning_pipe: {options.schedule}, {stages} stage(s) × {strategy.num_pipelines} pipeline(s), "
+            f"{options.schedule}, {stages} stage(s) × {strategy.num_pipelines} pipeline(s), "
             f"{options.micro_batches} micro-batches per batch"
             + (f", {options.avgpipe.parallel_pipelines} parallel pipelines per device" if options.spec.family == "averaging" else "")
             + (f", {options.chunks_per_stage} chunks per stage" if chunked else "")

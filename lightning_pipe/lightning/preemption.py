@@ -96,6 +96,7 @@ class Preemption:
         if self.received is not None:
             return
         self.received = time.monotonic()
+        # raw stderr, not the logger: inside a signal handler, a logging lock held by the interrupted code deadlocks
         sys.stderr.write(f"lightning_pipe: rank {self.rank} received SIGTERM; every rank stops after the current batch "
                          "and writes the checkpoints configured for an exception.\n")
         if self.forward is not None:
@@ -176,7 +177,7 @@ def _watch(read: int) -> None:
             run.end_during_startup(signal.SIGTERM)
         while (run := _current) is not None and run.active:
             why = run.overdue(signalled)
-            if why is not None:
+            if why is not None:  # raw stderr: the process ends at once, and a blocked thread may hold a logging lock
                 sys.stderr.write(f"lightning_pipe: rank {run.rank} {why}; exiting without a checkpoint.\n")
                 sys.stderr.flush()
                 os._exit(128 + signal.SIGTERM)
@@ -190,6 +191,6 @@ def outcome(trainer: Any) -> str:
     written += [str(c.dirpath) for c in on_exception]
     step = f"at step {trainer.global_step}"
     if written:
-        return f"lightning_pipe: the job stopped on SIGTERM {step}; checkpoint written: {', '.join(written)}."
-    return (f"lightning_pipe: the job stopped on SIGTERM {step}; no checkpoint was written, as no callback saves on an "
+        return f"the job stopped on SIGTERM {step}; checkpoint written: {', '.join(written)}."
+    return (f"the job stopped on SIGTERM {step}; no checkpoint was written, as no callback saves on an "
             "exception (add OnExceptionCheckpoint(dirpath) or ModelCheckpoint(save_on_exception=True) to keep the progress).")

@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_pipe.engine.recorder import Fanout, StepTimer
+from lightning_pipe.lightning import _compat
 
 if TYPE_CHECKING:
     from lightning_pipe.lightning.strategy import PipeStrategy
@@ -64,7 +65,7 @@ class StageMetrics:
     def begin(self) -> None:
         """Before a training step: measure it if Lightning will log it."""
         trainer = self.strategy.lightning_module.trainer
-        self.measuring = self.enabled and trainer._logger_connector.should_update_logs
+        self.measuring = self.enabled and _compat.logs_this_step(trainer)
         if not self.measuring:
             return
         self.timer.reset()

@@ -25,23 +25,22 @@ from typing import Any, ContextManager, Literal
 
 import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
-from lightning.fabric.utilities.distributed import _sync_ddp_if_available
-from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
-from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from torch import Tensor
 from torch.distributed import ReduceOp
 from torchmetrics import Metric
+from typing_extensions import override
 
 from lightning_pipe.engine import Topology, Transport, Watchdog, batch_size, ending, shm
 from lightning_pipe.engine.policies import AvgPipeOptions, DoubleBufferOptions, PipeDreamOptions, PipeMareOptions, XPipeOptions
 from lightning_pipe.engine.policies.options import Averaging, Prediction
+from lightning_pipe.engine.stand_ins import move_stand_ins
 from lightning_pipe.engine.watchdog import FAILURE_GRACE
 from lightning_pipe.errors import CheckpointMismatchError, LightningPipeError, PipeConfigError
 from lightning_pipe.lightning import _compat, auto, checkpointing, checks, preemption, sharded, startup
@@ -53,7 +52,6 @@ from lightning_pipe.lightning.pipeline import StagePipeline
 from lightning_pipe.lightning.preemption import Preemption
 from lightning_pipe.lightning.runtimes import Runtime, make_runtime, unwrapped
 from lightning_pipe.lightning.stage_metrics import StageMetrics
-from lightning_pipe.partition.absent import move_stand_ins
 from lightning_pipe.partition.materialize import INIT_HOOK, MetaConstruction, has_meta_tensors, materialize, release_memory
 from lightning_pipe.planning.auto_balance import AutoBalanceOptions
 from lightning_pipe.planning.planner import Plan
@@ -62,10 +60,21 @@ from lightning_pipe.registry import DEFAULT, SCHEDULES, ScheduleName
 from lightning_pipe.sim.tracing import RunTracer
 
 log = logging.getLogger(__name__)
+rank_zero_info = rank_zero_only(log.info)  # messages every rank would repeat: global rank 0 says them
 
 
 class _NamesItsOptions(type(DDPStrategy)):  # type: ignore[misc]
     """``PipeStrategy(micro_batch=4)`` says which option was meant instead of Python's bare TypeError."""
+
+    @property
+    def __signature__(cls) -> inspect.Signature:
+        """``inspect.signature(PipeStrategy)``: ``__init__``'s options with their types and defaults (without this,
+        ``__call__`` below would make it ``(*args, **kwargs)`` for IDEs and documentation tools)."""
+        try:
+            signature = inspect.signature(cls.__init__, eval_str=True)
+        except NameError:  # an annotation only importable for type checkers: keep it as text
+            signature = inspect.signature(cls.__init__)
+        return signature.replace(parameters=list(signature.parameters.values())[1:])
 
     def __call__(cls, *args: Any, **kwargs: Any) -> Any:
         known = inspect.signature(cls.__init__).parameters
@@ -262,14 +271,10 @@ class PipeStrategy(DDPStrategy, metaclass=_NamesItsOptions):
         process_group_backend: str | None = None,
         save_distributed_checkpoint: bool = False,
     ) -> None:
-        deprecated = {name: value for name, value in locals().items() if name in options_module.DEPRECATED}
+        given = locals()  # every option by its name: a new option is a parameter here and a field of PipeOptions
         self.options: PipeOptions = options_module.resolve(
-            schedule, micro_batches, stages, pipelines, balance, module, chunks_per_stage, checkpoint_activations,
-            (timeout, startup_timeout, checkpoint_timeout), sync_warmup_epochs,
-            {"pipemare": pipemare, "xpipe": xpipe, "pipedream_2bw": pipedream_2bw, "pipedream": pipedream, "avgpipe": avgpipe,
-             "auto_balance": auto_balance},
-            trace_dir, trace_steps, deprecated, stage_metrics, sync_warmup_steps, shape_headers, transport,
-            delay_warmup_steps, quality_warning, save_distributed_checkpoint,
+            {name: given[name] for name in options_module.FIELDS},
+            {name: given[name] for name in options_module.DEPRECATED},
         )
         super().__init__(
             accelerator=accelerator,
@@ -299,6 +304,7 @@ class PipeStrategy(DDPStrategy, metaclass=_NamesItsOptions):
         self._restore_after_setup: bool | None = None
 
     @classmethod
+    @override
     def register_strategies(cls, strategy_registry: Any) -> None:
         """Register every schedule of :mod:`lightning_pipe.registry` as a strategy name."""
         for name, row in SCHEDULES.items():
@@ -317,6 +323,7 @@ class PipeStrategy(DDPStrategy, metaclass=_NamesItsOptions):
         return self.options.micro_batches  # type: ignore[return-value]
 
     @property
+    @override
     def world_size(self) -> int:
         return self.num_nodes * self.num_processes
 
@@ -358,7 +365,7 @@ class PipeStrategy(DDPStrategy, metaclass=_NamesItsOptions):
     def tagged(self) -> bool:
         """Whether messages may carry tags (gloo), so avgpipe's replicas need not share one FIFO order
         (NCCL); a one-stage pipeline sends none."""
-        return self._get_process_group_backend() == "gloo" or self.num_stages == 1
+        return _compat.process_group_backend(self) == "gloo" or self.num_stages == 1
 
     def transport(self) -> Transport | None:
         """This rank's point-to-point layer (``None`` for a one-process pipeline); one per rank, since a
@@ -366,16 +373,19 @@ class PipeStrategy(DDPStrategy, metaclass=_NamesItsOptions):
         return self._transport
 
     @property
+    @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         return {"num_replicas": self.num_pipelines, "rank": self.global_rank // self.num_stages}
 
     # ------------------------------------------------------------------ before any process starts
+    @override
     def _configure_launcher(self) -> None:
         checks.resolve_stages(self.world_size, self.options.stages, self.options.pipelines)  # at Trainer(...)
         super()._configure_launcher()
-        if type(self._launcher) is _SubprocessScriptLauncher:  # check the model before the other ranks start
-            self._launcher = PipeLauncher(self)
+        if _compat.is_script_launcher(self.launcher):  # check the model before the other ranks start
+            _compat.set_launcher(self, PipeLauncher(self))
 
+    @override
     def connect(self, model: LightningModule) -> None:
         super().connect(model)
         checked, counts = self.checked
@@ -385,6 +395,7 @@ class PipeStrategy(DDPStrategy, metaclass=_NamesItsOptions):
 
     # ------------------------------------------------------------------ building the model
     @contextmanager
+    @override
     def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
         """Where ``configure_model`` (and ``trainer.init_module()``) create tensors: on the meta device,
         so that no rank ever holds the whole model; at setup each rank gives real memory only to its own
@@ -403,6 +414,7 @@ class PipeStrategy(DDPStrategy, metaclass=_NamesItsOptions):
             self._construction.finished += construction.finished
 
     @property
+    @override
     def restore_checkpoint_after_setup(self) -> bool:
         """A model built on the meta device has no memory to restore a checkpoint into before setup, and a
         sharded checkpoint is read by stage. Decided once, at the first read (Lightning reads it before and
@@ -414,20 +426,22 @@ class PipeStrategy(DDPStrategy, metaclass=_NamesItsOptions):
         return self._restore_after_setup
 
     # ------------------------------------------------------------------ setup
+    @override
     def setup_distributed(self) -> None:
         """As Lightning's, but every wait of the rendezvous is bounded by ``startup_timeout`` (:mod:`.startup`)."""
         if self.world_size > 1 and not torch.distributed.is_initialized():
             self.set_world_ranks()
             assert self.cluster_environment is not None
-            startup.init_process_group(self.cluster_environment, self._get_process_group_backend(), self.global_rank,
+            startup.init_process_group(self.cluster_environment, _compat.process_group_backend(self), self.global_rank,
                                        self.world_size, self.options.startup_timeout, self.root_device)
         super().setup_distributed()  # the group exists: Lightning only sets its own state
 
+    @override
     def setup_environment(self) -> None:
         if self._preemption is None:
             if self.cluster_environment is not None:
                 self.set_world_ranks()  # this rank's number, for the preemption's messages
-            forward = self._launcher.kill if isinstance(self._launcher, PipeLauncher) and self._launcher.procs else None
+            forward = self.launcher.kill if isinstance(self.launcher, PipeLauncher) and self.launcher.procs else None
             self._preemption = Preemption(self.global_rank, self.options.timeout, self.options.checkpoint_timeout, forward)
         self._preemption.install(starting=True)  # a SIGTERM from here to the first step ends the job at once
         super().setup_environment()
@@ -458,6 +472,7 @@ class PipeStrategy(DDPStrategy, metaclass=_NamesItsOptions):
         # CPU peers on other hosts, or in a container of their own, still go through the process group
         return shm.SharedMemoryTransport.create(self.root_device, peer_failed=lambda: self.watchdog.heard, **common)
 
+    @override
     def setup(self, trainer: Trainer) -> None:
         assert self.accelerator is not None and self.model is not None
         self.accelerator.setup(trainer)
@@ -504,15 +519,15 @@ class PipeStrategy(DDPStrategy, metaclass=_NamesItsOptions):
             self._runtime.attach(self._pipeline)
         self.setup_precision_plugin()
         # Lightning clips with this rank's parameters only; the pipeline needs the global norm
-        self.precision_plugin.clip_grad_by_norm = lambda optimizer, clip_val: self._pipeline.outside.clip_by_global_norm(
+        _compat.route_gradient_clipping(self.precision_plugin, lambda optimizer, clip_val: self._pipeline.outside.clip_by_global_norm(
             optimizer, clip_val, self.root_device
-        )
+        ))
         startup.end(self.topology, self.options.process_group_timeout)
         self.watchdog.collective_bound = None
-        if isinstance(self._launcher, PipeLauncher):
-            self._launcher.startup_over()
+        if isinstance(self.launcher, PipeLauncher):
+            self.launcher.startup_over()
         if fitting:
-            _optimizers_to_device(self.optimizers, self.root_device)
+            _compat.optimizers_to_device(self.optimizers, self.root_device)
             if self.is_global_zero:  # what a save killed half-way left in a checkpoint directory of this fit
                 for callback in trainer.checkpoint_callbacks:
                     if getattr(callback, "dirpath", None):
@@ -521,10 +536,10 @@ class PipeStrategy(DDPStrategy, metaclass=_NamesItsOptions):
     def _choose_split(self, trainer: Trainer, module: LightningModule) -> None:
         """``balance="auto"`` and avgpipe's ``"auto"`` options (a checkpoint's choice when resuming)."""
         options = self.options
-        stored = (trainer._checkpoint_connector._loaded_checkpoint or {}).get(checkpointing.BALANCE_KEY)
+        stored = _compat.loaded_checkpoint(trainer).get(checkpointing.BALANCE_KEY)
         if options.balance == "auto" and stored is not None and len(stored) == len(self._counts):
             # the checkpoint's per-stage state (asynchronous policies, avgpipe replicas) fits only its split
-            rank_zero_info(f"lightning_pipe: balance='auto' adopts the checkpoint's split {stored}")
+            rank_zero_info(f"balance='auto' adopts the checkpoint's split {stored}")
             self._counts = list(stored)
         elif options.balance == "auto":
             self._plan, self._measured = auto.balance(self, trainer, module)
@@ -550,6 +565,7 @@ class PipeStrategy(DDPStrategy, metaclass=_NamesItsOptions):
         return self._pipeline.describe(self._plan, self._measured)
 
     # ------------------------------------------------------------------ training
+    @override
     def training_step(self, *args: Any, **kwargs: Any) -> Tensor:
         """Run the batch through the pipeline (forwards and backwards of every micro-batch); return
         its loss on every rank. Flushing schedules run one whole step here; asynchronous ones one
@@ -567,6 +583,7 @@ class PipeStrategy(DDPStrategy, metaclass=_NamesItsOptions):
         self._metrics.end(self._runtime.stage_diagnostics, batch_size(args[0]))
         return loss
 
+    @override
     def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
         """Restore the gradients the schedule computed (no autograd runs here)."""
         module = self.lightning_module
@@ -575,6 +592,7 @@ class PipeStrategy(DDPStrategy, metaclass=_NamesItsOptions):
         self._runtime.backward()
         return self.precision_plugin.post_backward(closure_loss, module)
 
+    @override
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
         """Schedules that step inside the pipeline only run the closure (training_step and backward)."""
         if self._runtime is not None and self._runtime.steps_inside:
@@ -585,19 +603,23 @@ class PipeStrategy(DDPStrategy, metaclass=_NamesItsOptions):
         if self._runtime is not None:
             self._runtime.drain()
 
+    @override
     def on_validation_start(self) -> None:
         self._drain()
         self._handle_sigterm()
         super().on_validation_start()
 
+    @override
     def on_train_start(self) -> None:
         self._handle_sigterm()
         super().on_train_start()
 
+    @override
     def on_test_start(self) -> None:
         self._handle_sigterm()
         super().on_test_start()
 
+    @override
     def on_predict_start(self) -> None:
         self._handle_sigterm()
         super().on_predict_start()
@@ -624,23 +646,27 @@ class PipeStrategy(DDPStrategy, metaclass=_NamesItsOptions):
         if self._preemption.stop_now(received) and not trainer.received_sigterm:
             _compat.set_received_sigterm(trainer)
 
+    @override
     def on_train_end(self) -> None:
         self._drain()
         if self._tracer is not None:
             title = f"{self.schedule}: {self.num_stages} stages, M={self.micro_batches}, measured"
             for path in self._tracer.write(self.global_rank, self.world_size, title):
-                rank_zero_info(f"lightning_pipe: wrote {path}")
+                rank_zero_info(f"wrote {path}")
         super().on_train_end()
 
     # ------------------------------------------------------------------ evaluation
+    @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         with self.precision_plugin.val_step_context():
             return self._forward_step("validation_step", args, kwargs)
 
+    @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
         with self.precision_plugin.test_step_context():
             return self._forward_step("test_step", args, kwargs)
 
+    @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
         with self.precision_plugin.predict_step_context():
             return self._forward_step("predict_step", args, kwargs)
@@ -651,6 +677,7 @@ class PipeStrategy(DDPStrategy, metaclass=_NamesItsOptions):
         return self._pipeline.forward_step(hook, args, kwargs)
 
     # ------------------------------------------------------------------ checkpoints
+    @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """The unpartitioned module's state_dict on rank 0 (``{}`` elsewhere)."""
         if self._pipeline is None:
@@ -660,6 +687,7 @@ class PipeStrategy(DDPStrategy, metaclass=_NamesItsOptions):
             return sharded.model_part(self._pipeline)
         return checkpointing.module_state(self._pipeline)
 
+    @override
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
         """One torch-format optimizer state for the whole module on rank 0 (``{}`` elsewhere)."""
         if self._pipeline is None:
@@ -669,6 +697,7 @@ class PipeStrategy(DDPStrategy, metaclass=_NamesItsOptions):
             return sharded.optimizer_part(self._pipeline, self._runtime, unwrapped(optimizer))
         return checkpointing.optimizer_state(self._pipeline, self._runtime, unwrapped(optimizer))
 
+    @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
         """Add the pipeline's own state, then write on rank 0 (atomically: see :func:`~.checkpointing.atomic_save`)."""
         distributed = self.options.save_distributed_checkpoint and self._pipeline is not None
@@ -683,6 +712,7 @@ class PipeStrategy(DDPStrategy, metaclass=_NamesItsOptions):
         elif self.is_global_zero:
             checkpointing.atomic_save(self.checkpoint_io, checkpoint, filepath, storage_options)
 
+    @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         """A sharded directory: this rank's part only (its model entries loaded in place); a file: all of it,
         and a file that cannot be read fails with :class:`~lightning_pipe.CheckpointFileError` naming it."""
@@ -697,6 +727,7 @@ class PipeStrategy(DDPStrategy, metaclass=_NamesItsOptions):
             )
         return sharded.load(self._pipeline, checkpoint_path)
 
+    @override
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
         if sharded.SHARDED_KEY in checkpoint:  # loaded in place by load_checkpoint
             return
@@ -706,6 +737,7 @@ class PipeStrategy(DDPStrategy, metaclass=_NamesItsOptions):
             where = f"{self._loading}: " if self._loading is not None else ""
             raise CheckpointMismatchError(f"{where}{error}") from None
 
+    @override
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:
         if self._runtime is not None:
             try:
@@ -719,9 +751,10 @@ class PipeStrategy(DDPStrategy, metaclass=_NamesItsOptions):
                 sharded.load_optimizer(self._pipeline, self._runtime, unwrapped(optimizer), state)
             else:
                 checkpointing.load_optimizer_state(self._pipeline, self._runtime, unwrapped(optimizer), state)
-        _optimizers_to_device(self.optimizers, self.root_device)
+        _compat.optimizers_to_device(self.optimizers, self.root_device)
 
     # ------------------------------------------------------------------ collectives
+    @override
     def reduce(self, tensor: Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean") -> Any:
         """``group=None`` reduces over the data-parallel (stage) group: every stage of a pipeline
         already holds the same replayed value, so reducing over the world would count it once per stage;
@@ -731,23 +764,27 @@ class PipeStrategy(DDPStrategy, metaclass=_NamesItsOptions):
         if group is None and self._topology is not None:
             group = self._topology.stage_group
         with self._guard("every rank's value (a reduced metric)"):
-            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+            return _compat.sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
 
+    @override
     def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
         value = torch.tensor(int(decision), device=self.root_device)
         with self._guard("every rank's decision (e.g. a callback's)"):
-            value = _sync_ddp_if_available(value, None, reduce_op=ReduceOp.SUM)
+            value = _compat.sync_ddp_if_available(value, None, reduce_op=ReduceOp.SUM)
         return bool(value == self.world_size) if all else bool(value)
 
     # Lightning's own collectives: a peer's failure reads as PeerFailure here too, not as gloo's words
+    @override
     def barrier(self, name: str | None = None) -> None:
         with self._guard(f"the other ranks at a barrier{f' ({name})' if name else ''}"):
             super().barrier(name)
 
+    @override
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         with self._guard(f"rank {src}'s broadcast"):
             return super().broadcast(obj, src)
 
+    @override
     def all_gather(self, tensor: Tensor, group: Any | None = None, sync_grads: bool = False) -> Tensor:
         with self._guard("every rank's tensor (all_gather)"):
             return super().all_gather(tensor, group, sync_grads)
@@ -755,24 +792,23 @@ class PipeStrategy(DDPStrategy, metaclass=_NamesItsOptions):
     def _guard(self, what: str) -> ContextManager[None]:
         return self._watchdog.guard(what) if self._watchdog is not None else nullcontext()
 
+    @override
     def teardown(self) -> None:
         if self._preemption is not None:
             self._preemption.uninstall()
-        if self._pipeline is not None and self._pipeline.absent and self._lightning_module is not None:
+        if self._pipeline is not None and self._pipeline.absent and self.lightning_module is not None:
             # Lightning moves the module to the CPU next: a stand-in on a GPU would arrive there at full size
-            move_stand_ins(self._lightning_module, torch.device("cpu"))
+            move_stand_ins(self.lightning_module, torch.device("cpu"))
         if self._watchdog is not None:
             self._watchdog.close()
-        module = self._lightning_module
+        module = self.lightning_module
         if module is not None and has_meta_tensors(module):  # a failure before setup gave it memory: nothing to move
-            self._lightning_module = None
-            try:
+            with _compat.module_hidden(self):
                 super().teardown()
-            finally:
-                self._lightning_module = module
             return
         super().teardown()
 
+    @override
     def on_exception(self, exception: BaseException) -> None:
         """Tell the other ranks why this one fails, and make sure none outlives the job."""
         if self.world_size > 1:  # be gone well within the peers' reaper grace (engine/ending.py)
@@ -789,7 +825,7 @@ class PipeStrategy(DDPStrategy, metaclass=_NamesItsOptions):
             if not isinstance(exception, LightningPipeError):  # e.g. a raw collective error inside Lightning
                 report = self._watchdog.peer_error(wait=self._watchdog.grace)
                 if report is not None and not report.startswith(f"rank {self.global_rank} "):
-                    log.error(f"lightning_pipe: rank {self.global_rank} failed ({type(exception).__name__}: {exception}) "
+                    log.error(f"rank {self.global_rank} failed ({type(exception).__name__}: {exception}) "
                               f"after {report}")
             self._watchdog.end_stragglers(FAILURE_GRACE)
         super().on_exception(exception)

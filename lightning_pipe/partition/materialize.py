@@ -30,8 +30,8 @@ import torch
 from torch import Tensor, nn
 from torch.nn.modules.module import register_module_module_registration_hook
 
+from lightning_pipe.engine.stand_ins import is_absent
 from lightning_pipe.errors import PipeConfigError
-from lightning_pipe.partition.absent import is_absent
 
 #: the LightningModule method that replaces ``module.reset_parameters()`` when defined
 INIT_HOOK = "reset_module_parameters"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from lightning_pipe.partition.absent import is_absent, move_stand_ins, replace_outside, runs_outside_code
+from lightning_pipe.engine.stand_ins import is_absent, move_stand_ins, replace_outside, runs_outside_code
 
 
 def test_which_ranks_run_the_code_outside_the_trunk():

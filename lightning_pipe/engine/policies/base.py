@@ -20,7 +20,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_pipe.engine.policies.options import AsyncOptions
-from lightning_pipe.partition.absent import is_absent
+from lightning_pipe.engine.stand_ins import is_absent
 
 Clip = Callable[[Sequence[Tensor]], None]
 
@@ -72,7 +72,7 @@ class WeightPolicy:
         self.options = options
         self.scheduler = scheduler
         self.clip = clip
-        self.params = {  # a stand-in (lightning_pipe.partition.absent) has no values to step or copy
+        self.params = {  # a stand-in (lightning_pipe.engine.stand_ins) has no values to step or copy
             name: p for name, p in root.named_parameters()
             if p.requires_grad and not is_absent(p) and (names is None or name in names)
         }

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from lightning_pipe.partition.absent import is_absent
+from lightning_pipe.engine.stand_ins import is_absent
 
 if TYPE_CHECKING:
     from lightning_pipe.lightning.pipeline import StagePipeline
@@ -15,7 +15,7 @@ if TYPE_CHECKING:
 
 
 def trainable(strategy: PipeStrategy) -> list[torch.nn.Parameter]:
-    """The parameters this rank trains (not the stand-ins of :mod:`lightning_pipe.partition.absent`)."""
+    """The parameters this rank trains (not the stand-ins of :mod:`lightning_pipe.engine.stand_ins`)."""
     return [p for p in strategy.lightning_module.parameters() if p.requires_grad and not is_absent(p)]
 
 

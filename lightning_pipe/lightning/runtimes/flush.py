@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 from torch import Tensor
 
 from lightning_pipe.engine.collectives import GradientReducer, all_reduce_flat
+from lightning_pipe.lightning import _compat
 from lightning_pipe.lightning.runtimes.common import BaseRuntime, trainable
 
 if TYPE_CHECKING:
@@ -44,7 +45,7 @@ class FlushRuntime(BaseRuntime):
         # across pipelines, average while the last backward runs (DDP's overlap); not when the step adds
         # to earlier batches' gradients, which only the sum at backward() completes
         last_backward = None
-        if self.strategy.num_pipelines > 1 and all(g is None for g in earlier) and not trainer.fit_loop._should_accumulate():
+        if self.strategy.num_pipelines > 1 and all(g is None for g in earlier) and not _compat.should_accumulate(trainer):
             if self._reducer is None or [id(p) for p in self._reducer.params] != [id(p) for p in params]:
                 self._reducer = GradientReducer(params, self.strategy.topology.stage_group, self.strategy.num_pipelines)
             last_backward, self._reducing = self._reducer.armed, True
@@ -61,7 +62,7 @@ class FlushRuntime(BaseRuntime):
 
     def backward(self) -> None:
         self._put_back()
-        if self.strategy.lightning_module.trainer.fit_loop._should_accumulate():
+        if _compat.should_accumulate(self.strategy.lightning_module.trainer):
             return
         reduced, self._reducing = self._reducing, False
         if reduced:  # each stage's share first; the sum over stages below commutes with the mean
