@@ -40,7 +40,7 @@ class TrunkModel(L.LightningModule):
 
     def __init__(self, width: int = 16, depth: int = 6, classes: int = 4, optimizer: str = "sgd", fail_at: int = -1,
                  fail_rank: int = -1, tie: bool = False, scheduler: bool | str = False, fail_hook: str | None = None,
-                 fault: dict | None = None, configure: bool = False):
+                 fault: dict | None = None, configure: bool = False, overflow: dict | None = None):
         super().__init__()
         self.save_hyperparameters()
         self.tie, self.scheduler = tie, scheduler
@@ -50,6 +50,7 @@ class TrunkModel(L.LightningModule):
         self.optimizer = optimizer
         self.fail_at, self.fail_rank, self.fail_hook = fail_at, fail_rank, fail_hook
         self.fault = fault  # {"kind": "stop" | "kill" | "sleep", "rank": r, "step": s}: see inject()
+        self.overflow = overflow  # {"param": name, "step": s}: that parameter's gradient is inf at global step s
         self.val_acc = torchmetrics.classification.MulticlassAccuracy(num_classes=classes, average="micro")
         self.val_mae = torchmetrics.MeanAbsoluteError()
 
@@ -77,6 +78,13 @@ class TrunkModel(L.LightningModule):
 
     def on_train_start(self):
         self._fail_in("on_train_start")
+        if self.overflow is not None:  # only the rank (stage) holding the parameter overflows
+            param = dict(self.named_parameters())[self.overflow["param"]]
+            if not param.is_meta:
+                param.register_hook(self._overflow)
+
+    def _overflow(self, grad):
+        return grad + float("inf") if self.trainer.global_step == self.overflow["step"] else grad
 
     def validation_step(self, batch, batch_idx):
         x, y = batch
@@ -164,6 +172,7 @@ class Recorder(L.Callback):
         self.metrics: list[dict[str, float]] = []
         self.returned: list[float] = []
         self.first_grads: dict[str, torch.Tensor] = {}
+        self.scales: list[float] = []
 
     def on_before_optimizer_step(self, trainer, module, optimizer):
         if not self.first_grads:
@@ -175,6 +184,9 @@ class Recorder(L.Callback):
 
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
         self.metrics.append({k: float(v) for k, v in trainer.callback_metrics.items()})
+        scaler = getattr(trainer.precision_plugin, "scaler", None)
+        if scaler is not None:  # fp16 loss scaling: the scale after this step's update
+            self.scales.append(float(scaler.get_scale()))
         self.returned.append(float(outputs["loss"]))
 
 
@@ -271,6 +283,10 @@ def train(config: dict[str, Any]) -> dict[str, Any]:
         use_distributed_sampler=False,
         callbacks=callbacks,
     )
+    if config.get("fp16_cpu"):  # Lightning turns precision="16-mixed" on the CPU into bf16: fp16 with a CPU GradScaler
+        from lightning.pytorch.plugins import MixedPrecision
+
+        options["plugins"] = [MixedPrecision("16-mixed", "cpu", torch.amp.GradScaler("cpu"))]
     trainer = L.Trainer(**{**options, **config.get("trainer", {})})
     dataset = data(config.get("samples", 96))
     sampler = None
@@ -299,6 +315,7 @@ def train(config: dict[str, Any]) -> dict[str, Any]:
         "rank": trainer.global_rank,
         "metrics": recorder.metrics,
         "returned": recorder.returned,
+        "scales": recorder.scales,
         "grads": recorder.first_grads,
         "state": {k: v.clone() for k, v in model.state_dict().items()},
         "global_step": trainer.global_step,
