@@ -33,6 +33,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.utils._pytree import tree_leaves
 
+from lightning_pipe.engine.watchdog import stream_ordered
 from lightning_pipe.errors import MessageMismatchError, StageOutputError
 
 HEADER_SLOTS = 256
@@ -247,6 +248,8 @@ class Transport:
         self.tagged = tagged
         self.channels = channels
         self.rank = dist.get_rank() if channels is not None else -1
+        #: NCCL: waits make the CUDA stream wait, not the host (:func:`~.watchdog.stream_ordered`)
+        self.stream_ordered = stream_ordered(device, tagged)
 
     def _tag(self, tag: int) -> int:
         return tag if self.tagged else 0

@@ -1,0 +1,51 @@
+"""The GPU path's rules, checked on the CPU with fakes (issue 30): which wait a transport's requests get,
+when a header goes through pinned memory."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import pytest
+import torch
+
+from lightning_pipe.engine.executor import Executor
+from lightning_pipe.engine.p2p import Transport
+from lightning_pipe.engine.watchdog import Watchdog, stream_ordered
+
+
+class FakeWork:
+    """A request that records how it was waited for."""
+
+    def __init__(self) -> None:
+        self.waits: list[tuple] = []
+
+    def wait(self, *timeout) -> bool:
+        self.waits.append(timeout)
+        return True
+
+
+@pytest.mark.parametrize("device,tagged,expected", [("cuda", False, True), ("cpu", True, False),
+                                                    ("cpu", False, False), ("cuda", True, False)])
+def test_only_nccl_waits_on_the_stream(device, tagged, expected):
+    """NCCL (untagged, CUDA tensors) waits on the stream; gloo (tagged) and CPU tensors wait on the host."""
+    assert stream_ordered(torch.device(device), tagged) is expected
+    assert Transport(torch.device(device), tagged=tagged).stream_ordered is expected
+
+
+def test_a_stream_ordered_wait_has_no_host_timeout_and_a_host_wait_is_bounded():
+    watchdog = Watchdog(timeout=7.0)
+    nccl, gloo = FakeWork(), FakeWork()
+    watchdog.wait(nccl, "an activation", stream_ordered=True)
+    watchdog.wait(gloo, "an activation")
+    assert nccl.waits == [()]  # NCCL: the current stream waits, the host goes on
+    assert gloo.waits == [(timedelta(seconds=7.0),)]
+
+
+def test_the_executor_waits_as_its_transport_says():
+    cuda = Executor(0, [0, 1], [lambda x: x], transport=Transport(torch.device("cuda"), tagged=False))
+    cpu = Executor(0, [0, 1], [lambda x: x], transport=Transport(torch.device("cpu"), tagged=True))
+    assert cuda._stream_ordered and not cpu._stream_ordered
+    work = FakeWork()
+    cuda._wait_sends([work])
+    cpu._wait_sends([work])
+    assert work.waits == [(), (timedelta(seconds=cpu.watchdog.timeout),)]
