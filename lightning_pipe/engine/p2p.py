@@ -100,7 +100,7 @@ class Header:
             )
         header = torch.zeros(HEADER_SLOTS, dtype=torch.int64)
         header[: len(slots)] = torch.tensor(slots, dtype=torch.int64)
-        return header.to(device)
+        return host_to_device(header, device)
 
     @classmethod
     def decode(cls, header: Tensor) -> Header:
@@ -188,6 +188,21 @@ class ShapeCache:
                 "whose inputs have the same shapes, so its next stage would assume the old ones. If its output "
                 "shapes depend on the data, use PipeStrategy(shape_headers=\"always\")."
             )
+
+
+def host_to_device(host: Tensor, device: torch.device) -> Tensor:
+    """``host`` (a small CPU tensor, e.g. a header) on ``device``, without blocking the host on a CUDA device.
+
+    From pageable memory, ``.to(cuda)`` synchronises: the driver stages the bytes and the host waits.
+    From pinned memory with ``non_blocking=True`` the copy is queued on the current stream and the host
+    goes on. The pinned buffer is new for every call and comes from torch's caching host allocator,
+    which records an event on the copy's stream and hands the block out again only once that event has
+    passed: the buffer is not reused (or written) before the copy ends, although this function drops
+    its last reference at once. The copy is ordered before any later work of the stream (the send
+    that carries the header), so the device tensor is complete when it is read."""
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 def is_differentiable(meta: TensorMeta) -> bool:

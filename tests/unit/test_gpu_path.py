@@ -49,3 +49,47 @@ def test_the_executor_waits_as_its_transport_says():
     cuda._wait_sends([work])
     cpu._wait_sends([work])
     assert work.waits == [(), (timedelta(seconds=cpu.watchdog.timeout),)]
+
+
+class CopyLog:
+    """Stands in for a tensor's ``pin_memory`` and ``to``: records the calls, copies nothing."""
+
+    def __init__(self, monkeypatch) -> None:
+        self.calls: list[tuple] = []
+        log = self
+
+        def pin_memory(tensor, *args):
+            log.calls.append(("pin_memory",))
+            return tensor
+
+        def to(tensor, device, non_blocking=False, **kwargs):
+            log.calls.append(("to", torch.device(device).type, non_blocking))
+            return tensor
+
+        monkeypatch.setattr(torch.Tensor, "pin_memory", pin_memory)
+        monkeypatch.setattr(torch.Tensor, "to", to)
+
+
+@pytest.mark.parametrize("device,expected", [
+    ("cuda", [("pin_memory",), ("to", "cuda", True)]),  # pinned, then queued on the stream
+    ("cpu", [("to", "cpu", False)]),  # nothing to stage (and pinning needs CUDA)
+])
+def test_a_header_goes_to_a_cuda_device_through_pinned_memory(monkeypatch, device, expected):
+    from lightning_pipe.engine.p2p import Header, host_to_device
+
+    log = CopyLog(monkeypatch)
+    host_to_device(torch.zeros(4, dtype=torch.int64), torch.device(device))
+    assert log.calls == expected
+    log.calls.clear()
+    Header.of(torch.zeros(2, 3)).encode(torch.device(device))
+    assert log.calls == expected
+
+
+def test_the_emulation_keeps_its_headers_in_host_memory():
+    """One process decodes the header it sent: a device copy would only add a host synchronisation."""
+    from lightning_pipe.engine.local import LocalTransport
+
+    queues, sent = {}, {}
+    LocalTransport(0, queues, sent).send_activation(torch.zeros(2, 3), dst=1)
+    _, header = LocalTransport(1, queues, sent).post_header(0)
+    assert header.device.type == "cpu"
