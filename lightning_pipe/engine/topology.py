@@ -18,6 +18,13 @@ import torch.distributed as dist
 
 from lightning_pipe.engine.p2p import ChannelGroups
 
+#: The groups this process made, per (stages, pipelines, rank, with channel groups), with the world group
+#: they were made in: a new Trainer call (fit, validate, test; every one sets the strategy up again) takes
+#: them back instead of making new ones, which torch would keep until the process ends (issue 30, hazard 9).
+#: A world group destroyed and made again (``destroy_process_group``, then ``init_process_group``) is
+#: another object: the groups of the old one are not taken.
+_MADE: dict[tuple[int, int, int, bool], tuple[Any, ...]] = {}
+
 
 @dataclass
 class Topology:
@@ -60,7 +67,9 @@ class Topology:
         return [p * self.stages + self.stage for p in range(self.pipelines)]
 
     def create_groups(self, directional: bool = False, timeout: timedelta | None = None) -> None:
-        """Create the pipeline and stage groups (every rank must call this, in the same order).
+        """Create the pipeline and stage groups (every rank must call this, in the same order), or take
+        back those this process made for the same placement (every rank then takes them back: the
+        calls match, since every rank's Trainer sets up the same number of times).
 
         Args:
             directional: also create :attr:`channel_groups`, a group of every rank per direction and
@@ -70,6 +79,17 @@ class Topology:
                 :meth:`set_timeout` changes it later."""
         if self.world_size == 1 or not dist.is_initialized():
             return
+        key = (self.stages, self.pipelines, self.rank, directional and self.stages > 1)
+        made = _MADE.get(key)
+        if made is not None and made[0] is dist.group.WORLD:  # made in this process already, for this world
+            self.pipeline_group, self.stage_group, self.channel_groups, self.object_group = made[1:]
+            if timeout is not None:  # what a new group would have started with
+                self.set_timeout(timeout.total_seconds())
+            return
+        self._make_groups(directional, timeout)
+        _MADE[key] = (dist.group.WORLD, self.pipeline_group, self.stage_group, self.channel_groups, self.object_group)
+
+    def _make_groups(self, directional: bool, timeout: timedelta | None) -> None:
         if directional and self.stages > 1:
             self.channel_groups = ChannelGroups.create(timeout)
         on_gloo = dist.get_backend() == "gloo"

@@ -297,20 +297,60 @@ def train(config: dict[str, Any]) -> dict[str, Any]:
     eval_loader = DataLoader(data(40, seed=1), batch_size=config.get("eval_batch_size", 12))
     evaluate = config.get("evaluate", False)
     validate_during_fit = evaluate or bool(config.get("full_callbacks"))
-    trainer.fit(model, loader, eval_loader if validate_during_fit else None, ckpt_path=config.get("ckpt_path"))
+    groups = GroupCount() if config.get("count_groups") else None
+    try:
+        trainer.fit(model, loader, eval_loader if validate_during_fit else None, ckpt_path=config.get("ckpt_path"))
+        results = run_after_fit(config, trainer, model, eval_loader, groups)
+    finally:
+        if groups is not None:
+            groups.restore()
+    return {**results, **record_of(recorder, trainer, model)}
+
+
+class GroupCount:
+    """Counts ``torch.distributed.new_group`` calls until :meth:`restore`."""
+
+    def __init__(self) -> None:
+        import torch.distributed as dist
+
+        self.made, self.original = 0, dist.new_group
+
+        def counting(*args, **kwargs):
+            self.made += 1
+            return self.original(*args, **kwargs)
+
+        dist.new_group = counting
+
+    def restore(self) -> None:
+        import torch.distributed as dist
+
+        dist.new_group = self.original
+
+
+def run_after_fit(config: dict[str, Any], trainer: L.Trainer, model: L.LightningModule, eval_loader: DataLoader,
+                  groups: GroupCount | None) -> dict[str, Any]:
+    """What the config asks for after ``trainer.fit``: a checkpoint, validate / test / predict, the best checkpoints."""
     if config.get("ckpt_out"):
         trainer.save_checkpoint(config["ckpt_out"])
-    results = {}
-    if evaluate:
+    results: dict[str, Any] = {}
+    if groups is not None:
+        results["groups_made_by_fit"] = groups.made
+    if config.get("evaluate", False):
         results["validate"] = trainer.validate(model, eval_loader, verbose=False)
         results["test"] = trainer.test(model, eval_loader, verbose=False)
         results["predict"] = trainer.predict(model, eval_loader)
+    if groups is not None:
+        results["groups_made_after_fit"] = groups.made - results["groups_made_by_fit"]
     if config.get("full_callbacks"):
         best = trainer.checkpoint_callbacks[0]
         results["checkpointing"] = {"best_score": float(best.best_model_score), "best_k": sorted(
             os.path.basename(k) for k in best.best_k_models), "stopped_epoch": trainer.current_epoch}
+    return results
+
+
+def record_of(recorder: Recorder, trainer: L.Trainer, model: L.LightningModule) -> dict[str, Any]:
+    """This rank's record of the run."""
     return {
-        **results,
         "val_metrics": recorder.val_metrics,
         "rank": trainer.global_rank,
         "metrics": recorder.metrics,
