@@ -3,7 +3,7 @@
 Consecutive global ranks form one pipeline (``rank = pipeline * stages + stage``), so a pipeline's
 neighbours share a node. Two kinds of groups: a pipeline group (all stages of one pipeline: metric
 broadcast) and a stage group (the same stage across pipelines: gradient all-reduce); on NCCL also
-one group per point-to-point channel, a direction of a pair and a message kind (``ChannelGroups``),
+a two-rank group per point-to-point channel, a direction of a pair and a message kind (``ChannelGroups``),
 and a gloo copy of the pipeline group for Python objects (a checkpoint's stages gathered on rank 0 go
 through host memory, never through GPU memory as NCCL's ``gather_object`` would take them).
 """
@@ -72,8 +72,8 @@ class Topology:
         calls match, since every rank's Trainer sets up the same number of times).
 
         Args:
-            directional: also create :attr:`channel_groups`, a group of every rank per direction and
-                message kind for point-to-point messages (:class:`~lightning_pipe.engine.p2p.ChannelGroups`;
+            directional: also create :attr:`channel_groups`, a two-rank group per pair of neighbours,
+                direction and message kind for point-to-point messages (:class:`~lightning_pipe.engine.p2p.ChannelGroups`;
                 untagged backends, i.e. NCCL).
             timeout: the groups' timeout for collectives (torch's default when ``None``: 30 min on gloo);
                 :meth:`set_timeout` changes it later."""
@@ -91,7 +91,7 @@ class Topology:
 
     def _make_groups(self, directional: bool, timeout: timedelta | None) -> None:
         if directional and self.stages > 1:
-            self.channel_groups = ChannelGroups.create(timeout)
+            self.channel_groups = ChannelGroups.create(timeout, self.stages, self.pipelines)
         on_gloo = dist.get_backend() == "gloo"
         for p in range(self.pipelines):
             ranks = [p * self.stages + s for s in range(self.stages)]
@@ -111,7 +111,7 @@ class Topology:
         if not dist.is_initialized():
             return
         channels = self.channel_groups
-        point_to_point = (channels.down_activation, channels.up_gradient, channels.down_gradient) if channels else ()
+        point_to_point = tuple(channels.groups.values()) if channels else ()
         named = (dist.group.WORLD, self.pipeline_group, self.object_group, self.stage_group, *point_to_point)
         groups = {id(g): g for g in named if g is not None}
         for group in groups.values():
