@@ -93,3 +93,23 @@ def test_the_emulation_keeps_its_headers_in_host_memory():
     LocalTransport(0, queues, sent).send_activation(torch.zeros(2, 3), dst=1)
     _, header = LocalTransport(1, queues, sent).post_header(0)
     assert header.device.type == "cpu"
+
+
+def test_the_gpu_tests_import_neither_jsonargparse_nor_hypothesis():
+    """The GPU machine's Python has neither (issue 30): the GPU tests, tests/conftest.py and the harness they
+    import must not need them."""
+    import pathlib
+    import subprocess
+    import sys
+
+    code = ("import sys, builtins\n"
+            "real = builtins.__import__\n"
+            "def guard(name, *a, **k):\n"
+            "    if name.split('.')[0] in ('jsonargparse', 'hypothesis'):\n"
+            "        raise ImportError('no ' + name + ' on the GPU machine')\n"
+            "    return real(name, *a, **k)\n"
+            "builtins.__import__ = guard\n"
+            "import tests.conftest, tests.gpu.test_one_gpu, tests.harness.pool\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                            cwd=pathlib.Path(__file__).parents[2])
+    assert result.returncode == 0, result.stderr[-2000:]
