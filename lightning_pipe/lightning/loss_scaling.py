@@ -54,14 +54,21 @@ def agree_on_overflow(scaler: Any, group: Any = None) -> None:
         return
     if dist.get_world_size(group) == 1:
         return
-    unscale = scaler.unscale_
+    unscale, check = scaler.unscale_, scaler._check_inf_per_device
 
     def unscale_and_agree(optimizer: torch.optim.Optimizer) -> None:
         unscale(optimizer)
         state = scaler._per_optimizer_states[id(optimizer)]
         state["found_inf_per_device"] = agreed_flags(state["found_inf_per_device"], scaler, group)
 
-    scaler.unscale_ = unscale_and_agree
+    def check_and_agree(optimizer: torch.optim.Optimizer) -> dict[torch.device, torch.Tensor]:
+        # a fused optimizer unscales inside its step: scaler.step looks for infs here instead of in unscale_
+        check(optimizer)
+        state = scaler._per_optimizer_states[id(optimizer)]
+        state["found_inf_per_device"] = agreed_flags(state["found_inf_per_device"], scaler, group)
+        return state["found_inf_per_device"]
+
+    scaler.unscale_, scaler._check_inf_per_device = unscale_and_agree, check_and_agree
     setattr(scaler, _AGREES, True)
 
 

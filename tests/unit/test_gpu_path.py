@@ -113,3 +113,41 @@ def test_the_gpu_tests_import_neither_jsonargparse_nor_hypothesis():
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                             cwd=pathlib.Path(__file__).parents[2])
     assert result.returncode == 0, result.stderr[-2000:]
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_a_scaler_skips_the_step_another_rank_overflowed(monkeypatch, fused):
+    """This rank's gradients are finite; the all-reduced flag says another stage overflowed: the step is
+    skipped and the scale halves, also with a fused optimizer (which unscales inside its own step)."""
+    from lightning_pipe.lightning import loss_scaling
+
+    reduced = []
+
+    def all_reduce(flag, op=None, group=None):  # the other rank's flag was 1
+        reduced.append(float(flag))
+        flag.fill_(1.0)
+
+    monkeypatch.setattr(loss_scaling.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(loss_scaling.dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(loss_scaling.dist, "all_reduce", all_reduce)
+    weight = torch.nn.Parameter(torch.ones(3))
+    optimizer = torch.optim.Adam([weight], lr=0.1, fused=fused)
+    scaler = torch.amp.GradScaler("cpu", init_scale=4.0)
+    loss_scaling.agree_on_overflow(scaler)
+    loss_scaling.agree_on_overflow(scaler)  # idempotent: one wrap
+    scaler.scale((weight * 2).sum()).backward()
+    scaler.step(optimizer)
+    scaler.update()
+    assert reduced == [0.0]  # this rank's own flag, reduced once
+    assert torch.equal(weight.detach(), torch.ones(3))  # skipped
+    assert scaler.get_scale() == 2.0
+
+
+def test_fp16_loss_scaling_is_refused_where_the_optimizer_steps_inside_the_pipeline():
+    from lightning_pipe.errors import PipeConfigError
+    from lightning_pipe.lightning.loss_scaling import check_loss_scaling
+
+    check_loss_scaling("1f1b", False, torch.amp.GradScaler("cpu"))
+    check_loss_scaling("pipemare", True, None)  # bf16 or 32: nothing to agree on
+    with pytest.raises(PipeConfigError, match="precision='bf16-mixed'"):
+        check_loss_scaling("pipemare", True, torch.amp.GradScaler("cpu"))
