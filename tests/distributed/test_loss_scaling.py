@@ -39,3 +39,21 @@ def test_an_asynchronous_schedule_refuses_fp16_loss_scaling(schedule):
 
     with pytest.raises(PipeConfigError, match="bf16-mixed"):
         train({**COMMON, "strategy": {"schedule": schedule, "stages": 2, "micro_batches": 4}})
+
+
+def test_one_replica_overflows_and_every_rank_of_every_pipeline_skips():
+    """2 pipelines × 2 stages: only pipeline 0's last stage (rank 1) overflows. The gradient average spreads
+    the inf to rank 3, never to the first stages: the all-reduced flag makes all four skip."""
+    reference = train({**COMMON, "model": {"overflow": {"param": "head.weight", "step": OVERFLOW_STEP}}})
+    code, output, records = launch({
+        **COMMON, "devices": 4, "batch_size": 8, "stages": 2, "pipelines_in_sampler": 2,
+        "model": {"overflow": {"param": "head.weight", "step": OVERFLOW_STEP, "rank": 1}},
+        "strategy": {"schedule": "1f1b", "micro_batches": 2, "pipelines": 2},
+    }, timeout=240)
+    assert code == 0, output[-3000:]
+    for record in records:
+        assert record["scales"] == reference["scales"]
+    for pipeline in ([0, 1], [2, 3]):
+        state = merged_state([records[r] for r in pipeline])
+        for key, value in reference["state"].items():
+            torch.testing.assert_close(state[key], value, rtol=2e-3, atol=2e-4, msg=key)

@@ -50,7 +50,7 @@ class TrunkModel(L.LightningModule):
         self.optimizer = optimizer
         self.fail_at, self.fail_rank, self.fail_hook = fail_at, fail_rank, fail_hook
         self.fault = fault  # {"kind": "stop" | "kill" | "sleep", "rank": r, "step": s}: see inject()
-        self.overflow = overflow  # {"param": name, "step": s}: that parameter's gradient is inf at global step s
+        self.overflow = overflow  # {"param": name, "step": s[, "rank": r]}: that parameter's gradient is inf at step s
         self.val_acc = torchmetrics.classification.MulticlassAccuracy(num_classes=classes, average="micro")
         self.val_mae = torchmetrics.MeanAbsoluteError()
 
@@ -78,9 +78,9 @@ class TrunkModel(L.LightningModule):
 
     def on_train_start(self):
         self._fail_in("on_train_start")
-        if self.overflow is not None:  # only the rank (stage) holding the parameter overflows
+        if self.overflow is not None:  # only the rank (stage) holding the parameter overflows, or "rank" alone
             param = dict(self.named_parameters())[self.overflow["param"]]
-            if not param.is_meta:
+            if not param.is_meta and self.overflow.get("rank", self.global_rank) == self.global_rank:
                 param.register_hook(self._overflow)
 
     def _overflow(self, grad):
