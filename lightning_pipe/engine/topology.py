@@ -79,9 +79,11 @@ class Topology:
                 :meth:`set_timeout` changes it later."""
         if self.world_size == 1 or not dist.is_initialized():
             return
+        for stale in [k for k, v in _MADE.items() if v[0] is not dist.group.WORLD]:  # of a destroyed world
+            del _MADE[stale]
         key = (self.stages, self.pipelines, self.rank, directional and self.stages > 1)
         made = _MADE.get(key)
-        if made is not None and made[0] is dist.group.WORLD:  # made in this process already, for this world
+        if made is not None:  # made in this process already, for this world
             self.pipeline_group, self.stage_group, self.channel_groups, self.object_group = made[1:]
             if timeout is not None:  # what a new group would have started with
                 self.set_timeout(timeout.total_seconds())

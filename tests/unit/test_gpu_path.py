@@ -151,3 +151,31 @@ def test_fp16_loss_scaling_is_refused_where_the_optimizer_steps_inside_the_pipel
     check_loss_scaling("pipemare", True, None)  # bf16 or 32: nothing to agree on
     with pytest.raises(PipeConfigError, match="precision='bf16-mixed'"):
         check_loss_scaling("pipemare", True, torch.amp.GradScaler("cpu"))
+
+
+@pytest.mark.parametrize("stages,pipelines", [(2, 1), (4, 1), (3, 2)])
+def test_channel_groups_are_two_rank_groups_made_in_one_order_on_every_rank(monkeypatch, stages, pipelines):
+    """Every rank calls ``dist.new_group`` with the same rank lists in the same order (torch's rule), and keeps
+    the four channels (two directions, two kinds) of each neighbour: a group per pair and channel (hazard 5)."""
+    from lightning_pipe.engine import p2p
+
+    world = stages * pipelines
+    calls: dict[int, list[list[int]]] = {}
+    for rank in range(world):
+        made = calls.setdefault(rank, [])
+        monkeypatch.setattr(p2p.dist, "get_rank", lambda rank=rank: rank)
+        monkeypatch.setattr(p2p.dist, "get_world_size", lambda: world)
+        monkeypatch.setattr(p2p.dist, "new_group", lambda ranks, timeout=None, made=made: made.append(ranks) or tuple(ranks))
+        channels = p2p.ChannelGroups.create(None, stages, pipelines)
+        first = rank - rank % stages
+        neighbours = {first + (rank % stages + d) % stages for d in (-1, 1)} - {rank}
+        assert {(src, dst) for src, dst, _ in channels.groups} == (
+            {(rank, n) for n in neighbours} | {(n, rank) for n in neighbours})
+        for (src, dst, kind), group in channels.groups.items():
+            assert sorted(group) == sorted((src, dst)) and channels.pick(src, dst, kind == "gradient") is group
+        far = [r for r in range(world) if r != rank and r not in neighbours]
+        if far:
+            with pytest.raises(ValueError, match="ring neighbours"):
+                channels.pick(rank, far[0], False)
+    assert all(made == calls[0] for made in calls.values())
+    assert len(set(map(tuple, calls[0]))) == len(calls[0]) / 4  # four channels per pair
