@@ -77,3 +77,19 @@ def test_fp16_mixed_is_refused_with_an_asynchronous_schedule():
     """Its weight policy steps inside the pipeline and cannot skip an overflowed step on every stage."""
     with pytest.raises(PipeConfigError, match="bf16-mixed"):
         run("cuda", "pipedream_2bw", "16-mixed")
+
+
+def test_the_gpu_benchmark_runs_tiny_and_counts_host_syncs():
+    """benchmarks/gpu.py on the GPU with the tiny model: every row timed, peak memory and host syncs counted."""
+    import importlib.util
+    import pathlib
+    import sys
+
+    path = pathlib.Path(__file__).parents[2] / "benchmarks" / "gpu.py"
+    loaded = importlib.util.spec_from_file_location("gpu_benchmark", path)
+    benchmark = sys.modules["gpu_benchmark"] = importlib.util.module_from_spec(loaded)  # its dataclass looks itself up
+    loaded.loader.exec_module(benchmark)
+    rows = benchmark.main(["--device", "cuda", "--tiny", "--variants", "plain", "accumulation", "1f1b", "zbv"])
+    assert [r.variant for r in rows] == ["plain", "accumulation", "1f1b", "zbv"]
+    for row in rows:
+        assert math.isfinite(row.ms_per_step) and row.peak_gib > 0 and row.syncs_per_step is not None
