@@ -28,7 +28,7 @@ def run(accelerator: str, schedule: str | None, precision: str | None = "32-true
     """``STEPS`` steps of the harness's model, Adam, on one device; emulated 2 stages unless ``schedule`` is None."""
     strategy = None if schedule is None else {"schedule": schedule, "stages": 2, "micro_batches": 4,
                                               **OPTIONS.get(schedule, {})}
-    config = {"accelerator": accelerator, "devices": 1, "max_steps": STEPS, "batch_size": BATCH,
+    config = {"accelerator": accelerator, "devices": 1, "max_steps": STEPS, "epochs": 2, "batch_size": BATCH,
               "model": {"optimizer": "adam"}, "trainer": {"precision": precision} if precision else {}, **extra}
     if strategy is not None:
         config["strategy"] = strategy
