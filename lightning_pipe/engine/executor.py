@@ -159,6 +159,8 @@ class Executor:
         self.chunks = list(chunks)
         self.transport = transport
         self.watchdog = watchdog or Watchdog(timeout=1800.0)
+        # NCCL's waits only order the CUDA stream, so the host keeps queueing compute (watchdog.stream_ordered)
+        self._stream_ordered = bool(getattr(transport, "stream_ordered", False))
         self.names = list(names or [])
         self.policy = policy
         self.recorder = recorder
@@ -316,7 +318,7 @@ class Executor:
 
     def _wait_sends(self, sends: list[Any]) -> None:
         for work in sends:
-            self.watchdog.wait(work, "a peer to receive this stage's messages")
+            self.watchdog.wait(work, "a peer to receive this stage's messages", stream_ordered=self._stream_ordered)
 
     # ------------------------------------------------------------------ actions
     def _dispatch(self, action: Action, step: Callable[[], None] | None) -> None:
@@ -546,10 +548,10 @@ class Executor:
         start = self._recording.clock() if self._recording is not None else 0.0
         try:
             if pending.payload is None:
-                self.watchdog.wait(pending.header[0], f"the header of {what}", pending.src)
+                self.watchdog.wait(pending.header[0], f"the header of {what}", pending.src, self._stream_ordered)
                 self._post_payload(pending)
             for work, _ in pending.payload:
-                self.watchdog.wait(work, what, pending.src)
+                self.watchdog.wait(work, what, pending.src, self._stream_ordered)
         except MessageMismatchError as error:
             expected = [m.shape for m in pending.decoded.metas] if pending.decoded is not None else "its shapes"
             message = "activation" if action.kind is Kind.RECV_ACTIVATION else "gradient"

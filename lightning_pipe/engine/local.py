@@ -23,6 +23,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from typing import Any, ContextManager
 
+import torch
 from torch import Tensor
 
 from lightning_pipe.engine.executor import Executor
@@ -99,7 +100,9 @@ class LocalTransport:
     def send_activation(self, value: Tensor | tuple[Tensor, ...], dst: int, lane: int = 0,
                         header: bool = True, micro_batch: int = -1) -> list[tuple[Any, Tensor]]:
         tensors = tuple(t.detach() for t in (value if isinstance(value, tuple) else (value,)))
-        encoded = Header.of(value).encode(tensors[0].device) if header else None
+        # the header stays in host memory: it is decoded here, in this process, so a copy to the device and
+        # the .tolist() back would only cost a host synchronisation per header (issue 30)
+        encoded = Header.of(value).encode(torch.device("cpu")) if header else None
         return [(self._put(dst, "activation", (encoded, tensors)), tensors[0])]
 
     def send_gradients(self, grads: Sequence[Tensor], dst: int, lane: int = 0,

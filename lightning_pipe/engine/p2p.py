@@ -9,7 +9,7 @@ already knows the shapes, they are those of the activations it sent.
 gloo matches messages by (source, tag), so headers and payloads use different tags and receives can
 be posted ahead of time. NCCL ignores tags; there the receiver posts the payload only after reading
 the header, everything stays in one order per channel (the schedule validator proves it), and each
-channel, a direction of a pair and a message kind, has its own process group (:class:`ChannelGroups`)
+channel, a direction of a pair and a message kind, has its own two-rank process group (:class:`ChannelGroups`)
 so that NCCL's rendezvous sends cannot deadlock (:mod:`lightning_pipe.schedules.rendezvous`).
 
 gloo puts a shorter message into a longer receive buffer without a word, so on gloo every
@@ -24,7 +24,7 @@ could run (the watchdog turns the hang into a timeout), so there is none.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Protocol, runtime_checkable
 
@@ -33,6 +33,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.utils._pytree import tree_leaves
 
+from lightning_pipe.engine.watchdog import stream_ordered
 from lightning_pipe.errors import MessageMismatchError, StageOutputError
 
 HEADER_SLOTS = 256
@@ -99,7 +100,7 @@ class Header:
             )
         header = torch.zeros(HEADER_SLOTS, dtype=torch.int64)
         header[: len(slots)] = torch.tensor(slots, dtype=torch.int64)
-        return header.to(device)
+        return host_to_device(header, device)
 
     @classmethod
     def decode(cls, header: Tensor) -> Header:
@@ -189,6 +190,21 @@ class ShapeCache:
             )
 
 
+def host_to_device(host: Tensor, device: torch.device) -> Tensor:
+    """``host`` (a small CPU tensor, e.g. a header) on ``device``, without blocking the host on a CUDA device.
+
+    From pageable memory, ``.to(cuda)`` synchronises: the driver stages the bytes and the host waits.
+    From pinned memory with ``non_blocking=True`` the copy is queued on the current stream and the host
+    goes on. The pinned buffer is new for every call and comes from torch's caching host allocator,
+    which records an event on the copy's stream and hands the block out again only once that event has
+    passed: the buffer is not reused (or written) before the copy ends, although this function drops
+    its last reference at once. The copy is ordered before any later work of the stream (the send
+    that carries the header), so the device tensor is complete when it is read."""
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
 def is_differentiable(meta: TensorMeta) -> bool:
     """Whether a gradient flows back for this tensor (floating point and tracked)."""
     return meta.requires_grad and (meta.dtype.is_floating_point or meta.dtype.is_complex)
@@ -196,35 +212,59 @@ def is_differentiable(meta: TensorMeta) -> bool:
 
 @dataclass(frozen=True)
 class ChannelGroups:
-    """One process group per channel, a direction of a pair and a message kind, for untagged backends.
+    """One two-rank process group per channel, a direction of a pair of neighbours and a message kind,
+    for untagged backends (NCCL).
 
-    On NCCL each process group has one communicator, and one stream, per pair of ranks, and a send
-    completes only when its receive runs: with one group, a send queued in front of a receive from the
-    same peer can wait forever for a peer doing the same (1F1B's steady state does). With one group
-    per direction, a direction's messages only queue behind each other; with one per message kind
-    too, activations and gradients that travel the same way (ZBV's V sends chunk 0's activations and
-    chunk 1's gradients from device 0 to device 1) need no common order either. Each channel's
-    messages are issued and received in one order both sides agree on, and no schedule can deadlock
-    (proven for every schedule: :mod:`lightning_pipe.schedules.rendezvous`, ``streams="channel"``).
+    A send on NCCL completes only when its receive runs, and the operations a rank issues on one
+    communicator run in issue order on one stream. A process group is one communicator, whose stream a
+    rank shares among all its peers in that group (Lightning passes ``device_id``, so groups initialise
+    eagerly); with one group for every message, a send queued in front of a receive from the same peer
+    can wait forever for a peer doing the same (1F1B's steady state does), and with one group per
+    direction and kind over all ranks, a receive from the previous stage queued in front of a send to
+    the next one can still wait for a stage that waits in turn (avgpipe's rounds do: the proof in
+    :mod:`lightning_pipe.schedules.rendezvous` with ``communicators="group"`` finds it). A group of two
+    ranks per channel leaves each channel's messages one order of their own, which both sides agree
+    on, and the proof (``streams="channel"``) holds for every schedule. No point-to-point message shares
+    the default group with collectives (the per-step broadcast, the stage-metrics gather, Lightning's
+    barriers), which run on communicators of their own.
+
+    Neighbours are those of a ring (stage ``s`` and ``s + 1``, and the last stage and the first, which an
+    interleaved schedule's loop joins), in every pipeline.
     """
 
-    down_activation: Any
-    up_gradient: Any
-    down_gradient: Any
-    up_activation: Any = None  # the default group
+    groups: dict[tuple[int, int, str], Any] = field(default_factory=dict)  # (src, dst, kind): this rank's groups
 
     @classmethod
-    def create(cls, timeout: timedelta | None = None) -> ChannelGroups:
-        """Three new groups of every rank (every rank must call this, in the same order), with the
-        strategy's ``timeout`` (``None``: the backend's default, 10 minutes on NCCL, whose watchdog then
-        kills a longer wait without a :class:`~lightning_pipe.errors.PeerFailure` report)."""
-        return cls(*(dist.new_group(timeout=timeout) for _ in range(3)))
+    def create(cls, timeout: timedelta | None = None, stages: int | None = None, pipelines: int = 1) -> ChannelGroups:
+        """The groups of every channel of ``pipelines`` pipelines of ``stages`` ranks each (default: one
+        pipeline of every rank); every rank must call this, in the same order. ``timeout``: the strategy's
+        (``None``: the backend's default, 10 minutes on NCCL, whose watchdog then kills a longer wait
+        without a :class:`~lightning_pipe.errors.PeerFailure` report)."""
+        stages = dist.get_world_size() // pipelines if stages is None else stages
+        me, groups = dist.get_rank(), {}
+        for p in range(pipelines):
+            for a, b in ring_pairs(stages):
+                low, high = p * stages + a, p * stages + b
+                for src, dst in ((low, high), (high, low)):
+                    for kind in ("activation", "gradient"):
+                        group = dist.new_group([low, high], timeout=timeout)  # every rank calls it: torch's rule
+                        if me in (low, high):
+                            groups[(src, dst, kind)] = group
+        return cls(groups)
 
-    def pick(self, downward: bool, gradient: bool) -> Any:
-        """The group of messages to a lower rank (``downward``) or a higher one, of gradients or activations."""
-        if gradient:
-            return self.down_gradient if downward else self.up_gradient
-        return self.down_activation if downward else self.up_activation
+    def pick(self, src: int, dst: int, gradient: bool) -> Any:
+        """The group of a message from ``src`` to ``dst``, of gradients or activations."""
+        try:
+            return self.groups[(src, dst, "gradient" if gradient else "activation")]
+        except KeyError:
+            raise ValueError(f"no point-to-point channel from rank {src} to rank {dst}: only ring neighbours of "
+                             "one pipeline exchange messages") from None
+
+
+def ring_pairs(stages: int) -> list[tuple[int, int]]:
+    """The neighbouring stages of a pipeline, ``(lower, higher)``, once each: a ring's edges."""
+    pairs = {(min(s, (s + 1) % stages), max(s, (s + 1) % stages)) for s in range(stages)} if stages > 1 else set()
+    return sorted(pairs)
 
 
 @runtime_checkable
@@ -282,6 +322,8 @@ class Transport:
         self.tagged = tagged
         self.channels = channels
         self.rank = dist.get_rank() if channels is not None else -1
+        #: NCCL: waits make the CUDA stream wait, not the host (:func:`~.watchdog.stream_ordered`)
+        self.stream_ordered = stream_ordered(device, tagged)
 
     def _tag(self, tag: int) -> int:
         return tag if self.tagged else 0
@@ -289,7 +331,7 @@ class Transport:
     def _group(self, src: int, dst: int, tag: int) -> dist.ProcessGroup | None:
         if self.channels is None:
             return self.group
-        return self.channels.pick(downward=dst < src, gradient=tag % TAGS_PER_LANE == GRADIENT_TAG)
+        return self.channels.pick(src, dst, gradient=tag % TAGS_PER_LANE == GRADIENT_TAG)
 
     def isend(self, tensor: Tensor, dst: int, tag: int) -> dist.Work:
         return dist.isend(tensor, dst, group=self._group(self.rank, dst, tag), tag=self._tag(tag))

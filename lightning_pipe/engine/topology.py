@@ -3,7 +3,7 @@
 Consecutive global ranks form one pipeline (``rank = pipeline * stages + stage``), so a pipeline's
 neighbours share a node. Two kinds of groups: a pipeline group (all stages of one pipeline: metric
 broadcast) and a stage group (the same stage across pipelines: gradient all-reduce); on NCCL also
-one group per point-to-point channel, a direction of a pair and a message kind (``ChannelGroups``),
+a two-rank group per point-to-point channel, a direction of a pair and a message kind (``ChannelGroups``),
 and a gloo copy of the pipeline group for Python objects (a checkpoint's stages gathered on rank 0 go
 through host memory, never through GPU memory as NCCL's ``gather_object`` would take them).
 """
@@ -17,6 +17,13 @@ from typing import Any
 import torch.distributed as dist
 
 from lightning_pipe.engine.p2p import ChannelGroups
+
+#: The groups this process made, per (stages, pipelines, rank, with channel groups), with the world group
+#: they were made in: a new Trainer call (fit, validate, test; every one sets the strategy up again) takes
+#: them back instead of making new ones, which torch would keep until the process ends (issue 30, hazard 9).
+#: A world group destroyed and made again (``destroy_process_group``, then ``init_process_group``) is
+#: another object: the groups of the old one are not taken.
+_MADE: dict[tuple[int, int, int, bool], tuple[Any, ...]] = {}
 
 
 @dataclass
@@ -60,18 +67,33 @@ class Topology:
         return [p * self.stages + self.stage for p in range(self.pipelines)]
 
     def create_groups(self, directional: bool = False, timeout: timedelta | None = None) -> None:
-        """Create the pipeline and stage groups (every rank must call this, in the same order).
+        """Create the pipeline and stage groups (every rank must call this, in the same order), or take
+        back those this process made for the same placement (every rank then takes them back: the
+        calls match, since every rank's Trainer sets up the same number of times).
 
         Args:
-            directional: also create :attr:`channel_groups`, a group of every rank per direction and
-                message kind for point-to-point messages (:class:`~lightning_pipe.engine.p2p.ChannelGroups`;
+            directional: also create :attr:`channel_groups`, a two-rank group per pair of neighbours,
+                direction and message kind for point-to-point messages (:class:`~lightning_pipe.engine.p2p.ChannelGroups`;
                 untagged backends, i.e. NCCL).
             timeout: the groups' timeout for collectives (torch's default when ``None``: 30 min on gloo);
                 :meth:`set_timeout` changes it later."""
         if self.world_size == 1 or not dist.is_initialized():
             return
+        for stale in [k for k, v in _MADE.items() if v[0] is not dist.group.WORLD]:  # of a destroyed world
+            del _MADE[stale]
+        key = (self.stages, self.pipelines, self.rank, directional and self.stages > 1)
+        made = _MADE.get(key)
+        if made is not None:  # made in this process already, for this world
+            self.pipeline_group, self.stage_group, self.channel_groups, self.object_group = made[1:]
+            if timeout is not None:  # what a new group would have started with
+                self.set_timeout(timeout.total_seconds())
+            return
+        self._make_groups(directional, timeout)
+        _MADE[key] = (dist.group.WORLD, self.pipeline_group, self.stage_group, self.channel_groups, self.object_group)
+
+    def _make_groups(self, directional: bool, timeout: timedelta | None) -> None:
         if directional and self.stages > 1:
-            self.channel_groups = ChannelGroups.create(timeout)
+            self.channel_groups = ChannelGroups.create(timeout, self.stages, self.pipelines)
         on_gloo = dist.get_backend() == "gloo"
         for p in range(self.pipelines):
             ranks = [p * self.stages + s for s in range(self.stages)]
@@ -91,7 +113,7 @@ class Topology:
         if not dist.is_initialized():
             return
         channels = self.channel_groups
-        point_to_point = (channels.down_activation, channels.up_gradient, channels.down_gradient) if channels else ()
+        point_to_point = tuple(channels.groups.values()) if channels else ()
         named = (dist.group.WORLD, self.pipeline_group, self.object_group, self.stage_group, *point_to_point)
         groups = {id(g): g for g in named if g is not None}
         for group in groups.values():

@@ -32,6 +32,7 @@ from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any, TypeVar
 
+import torch
 import torch.distributed as dist
 
 from lightning_pipe.errors import LightningPipeError, PeerFailure, PipelineTimeout
@@ -216,7 +217,7 @@ class Watchdog:
         return message
 
     # ------------------------------------------------------------------ waiting
-    def wait(self, work: Any, what: str, peer: int | None = None) -> None:
+    def wait(self, work: Any, what: str, peer: int | None = None, stream_ordered: bool = False) -> None:
         """Wait for ``work`` at most ``timeout`` seconds; a failure becomes :class:`PeerFailure` or
         :class:`PipelineTimeout`.
 
@@ -224,9 +225,14 @@ class Watchdog:
             work: a ``torch.distributed`` request.
             what: words for error messages, e.g. ``"RECV_ACT3 from rank 1"``.
             peer: the global rank the request waits for, if one.
+            stream_ordered: the request is NCCL's (:func:`stream_ordered`): only the current CUDA stream
+                waits for it, the host goes on queueing work; its group's timeout bounds it instead.
         """
         try:
-            work.wait(timedelta(seconds=self.timeout))
+            if stream_ordered:  # NCCL: wait() without a timeout makes the current stream wait, not the host
+                work.wait()
+            else:  # gloo, shared memory: the host blocks, bounded here
+                work.wait(timedelta(seconds=self.timeout))
         except LightningPipeError:
             raise  # already says what went wrong (a message of the wrong size)
         except RuntimeError as error:
@@ -289,6 +295,19 @@ class Watchdog:
             [sys.executable, "-c", _REAPER, str(grace), *map(str, pids)], start_new_session=True,
             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, close_fds=True,
         )
+
+
+def stream_ordered(device: torch.device, tagged: bool) -> bool:
+    """Whether a transport's requests are waited for on the CUDA stream rather than on the host.
+
+    NCCL (an untagged backend with CUDA tensors): ``work.wait(timeout)`` makes the host poll until the
+    transfer ends, so it cannot queue the next compute ahead; ``work.wait()`` only makes the current
+    stream wait for the transfer. A hang is still bounded: the group's timeout (the strategy's
+    ``process_group_timeout``, :meth:`~.topology.Topology.set_timeout`) is enforced by NCCL's watchdog
+    thread, which aborts the communicator and ends the process (docs/failures.md). gloo and the
+    shared-memory transport (CPU tensors) keep the host's bounded wait, which is what turns a hung peer
+    into :class:`PipelineTimeout` there."""
+    return not tagged and device.type == "cuda"
 
 
 #: The reaper: wait up to ``grace`` seconds for the given processes to exit, then SIGKILL the survivors.

@@ -43,7 +43,7 @@ from lightning_pipe.engine.policies.options import Averaging, Prediction
 from lightning_pipe.engine.stand_ins import move_stand_ins
 from lightning_pipe.engine.watchdog import FAILURE_GRACE
 from lightning_pipe.errors import CheckpointMismatchError, LightningPipeError, PipeConfigError
-from lightning_pipe.lightning import _compat, auto, checkpointing, checks, preemption, sharded, startup
+from lightning_pipe.lightning import _compat, auto, checkpointing, checks, loss_scaling, preemption, sharded, startup
 from lightning_pipe.lightning import options as options_module
 from lightning_pipe.lightning.launcher import PipeLauncher
 from lightning_pipe.lightning.model_summary import freeze_model_summaries
@@ -518,6 +518,11 @@ class PipeStrategy(DDPStrategy, metaclass=_NamesItsOptions):
                 self._runtime = make_runtime(self, self._pipeline)
             self._runtime.attach(self._pipeline)
         self.setup_precision_plugin()
+        scaler = loss_scaling.scaler_of(self.precision_plugin)
+        if fitting:
+            loss_scaling.check_loss_scaling(self.options.schedule, self.options.spec.steps_inside, scaler)
+        if scaler is not None:  # every stage skips an overflowed step together (docs/failures.md)
+            loss_scaling.agree_on_overflow(scaler)
         # Lightning clips with this rank's parameters only; the pipeline needs the global norm
         _compat.route_gradient_clipping(self.precision_plugin, lambda optimizer, clip_val: self._pipeline.outside.clip_by_global_norm(
             optimizer, clip_val, self.root_device

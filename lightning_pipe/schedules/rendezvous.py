@@ -5,15 +5,19 @@ send never blocks, and each link and message kind has its own tag (:func:`~light
 
 * **rendezvous**: a send completes only when the peer runs the matching receive, and vice versa;
 * **one order per stream**: the operations a rank issues on one stream run in issue order, so an
-  operation queued behind an unmatched one waits for it. PyTorch gives every process group one NCCL
-  communicator, and one stream, per pair of ranks; the operations of one fused group
+  operation queued behind an unmatched one waits for it; the operations of one fused group
   (``batch_isend_irecv``) run together, in any order;
 * tags are ignored: on one stream, messages match in issue order.
 
+A process group is one NCCL communicator; a rank's operations on it share one stream, whoever their
+peer is (Lightning passes ``device_id``, so groups initialise eagerly and never split per pair). So
+the transport makes a two-rank group per channel (below), where a group's stream and a pair's stream
+are the same thing; ``communicators="group"`` models groups that span the pipeline instead.
+
 This module replays an executor's issue order under those rules. ``streams`` says how operations map
 to streams: ``"channel"`` (what :class:`~lightning_pipe.engine.p2p.Transport` does on NCCL: one
-process group per direction and message kind, :class:`~lightning_pipe.engine.p2p.ChannelGroups`, so
-activations and gradients of each direction of a pair have their own stream), ``"direction"`` (one
+two-rank process group per pair, direction and message kind, :class:`~lightning_pipe.engine.p2p.ChannelGroups`,
+so activations and gradients of each direction of a pair have their own stream), ``"direction"`` (one
 group for messages to a higher rank and one for messages to a lower rank) or ``"pair"`` (one stream
 per pair, a single process group). ``fused``
 issues every run of consecutive communication actions as one group per peer (Megatron-LM's and
@@ -46,6 +50,7 @@ from lightning_pipe.schedules.communication import peer
 from lightning_pipe.schedules.ir import Action, Kind, Schedule
 
 Streams = Literal["channel", "direction", "pair"]
+Communicators = Literal["group", "pair"]
 Message = tuple[str, int, int, int, str]  # (activation|gradient, replica, sender's virtual stage, micro-batch, part)
 
 
@@ -95,7 +100,8 @@ def _message(device: int, action: Action, schedule: Schedule, part: str) -> tupl
 
 
 def rendezvous_dry_run(
-    parts: Sequence[Schedule], streams: Streams = "channel", fused: bool = False, headers: bool = True
+    parts: Sequence[Schedule], streams: Streams = "channel", fused: bool = False, headers: bool = True,
+    communicators: Communicators = "pair",
 ) -> list[tuple[int, Action]]:
     """Execute ``parts`` (run one after the other, e.g. an asynchronous segment's windows and its
     drain, each a separate :meth:`Executor.run <lightning_pipe.engine.executor.Executor.run>`) under
@@ -108,6 +114,12 @@ def rendezvous_dry_run(
         fused: issue each run of communication actions as one group per peer (with ``headers=False``
             only: a fused group cannot wait for a header in the middle).
         headers: every activation carries a shape header first.
+        communicators: ``"pair"``: a stream per pair of ranks and ``streams`` kind (what runs: the
+            transport's :class:`~lightning_pipe.engine.p2p.ChannelGroups` are two-rank groups, one per
+            pair, direction and message kind, and a two-rank group's one stream per rank serves one
+            peer); ``"group"``: one stream per rank and ``streams`` kind, shared by the rank's operations
+            with every peer (what groups spanning the pipeline would give: an eagerly initialised group
+            is one communicator). avgpipe deadlocks there, which is why the groups are per pair.
     """
     if fused and headers:
         raise ValueError("a fused run cannot read shape headers in the middle; use headers=False with fused=True.")
@@ -119,9 +131,13 @@ def rendezvous_dry_run(
     order: list[tuple[int, Action]] = []
 
     def stream(op: _Op) -> tuple[int, int, str]:
-        if streams == "channel":
-            return op.src, op.dst, op.message[0]
-        return (op.src, op.dst, "") if streams == "direction" else (min(op.src, op.dst), max(op.src, op.dst), "")
+        """The stream ``op`` is queued on, per issuing rank: ``(-1, -1, group)`` for a group's one stream
+        per rank (``communicators="group"``), ``(low rank, high rank, group)`` for a pair's."""
+        upward = "up" if op.dst > op.src else "down"
+        group = {"channel": f"{upward} {op.message[0]}", "direction": upward, "pair": ""}[streams]
+        if communicators == "group":
+            return -1, -1, group
+        return min(op.src, op.dst), max(op.src, op.dst), group
 
     def issue(device: int, ops: list[_Op]) -> None:
         """Issue ``ops`` together: one group per stream."""
@@ -214,9 +230,10 @@ def rendezvous_dry_run(
         if not qa or not qb:
             return False
         moved = False
-        for sending, receiving in ((qa[0], qb[0]), (qb[0], qa[0])):
-            sends = [op for op in sending.ops if op.send and not op.matched]
-            receives = [op for op in receiving.ops if not op.send and not op.matched]
+        for (sender, sending), (receiver, receiving) in (((a, qa[0]), (b, qb[0])), ((b, qb[0]), (a, qa[0]))):
+            # on a group's stream a head group may also hold operations with other peers
+            sends = [op for op in sending.ops if op.send and not op.matched and op.dst == receiver]
+            receives = [op for op in receiving.ops if not op.send and not op.matched and op.src == sender]
             for send, recv in zip(sends, receives):
                 if send.message != recv.message:
                     raise ScheduleError(
@@ -235,8 +252,9 @@ def rendezvous_dry_run(
     progress = True
     while progress:
         progress = any([advance(d) for d in range(P)])
-        keys = {key for key, _ in queues}
-        progress = any([match(key, min(key[:2]), max(key[:2])) for key in sorted(keys)]) or progress
+        pairs = sorted({(key, a, b) for key, a in queues for other, b in queues if other == key and a < b and (
+            key[0] < 0 or (key[0], key[1]) == (a, b))})
+        progress = any([match(key, a, b) for key, a, b in pairs]) or progress
     stuck = [d for d in range(P) if devices[d].position < len(devices[d].actions) or devices[d].waiting]
     if stuck or any(group for queue in queues.values() for group in queue):
         where = "; ".join(_stuck(d, devices[d], queues) for d in stuck) or "sends left unreceived"

@@ -78,6 +78,12 @@ def test_a_checkpoint_on_gpus_resumes_like_an_uninterrupted_run(schedule, tmp_pa
 @pytest.mark.parametrize("precision", ["bf16-mixed", "16-mixed"])
 @pytest.mark.parametrize("schedule", ["1f1b", "pipemare"])
 def test_mixed_precision_trains_on_gpus(schedule, precision):
+    if precision == "16-mixed" and spec(schedule).steps_inside:  # refused at setup: no agreed skip of an overflow
+        config = {"devices": 2, "accelerator": "cuda", "batch_size": BATCH, "trainer": {"precision": precision},
+                  "strategy": {"schedule": schedule, **SCHEDULES[schedule]}}
+        code, output, _ = launch(config, timeout=300, fresh=True)
+        assert code != 0 and "bf16-mixed" in output
+        return
     records = job(schedule, "cuda", trainer={"precision": precision})
     losses = [m["train_loss"] for m in records[0]["metrics"]]
     assert all(torch.isfinite(torch.tensor(losses))) and losses[-1] < losses[0]

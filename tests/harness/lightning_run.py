@@ -40,7 +40,7 @@ class TrunkModel(L.LightningModule):
 
     def __init__(self, width: int = 16, depth: int = 6, classes: int = 4, optimizer: str = "sgd", fail_at: int = -1,
                  fail_rank: int = -1, tie: bool = False, scheduler: bool | str = False, fail_hook: str | None = None,
-                 fault: dict | None = None, configure: bool = False):
+                 fault: dict | None = None, configure: bool = False, overflow: dict | None = None):
         super().__init__()
         self.save_hyperparameters()
         self.tie, self.scheduler = tie, scheduler
@@ -50,6 +50,7 @@ class TrunkModel(L.LightningModule):
         self.optimizer = optimizer
         self.fail_at, self.fail_rank, self.fail_hook = fail_at, fail_rank, fail_hook
         self.fault = fault  # {"kind": "stop" | "kill" | "sleep", "rank": r, "step": s}: see inject()
+        self.overflow = overflow  # {"param": name, "step": s[, "rank": r]}: that parameter's gradient is inf at step s
         self.val_acc = torchmetrics.classification.MulticlassAccuracy(num_classes=classes, average="micro")
         self.val_mae = torchmetrics.MeanAbsoluteError()
 
@@ -77,6 +78,13 @@ class TrunkModel(L.LightningModule):
 
     def on_train_start(self):
         self._fail_in("on_train_start")
+        if self.overflow is not None:  # only the rank (stage) holding the parameter overflows, or "rank" alone
+            param = dict(self.named_parameters())[self.overflow["param"]]
+            if not param.is_meta and self.overflow.get("rank", self.global_rank) == self.global_rank:
+                param.register_hook(self._overflow)
+
+    def _overflow(self, grad):
+        return grad + float("inf") if self.trainer.global_step == self.overflow["step"] else grad
 
     def validation_step(self, batch, batch_idx):
         x, y = batch
@@ -164,6 +172,7 @@ class Recorder(L.Callback):
         self.metrics: list[dict[str, float]] = []
         self.returned: list[float] = []
         self.first_grads: dict[str, torch.Tensor] = {}
+        self.scales: list[float] = []
 
     def on_before_optimizer_step(self, trainer, module, optimizer):
         if not self.first_grads:
@@ -175,6 +184,9 @@ class Recorder(L.Callback):
 
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
         self.metrics.append({k: float(v) for k, v in trainer.callback_metrics.items()})
+        scaler = getattr(trainer.precision_plugin, "scaler", None)
+        if scaler is not None:  # fp16 loss scaling: the scale after this step's update
+            self.scales.append(float(scaler.get_scale()))
         self.returned.append(float(outputs["loss"]))
 
 
@@ -271,6 +283,10 @@ def train(config: dict[str, Any]) -> dict[str, Any]:
         use_distributed_sampler=False,
         callbacks=callbacks,
     )
+    if config.get("fp16_cpu"):  # Lightning turns precision="16-mixed" on the CPU into bf16: fp16 with a CPU GradScaler
+        from lightning.pytorch.plugins import MixedPrecision
+
+        options["plugins"] = [MixedPrecision("16-mixed", "cpu", torch.amp.GradScaler("cpu"))]
     trainer = L.Trainer(**{**options, **config.get("trainer", {})})
     dataset = data(config.get("samples", 96))
     sampler = None
@@ -281,24 +297,65 @@ def train(config: dict[str, Any]) -> dict[str, Any]:
     eval_loader = DataLoader(data(40, seed=1), batch_size=config.get("eval_batch_size", 12))
     evaluate = config.get("evaluate", False)
     validate_during_fit = evaluate or bool(config.get("full_callbacks"))
-    trainer.fit(model, loader, eval_loader if validate_during_fit else None, ckpt_path=config.get("ckpt_path"))
+    groups = GroupCount() if config.get("count_groups") else None
+    try:
+        trainer.fit(model, loader, eval_loader if validate_during_fit else None, ckpt_path=config.get("ckpt_path"))
+        results = run_after_fit(config, trainer, model, eval_loader, groups)
+    finally:
+        if groups is not None:
+            groups.restore()
+    return {**results, **record_of(recorder, trainer, model)}
+
+
+class GroupCount:
+    """Counts ``torch.distributed.new_group`` calls until :meth:`restore`."""
+
+    def __init__(self) -> None:
+        import torch.distributed as dist
+
+        self.made, self.original = 0, dist.new_group
+
+        def counting(*args, **kwargs):
+            self.made += 1
+            return self.original(*args, **kwargs)
+
+        dist.new_group = counting
+
+    def restore(self) -> None:
+        import torch.distributed as dist
+
+        dist.new_group = self.original
+
+
+def run_after_fit(config: dict[str, Any], trainer: L.Trainer, model: L.LightningModule, eval_loader: DataLoader,
+                  groups: GroupCount | None) -> dict[str, Any]:
+    """What the config asks for after ``trainer.fit``: a checkpoint, validate / test / predict, the best checkpoints."""
     if config.get("ckpt_out"):
         trainer.save_checkpoint(config["ckpt_out"])
-    results = {}
-    if evaluate:
+    results: dict[str, Any] = {}
+    if groups is not None:
+        results["groups_made_by_fit"] = groups.made
+    if config.get("evaluate", False):
         results["validate"] = trainer.validate(model, eval_loader, verbose=False)
         results["test"] = trainer.test(model, eval_loader, verbose=False)
         results["predict"] = trainer.predict(model, eval_loader)
+    if groups is not None:
+        results["groups_made_after_fit"] = groups.made - results["groups_made_by_fit"]
     if config.get("full_callbacks"):
         best = trainer.checkpoint_callbacks[0]
         results["checkpointing"] = {"best_score": float(best.best_model_score), "best_k": sorted(
             os.path.basename(k) for k in best.best_k_models), "stopped_epoch": trainer.current_epoch}
+    return results
+
+
+def record_of(recorder: Recorder, trainer: L.Trainer, model: L.LightningModule) -> dict[str, Any]:
+    """This rank's record of the run."""
     return {
-        **results,
         "val_metrics": recorder.val_metrics,
         "rank": trainer.global_rank,
         "metrics": recorder.metrics,
         "returned": recorder.returned,
+        "scales": recorder.scales,
         "grads": recorder.first_grads,
         "state": {k: v.clone() for k, v in model.state_dict().items()},
         "global_step": trainer.global_step,

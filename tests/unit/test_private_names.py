@@ -33,6 +33,9 @@ ALLOWED = {
     "_swap_data_ptr_": "UntypedStorage._swap_data_ptr_: exchange two weight versions (and their views) without a copy",
     "_set_pg_timeout": "distributed_c10d._set_pg_timeout: a group's timeout after start-up (no public setter)",
     "_get_default_store": "distributed_c10d._get_default_store: the store's timeout, and the watchdog's inbox",
+    "_per_optimizer_states": "torch.amp.GradScaler: the found-inf flags unscale_ recorded, agreed across the pipeline",
+    "_check_inf_per_device": "torch.amp.GradScaler: where a fused optimizer's step looks for infs (agreed the same way)",
+    "_scale": "torch.amp.GradScaler._scale: the device of a rank with no gradient's zero flag",
 }
 
 

@@ -152,3 +152,25 @@ def test_zbv_needs_a_stream_per_message_kind():
         rendezvous_dry_run([schedule], streams="direction", headers=False)
     rendezvous_dry_run([schedule], streams="channel", headers=False)
     rendezvous_dry_run([schedule], streams="channel", headers=True)
+
+
+def test_groups_spanning_the_pipeline_deadlock_avgpipe_so_the_transport_makes_them_per_pair():
+    """A process group is one communicator whose stream a rank shares among all its peers. With one group
+    per direction and kind spanning the pipeline, a receive from the previous stage queued in front of a
+    send to the next one deadlocks avgpipe's rounds; with the transport's two-rank groups (a stream per
+    pair and channel) they run (issue 30, hazard 5)."""
+    from lightning_pipe.engine.p2p import ring_pairs
+
+    schedule = build_avgpipe(4, 3, 2, 0)  # 4 stages, 3 micro-batches, 2 replicas, no forward advance
+    dry_run(schedule, replica_channels=False)  # one FIFO order across replicas: accepted on NCCL
+    with pytest.raises(ScheduleError, match="deadlocks under NCCL's rules"):
+        rendezvous_dry_run([schedule], streams="channel", communicators="group")
+    rendezvous_dry_run([schedule], streams="channel", communicators="pair")
+    # every message of every schedule travels between ring neighbours, which are the pairs given groups
+    assert ring_pairs(2) == [(0, 1)] and ring_pairs(4) == [(0, 1), (0, 3), (1, 2), (2, 3)]
+
+
+@pytest.mark.parametrize("name,extra", [("1f1b", {}), ("interleaved_1f1b", {"chunks": 2}), ("zbv", {"chunks": 2}),
+                                        ("dualpipev", {"chunks": 2})])
+def test_the_usual_schedules_also_run_on_groups_spanning_the_pipeline(name, extra):
+    rendezvous_dry_run([build_schedule(name, 4, 8, **extra)], streams="channel", communicators="group")

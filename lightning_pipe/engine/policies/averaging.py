@@ -24,7 +24,7 @@ from typing import Any, ContextManager
 import torch
 from torch import Tensor, nn
 
-from lightning_pipe.engine.collectives import all_reduce_flat
+from lightning_pipe.engine.collectives import GradientReducer
 from lightning_pipe.engine.policies.base import Binding, WeightPolicy, detached_copy
 from lightning_pipe.engine.policies.options import Averaging
 
@@ -92,8 +92,9 @@ class ElasticAveraging(WeightPolicy):
         replica, weights = self.current, self.weights[self.current]
         grads = {n: w.grad for n, w in weights.items()}
         self.used_names |= {n for n, g in grads.items() if g is not None}
-        if self.gradient_world > 1:
-            self._average_gradients([g for g in grads.values() if g is not None])
+        if self.gradient_world > 1:  # every pipeline's replica reduces the same tensors, used here or not
+            GradientReducer(list(weights.values()), self.gradient_group, self.gradient_world).finish()
+            grads = {n: w.grad for n, w in weights.items()}
         state = self.optimizer.state
         for name, p in self.params.items():
             p.data, p.grad = weights[name].data, grads[name]
@@ -143,9 +144,6 @@ class ElasticAveraging(WeightPolicy):
                 self.optimizer.state[p] = self.states[0][name]
             else:
                 self.optimizer.state.pop(p, None)
-
-    def _average_gradients(self, grads: list[Tensor]) -> None:
-        all_reduce_flat(grads, self.gradient_group, scale=1.0 / self.gradient_world)
 
     def copies(self) -> int:
         return self.replicas + 1

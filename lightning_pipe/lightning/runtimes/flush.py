@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING
 
 from torch import Tensor
 
-from lightning_pipe.engine.collectives import GradientReducer, all_reduce_flat
+from lightning_pipe.engine.collectives import GradientReducer
 from lightning_pipe.lightning import _compat
 from lightning_pipe.lightning.runtimes.common import BaseRuntime, trainable
 
@@ -70,6 +70,5 @@ class FlushRuntime(BaseRuntime):
             self._reducer.finish()
         self.pipeline.outside.sum_shared_gradients()
         pipelines = self.strategy.num_pipelines
-        if pipelines > 1 and not reduced:
-            grads = [p.grad for p in trainable(self.strategy) if p.grad is not None]
-            all_reduce_flat(grads, self.strategy.topology.stage_group, scale=1.0 / pipelines)
+        if pipelines > 1 and not reduced:  # the same buckets on every replica, used or not (GradientReducer)
+            GradientReducer(trainable(self.strategy), self.strategy.topology.stage_group, pipelines).finish()

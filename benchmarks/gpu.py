@@ -1,0 +1,315 @@
+"""The engine's cost on one GPU (issue 30): plain Lightning, accumulation and every schedule emulated.
+
+    PYTHONPATH=. python benchmarks/gpu.py                              # the issue's GPT on one GPU
+    PYTHONPATH=. python benchmarks/gpu.py --device cpu --tiny          # a dry run on the CPU
+    PYTHONPATH=. python benchmarks/gpu.py --profile zbv --profile-dir traces/
+
+The model is a GPT (pre-LN blocks, causal attention through ``scaled_dot_product_attention``): by
+default d_model 2048, 8 blocks, sequence 1024, batch 32, ``bf16-mixed``, AdamW. Every variant trains
+the same batches with one optimizer step per batch of ``--batch`` samples:
+
+* ``plain``: plain Lightning, the whole batch at once;
+* ``accumulation``: plain Lightning on ``--micro-batches`` loader batches of ``batch / M`` samples with
+  ``accumulate_grad_batches=M``: the same kernels as a pipeline's micro-batches, one optimizer step;
+* every schedule that can be emulated (all but avgpipe, which runs one process per stage) through
+  ``PipeStrategy(stages=P)`` on one device, with ``M`` micro-batches; P = ``--stages``, halved for the
+  schedules with two chunks per device (interleaved_1f1b, zbv, dualpipev), so every schedule cuts the
+  model into the same ``--stages`` virtual stages.
+
+Per variant: milliseconds per optimizer step (median over ``--steps`` steps after ``--warmup``, the
+device synchronised at step boundaries), the ratio accumulation / variant (above 1: faster than
+accumulation), peak memory allocated on the device, and host synchronisations per step, counted over
+``--sync-steps`` further steps with ``torch.cuda.set_sync_debug_mode("warn")`` (every implicit
+synchronisation raises a warning; the timing's own ``torch.cuda.synchronize`` is off then). The
+result is a markdown table (and ``--json`` rows); write the device, versions and date beside it
+(printed above the table).
+
+``--profile SCHEDULE`` also records two steps of that variant with ``torch.profiler`` (CPU and CUDA
+activities) into a Chrome trace in ``--profile-dir``: where the host stalls around the optimizer step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import time
+import warnings
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.utils.data import DataLoader, Dataset
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import lightning_pipe  # noqa: E402
+from lightning_pipe.registry import names, spec  # noqa: E402
+
+# ------------------------------------------------------------------------------------------ model
+
+
+class Block(nn.Module):
+    """A pre-LN transformer block: causal self-attention and a 4x MLP, each with a residual."""
+
+    def __init__(self, d_model: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.ln1, self.ln2 = nn.LayerNorm(d_model), nn.LayerNorm(d_model)
+        self.qkv, self.proj = nn.Linear(d_model, 3 * d_model), nn.Linear(d_model, d_model)
+        self.mlp = nn.Sequential(nn.Linear(d_model, 4 * d_model), nn.GELU(), nn.Linear(4 * d_model, d_model))
+
+    def forward(self, x: Tensor) -> Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        attention = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, d)
+        x = x + self.proj(attention)
+        return x + self.mlp(self.ln2(x))
+
+
+class GPT(L.LightningModule):
+    """Token and position embeddings (first stage), an ``nn.Sequential`` trunk of blocks, a head (last stage)."""
+
+    def __init__(self, vocab: int, d_model: int, blocks: int, seq: int, heads: int, lr: float = 1e-4) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.tokens, self.positions = nn.Embedding(vocab, d_model), nn.Embedding(seq, d_model)
+        self.blocks = nn.Sequential(*[Block(d_model, heads) for _ in range(blocks)])
+        self.ln, self.out = nn.LayerNorm(d_model), nn.Linear(d_model, vocab, bias=False)
+        self.lr = lr
+
+    def forward(self, idx: Tensor) -> Tensor:
+        positions = torch.arange(idx.shape[1], device=idx.device)
+        return self.out(self.ln(self.blocks(self.tokens(idx) + self.positions(positions))))
+
+    def training_step(self, batch: Tensor, batch_idx: int) -> Tensor:
+        logits = self(batch[:, :-1])
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=self.lr)
+
+
+class Tokens(Dataset):
+    """``n`` random token windows of ``seq + 1`` tokens (inputs and shifted targets), fixed by the seed."""
+
+    def __init__(self, n: int, seq: int, vocab: int) -> None:
+        self.data = torch.randint(0, vocab, (n, seq + 1), generator=torch.Generator().manual_seed(1))
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __getitem__(self, i: int) -> Tensor:
+        return self.data[i]
+
+
+# ------------------------------------------------------------------------------------------ timing
+
+
+class StepClock(L.Callback):
+    """Times optimizer steps ``warmup .. warmup + steps``, then counts host synchronisations over
+    ``sync_steps`` more; optionally profiles two steps after the warm-up."""
+
+    def __init__(self, cuda: bool, warmup: int, steps: int, sync_steps: int, profile_dir: str | None, label: str) -> None:
+        self.cuda, self.warmup, self.steps, self.sync_steps = cuda, warmup, steps, sync_steps
+        self.times: list[float] = []
+        self.syncs = 0
+        self.peak = 0
+        self._last_step = -1
+        self._recorder: warnings.catch_warnings | None = None
+        self._caught: list[warnings.WarningMessage] = []
+        self.profile_dir, self.label = profile_dir, label
+        self._profiler: torch.profiler.profile | None = None
+
+    def _sync(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()
+
+    def on_train_batch_end(self, trainer: L.Trainer, module: L.LightningModule, *args: Any) -> None:
+        step = trainer.global_step
+        if step == self._last_step:  # inside an accumulation window: not a step boundary
+            return
+        self._last_step = step
+        timing_end = self.warmup + self.steps
+        if step <= timing_end:
+            self._sync()
+            self.times.append(time.perf_counter())
+            if step == self.warmup and self.cuda:
+                torch.cuda.reset_peak_memory_stats()
+            if step == timing_end and self.cuda:
+                self.peak = torch.cuda.max_memory_allocated()
+        self._profile(step)
+        if step == timing_end and self.cuda and self.sync_steps:  # count from here on
+            self._recorder = warnings.catch_warnings(record=True)
+            self._caught = self._recorder.__enter__()
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+        elif step == timing_end + self.sync_steps and self._recorder is not None:
+            self.stop_counting()
+
+    def stop_counting(self) -> None:
+        if self._recorder is None:
+            return
+        torch.cuda.set_sync_debug_mode("default")
+        self.syncs = sum("synchroniz" in str(w.message) for w in self._caught)
+        self._recorder.__exit__(None, None, None)
+        self._recorder = None
+
+    def _profile(self, step: int) -> None:
+        if self.profile_dir is None:
+            return
+        if step == self.warmup:
+            activities = [torch.profiler.ProfilerActivity.CPU]
+            if self.cuda:
+                activities.append(torch.profiler.ProfilerActivity.CUDA)
+            self._profiler = torch.profiler.profile(activities=activities, record_shapes=False)
+            self._profiler.__enter__()
+        elif step == self.warmup + 2 and self._profiler is not None:
+            self._sync()
+            self._profiler.__exit__(None, None, None)
+            os.makedirs(self.profile_dir, exist_ok=True)
+            path = os.path.join(self.profile_dir, f"{self.label}.json")
+            self._profiler.export_chrome_trace(path)
+            print(f"profile of two steps of {self.label}: {path}", flush=True)
+            self._profiler = None
+
+    def ms_per_step(self) -> float:
+        gaps = [b - a for a, b in zip(self.times, self.times[1:])]
+        return 1e3 * statistics.median(gaps) if gaps else math.nan
+
+
+# ------------------------------------------------------------------------------------------ runs
+
+
+@dataclass
+class Row:
+    variant: str
+    ms_per_step: float
+    peak_gib: float | None
+    syncs_per_step: float | None
+    vs_accumulation: float | None = None
+
+
+def variants(stages: int, chosen: list[str] | None) -> list[tuple[str, dict[str, Any] | None]]:
+    """``(name, PipeStrategy options or None for plain Lightning)`` of every variant."""
+    out: list[tuple[str, dict[str, Any] | None]] = [("plain", None), ("accumulation", None)]
+    for name in names():
+        if name == "avgpipe":  # one process per stage: no emulation
+            continue
+        chunks = spec(name).fixed_chunks or (2 if spec(name).chunked else 1)
+        options: dict[str, Any] = {"schedule": name, "stages": max(stages // chunks, 2)}
+        if name == "interleaved_1f1b":
+            options["chunks_per_stage"] = 2
+        out.append((name, options))
+    return [v for v in out if chosen is None or v[0] in chosen]
+
+
+def run_variant(name: str, options: dict[str, Any] | None, args: argparse.Namespace) -> Row:
+    cuda = args.device == "cuda"
+    total = args.warmup + args.steps + (args.sync_steps if cuda else 0) + 1
+    accumulate = args.micro_batches if name == "accumulation" else 1
+    loader_batch = args.batch // accumulate
+    data = Tokens(total * args.batch, args.seq, args.vocab)
+    loader = DataLoader(data, batch_size=loader_batch, shuffle=False, drop_last=True)
+    model = GPT(args.vocab, args.d_model, args.blocks, args.seq, args.heads)
+    strategy: Any = "auto"
+    if options is not None:
+        strategy = lightning_pipe.PipeStrategy(micro_batches=args.micro_batches, quality_warning=False, **options)
+    clock = StepClock(cuda, args.warmup, args.steps, args.sync_steps if cuda else 0,
+                      args.profile_dir if args.profile == name else None, name)
+    trainer = L.Trainer(accelerator=args.device, devices=1, strategy=strategy, precision=args.precision,
+                        max_steps=total, accumulate_grad_batches=accumulate, logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, enable_checkpointing=False, callbacks=[clock])
+    try:
+        trainer.fit(model, loader)
+    finally:
+        clock.stop_counting()
+    syncs = clock.syncs / args.sync_steps if cuda and args.sync_steps else None
+    row = Row(name, clock.ms_per_step(), clock.peak / 2**30 if cuda else None, syncs)
+    del trainer, model, strategy
+    gc.collect()
+    if cuda:
+        torch.cuda.empty_cache()
+    return row
+
+
+def table(rows: list[Row]) -> str:
+    def cell(value: float | None, fmt: str) -> str:
+        return "-" if value is None or (isinstance(value, float) and math.isnan(value)) else format(value, fmt)
+
+    lines = ["| variant | ms / step | vs accumulation | peak GiB | host syncs / step |", "|---|---|---|---|---|"]
+    lines += [f"| {r.variant} | {cell(r.ms_per_step, '.1f')} | {cell(r.vs_accumulation, '.2f')} | {cell(r.peak_gib, '.2f')} "
+              f"| {cell(r.syncs_per_step, '.1f')} |" for r in rows]
+    return "\n".join(lines)
+
+
+def environment(device: str) -> str:
+    name = torch.cuda.get_device_name() if device == "cuda" else platform.processor() or platform.machine()
+    return (f"{name}; torch {torch.__version__} (CUDA {torch.version.cuda}), lightning {L.__version__}, "
+            f"{datetime.date.today().isoformat()}")
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    p.add_argument("--tiny", action="store_true", help="a model and run small enough for a CPU dry run")
+    p.add_argument("--d-model", type=int, default=2048)
+    p.add_argument("--blocks", type=int, default=8)
+    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--seq", type=int, default=1024)
+    p.add_argument("--vocab", type=int, default=8192)
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--micro-batches", type=int, default=8)
+    p.add_argument("--stages", type=int, default=4, help="virtual stages of the emulated pipeline")
+    p.add_argument("--precision", default="bf16-mixed")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--sync-steps", type=int, default=2)
+    p.add_argument("--variants", nargs="*", help="only these (plain, accumulation, schedule names)")
+    p.add_argument("--profile", metavar="VARIANT", help="record two steps of this variant with torch.profiler")
+    p.add_argument("--profile-dir", default="gpu_profile")
+    p.add_argument("--json", metavar="PATH", help="also append the rows to this JSON-lines file")
+    args = p.parse_args(argv)
+    if args.tiny:
+        args.d_model, args.blocks, args.heads, args.seq, args.vocab = 64, 4, 4, 32, 128
+        args.batch, args.micro_batches, args.stages, args.warmup, args.steps, args.sync_steps = 8, 4, 4, 1, 3, 2
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error("no CUDA device here; use --device cpu (with --tiny for a dry run)")
+    if args.batch % args.micro_batches:
+        p.error(f"--batch {args.batch} must be a multiple of --micro-batches {args.micro_batches}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> list[Row]:
+    args = parse(argv)
+    print(environment(args.device), flush=True)
+    print(f"GPT d_model {args.d_model}, {args.blocks} blocks, seq {args.seq}, batch {args.batch}, {args.precision}, "
+          f"{args.micro_batches} micro-batches, {args.stages} virtual stages", flush=True)
+    rows = []
+    for name, options in variants(args.stages, args.variants):
+        rows.append(run_variant(name, options, args))
+        print(f"{name}: {rows[-1].ms_per_step:.1f} ms/step", flush=True)
+    base = next((r.ms_per_step for r in rows if r.variant == "accumulation"), None)
+    for row in rows:
+        row.vs_accumulation = base / row.ms_per_step if base else None
+    print(table(rows), flush=True)
+    if args.json:
+        with open(args.json, "a") as f:
+            for row in rows:
+                f.write(json.dumps({**asdict(row), "environment": environment(args.device), **vars(args)}) + "\n")
+    return rows
+
+
+if __name__ == "__main__":
+    main()
