@@ -48,6 +48,8 @@ def main() -> None:
                  else f"{sum(bool(o.named) for o in outcomes)}/{len(outcomes)}")
         orphans = sum(len(o.orphans) for o in outcomes)
         checkpoint = "-" if not case.checkpoint else f"{sum(bool(o.checkpoint_ok) for o in outcomes)}/{len(outcomes)} written"
+        if case.damaged is not None:
+            checkpoint = f"{sum(bool(o.checkpoint_ok) for o in outcomes)}/{len(outcomes)} left as it was"
         print(f"| {case.name} | {ended} | {seconds} | {named} | {orphans} | {checkpoint} |", flush=True)
 
 

@@ -43,6 +43,7 @@ class Case:
     lone_rank: int | None = None  # start only this rank, as torchrun would (its rank 0 never comes)
     says: str | None = None  # words the output must hold (counted as "named")
     written: str | None = None  # a glob under the job's directory that must match a loadable checkpoint
+    damaged: tuple[dict, str] | None = None  # (the config that writes <out>/given.ckpt first, the damage) to resume from
 
 
 def cases(timeout: float) -> list[Case]:
@@ -75,6 +76,7 @@ def cases(timeout: float) -> list[Case]:
         *sigterm_cases(base),
         *startup_sigterm_cases(base),
         *sigint_cases(base),
+        *checkpoint_cases(base),
         Case("rank 0 killed while saving, then the next job saves there",
              {**base, "max_steps": 2, "slow_save": 0, "kill_in_save": True, "ckpt_out": "<ckpt>"}, failed_rank=0,
              checkpoint=True, notes="the second job"),
@@ -101,6 +103,22 @@ def auto_balance_hang_case(base: dict, startup_timeout: float = 60.0) -> Case:
               "model": {"fault": {"kind": "sleep", "rank": 0, "step": 0}}}
     return Case(f"rank 0 hangs profiling for balance='auto' (startup_timeout={startup_timeout:g})", config, failed_rank=0,
                 notes="its first step, run by the profiler, sleeps")
+
+
+def checkpoint_cases(base: dict) -> list[Case]:
+    """Resuming from a checkpoint that cannot serve (issue 29): cut in half, of another layer width, or holding
+    another asynchronous schedule's weight-policy state. Each fails at the load, naming the file and the cause,
+    and leaves the file as it was."""
+    resume = {**base, "ckpt_path": "<out>/given.ckpt"}
+    writer = {**base, "max_steps": 2, "ckpt_out": "<out>/given.ckpt"}
+    two_bw = {**writer, "strategy": {**base["strategy"], "schedule": "pipedream_2bw"}}
+    return [
+        Case("a truncated checkpoint", resume, damaged=(writer, "truncate"), says="CheckpointFileError: cannot read the checkpoint"),
+        Case("a checkpoint of another layer width", resume, damaged=({**writer, "model": {"width": 24}}, ""),
+             says="mismatched shapes"),
+        Case("a checkpoint of another asynchronous schedule", {**resume, "strategy": {**base["strategy"], "schedule": "pipemare"}},
+             damaged=(two_bw, ""), says="which schedule='pipemare' cannot continue from"),
+    ]
 
 
 def sigterm_cases(base: dict) -> list[Case]:
@@ -183,6 +201,18 @@ def run(case: Case, limit: float) -> Outcome:
         if case.lone_rank is not None:
             env.update(WORLD_SIZE=str(config["devices"]), NODE_RANK="0", LOCAL_RANK=str(case.lone_rank),
                        RANK=str(case.lone_rank))
+        given, given_bytes = os.path.join(out, "given.ckpt"), None
+        if case.damaged is not None:  # write the checkpoint the job resumes from, then damage it
+            writer = json.loads(json.dumps(case.damaged[0]).replace("<out>", out))
+            subprocess.run([sys.executable, SCRIPT, json.dumps(writer), out], capture_output=True, env=job_environment(),
+                           timeout=limit, check=True)
+            if case.damaged[1] == "truncate":
+                with open(given, "rb") as f:
+                    data = f.read()
+                with open(given, "wb") as f:
+                    f.write(data[: len(data) // 2])
+            with open(given, "rb") as f:
+                given_bytes = f.read()
         started = time.time()
         proc = subprocess.Popen([sys.executable, SCRIPT, json.dumps(config), out], stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True)
@@ -226,5 +256,8 @@ def run(case: Case, limit: float) -> Outcome:
             else:
                 path = os.path.join(out, "model.ckpt")
                 checkpoint_ok = os.path.exists(path) and not any(".partial-" in f for f in os.listdir(out))
+        if given_bytes is not None:  # the failed resume left the file it was given as it was
+            with open(given, "rb") as f:
+                checkpoint_ok = f.read() == given_bytes
         errors = re.findall(r"^(?:\[rank\d\]: )?lightning_pipe\.errors\.(\w+: .*)$", output, re.MULTILINE)
         return Outcome(code, seconds, named, orphans, checkpoint_ok, errors[-1] if errors else None, output)
