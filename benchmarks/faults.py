@@ -7,9 +7,11 @@ in a session of its own with one fault: a rank stopped (SIGSTOP: hung outside Py
 (SIGKILL), asleep inside its step (hung in Python), raising in its step or in a hook, at start-up, a
 checkpoint save slower than the pipeline ``timeout``, a rank killed in the middle of a checkpoint
 save; at start-up, MASTER_PORT taken (by a listening and a non-listening holder) and a lone rank whose
-rank 0 never comes (``startup_timeout=5``); SIGTERM and SIGINT to the job's process group, with and
-without the callbacks that write a checkpoint then (for the start-up cases the seconds count from the
-job's start, not from a fault). Per run it records how the job ended, the seconds from the fault to the last process of the
+rank 0 never comes (``startup_timeout=5``), a rank 0 hung in its ``balance="auto"`` profile; SIGTERM and
+SIGINT to the job's process group, with and without the callbacks that write a checkpoint then, and
+SIGTERM during start-up; resuming from a truncated checkpoint, one of another layer width and one of
+another asynchronous schedule (for the start-up and checkpoint cases the seconds count from the job's
+start, not from a fault). Per run it records how the job ended, the seconds from the fault to the last process of the
 job gone, whether a surviving rank's error names the failed rank, the processes of the job still
 alive afterwards (orphans; exited-but-unreaped zombies excluded) and, for the save cases, whether the
 checkpoint was written and whether a leftover temporary file survived the next save.
