@@ -397,7 +397,7 @@ class Executor:
             grads = self._local_gradients(action) if self._is_local(vs + 1) else self._take_gradients(action)
         with self.policy.backward(mb) if self.policy else nullcontext():
             roots, root_grads = self._backward_roots(flight, grads)
-            if flight.probe is not None and action.kind is Kind.BACKWARD and roots:
+            if flight.probe is not None and action.kind is Kind.BACKWARD and roots and self.policy.params:
                 # the stale gradient on the same graph, kept for the regular backward, which runs unchanged
                 flight.probe.stale = torch.autograd.grad(roots, self.policy.used_tensors(mb), root_grads,
                                                          retain_graph=True, allow_unused=True)
