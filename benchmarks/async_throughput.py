@@ -46,11 +46,14 @@ class AsyncEngine(Variant):
 
     def __init__(self, schedule: str, workload: Workload, micro_batches: int, rank: int, group: Any,
                  copy_loads: bool = False, lookahead: float | None = None, shared_memory: bool = True,
-                 lag_every: int | None = None) -> None:
+                 lag_every: int | None = None, cosine_every: int | None = None) -> None:
         self.name = f"ours {schedule}" + (" (copy loads)" if copy_loads else "") + ("" if shared_memory else " (gloo)")
         if lag_every is not None:
             self.name += f" (weight_lag every {lag_every})"
         self.lag_every = lag_every
+        if cosine_every is not None:
+            self.name += f" (grad_cosine every {cosine_every})"
+        self.cosine_every = cosine_every
         if lookahead is not None:
             self.name += f" (lookahead {lookahead:g})"
         self.schedule = schedule
@@ -81,8 +84,11 @@ class AsyncEngine(Variant):
         logged = self.lag_every is not None and self.window % self.lag_every == 0
         if self.lag_every is not None:  # what PipeStrategy does on the steps Lightning logs (stage_metrics)
             self.policy.track_lag(logged)
+        measured = self.cosine_every is not None and self.window % self.cosine_every == 0
+        if self.cosine_every is not None:  # what PipeStrategy(grad_cosine_every=K) does on every K-th step
+            self.policy.request_cosine(measured)
         losses = self.executor.run(schedule, parts, first_micro_batch=self.window * self.micro_batches, carry_over=True)
-        if logged:  # and the read-back when the metrics are logged
+        if logged or measured:  # and the read-back when the metrics are logged (here: every measured step, the worst case)
             self.policy.diagnostics()
         self.window += 1
         return torch.stack(losses).mean() if losses else None
@@ -104,6 +110,9 @@ def worker(rank: int, workload_name: str, micro_batches: int, args: dict[str, An
     for schedule in args["schedules"] if args["weight_lag"] else []:
         variants.append(AsyncEngine(schedule, workload, micro_batches, rank, dist.new_group(backend="gloo"),
                                     lag_every=args["weight_lag"]))
+    for schedule in args["schedules"] if args["grad_cosine"] else []:
+        variants.append(AsyncEngine(schedule, workload, micro_batches, rank, dist.new_group(backend="gloo"),
+                                    cosine_every=args["grad_cosine"]))
     for lookahead in args["lookahead"]:
         variants.append(AsyncEngine("pipedream_2bw", workload, micro_batches, rank, dist.new_group(backend="gloo"),
                                     lookahead=lookahead))
@@ -155,13 +164,16 @@ def main() -> None:
     parser.add_argument("--weight-lag", type=int, default=None, metavar="N",
                         help="also time each schedule measuring weight_lag every N-th step (1: every step, the worst case; "
                              "PipeStrategy measures it on the steps Lightning logs, every 50 by default)")
+    parser.add_argument("--grad-cosine", type=int, default=None, metavar="K",
+                        help="also time each schedule measuring grad_cosine every K-th step (PipeStrategy(grad_cosine_every=K); "
+                             "1: every step, the worst case)")
     parser.add_argument("--windows", type=int, default=5, help="timed windows per variant")
     parser.add_argument("--steps-per-window", type=int, default=4)
     parser.add_argument("--warmup-steps", type=int, default=3)
     parser.add_argument("--timeout", type=float, default=1200.0, help="seconds per job before its processes are killed")
     args = parser.parse_args()
     options = {k: getattr(args, k) for k in ("schedules", "copy_loads", "lookahead", "windows", "steps_per_window", "warmup_steps",
-                                             "gloo", "weight_lag")}
+                                             "gloo", "weight_lag", "grad_cosine")}
     jobs = []
     for workload in args.workloads:
         for m in args.micro_batches:

@@ -379,6 +379,7 @@ def _lightning_classes() -> dict[str, Any]:
             self.val_curve: list[list[float]] = []
             self.step_seconds: list[float] = []
             self.lag_curve: list[list[Any]] = []  # [step, {"stage0": weight_lag, ...}] on the logged steps
+            self.cosine_curve: list[list[Any]] = []  # the same for grad_cosine (strategy option grad_cosine_every)
             self.val_seconds = 0.0
             self._t0 = self._v0 = 0.0
 
@@ -391,10 +392,11 @@ def _lightning_classes() -> dict[str, Any]:
             loss = trainer.callback_metrics.get("train_loss")
             if loss is not None and step % self.train_log_every == 0:
                 self.train_curve.append([step, round(float(loss), 5)])
-            lags = {key.split("/")[1]: round(float(value), 6) for key, value in trainer.callback_metrics.items()
-                    if key.endswith("/weight_lag")}
-            if lags and (not self.lag_curve or self.lag_curve[-1][1] != lags):  # new values: a step the metrics measured
-                self.lag_curve.append([step, lags])
+            for metric, curve in (("weight_lag", self.lag_curve), ("grad_cosine", self.cosine_curve)):
+                values = {key.split("/")[1]: round(float(value), 6) for key, value in trainer.callback_metrics.items()
+                          if key.endswith(f"/{metric}")}
+                if values and (not curve or curve[-1][1] != values):  # new values: a step the metrics measured
+                    curve.append([step, values])
 
         def on_validation_start(self, trainer, pl_module) -> None:  # noqa: ANN001
             self._v0 = time.perf_counter()
@@ -511,6 +513,7 @@ def run_one(config: dict[str, Any], data: Path, result_path: str | None, threads
             "val_curve": recorder.val_curve,
             "train_curve": recorder.train_curve,
             "weight_lag_curve": recorder.lag_curve,
+            "grad_cosine_curve": recorder.cosine_curve,
             "seconds_per_step": round(statistics.median(times), 4) if times else None,
             "train_seconds": round(sum(recorder.step_seconds), 2),
             "val_seconds": round(recorder.val_seconds, 2),

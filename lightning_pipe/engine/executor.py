@@ -32,6 +32,7 @@ from typing import Any, ContextManager, Protocol, runtime_checkable
 import torch
 from torch import Tensor
 
+from lightning_pipe.engine.grad_cosine import GradientProbe, buffers_kept, cosine, detached, replayed_rng, rng_state
 from lightning_pipe.engine.p2p import (
     ACTIVATION_TAG,
     GRADIENT_TAG,
@@ -61,6 +62,7 @@ class _InFlight:
     weight: float = 1.0
     header: Header | None = None  # what the output's message announces
     input_grads: list[Tensor] = field(default_factory=list)
+    probe: GradientProbe | None = None  # the micro-batch grad_cosine measures (lightning_pipe.engine.grad_cosine)
 
 
 @dataclass
@@ -172,6 +174,8 @@ class Executor:
         if shape_headers not in ("on_change", "always"):
             raise ValueError(f"shape_headers={shape_headers!r}: use 'on_change' or 'always'.")
         self._shapes = ShapeCache(always=shape_headers == "always")
+        #: wraps grad_cosine's recompute of a forward (Lightning: ``self.log`` is not recorded a second time)
+        self.recompute_context: Callable[[], ContextManager[Any]] = nullcontext
         if len(self.ranks) > 1 and transport is None:
             raise ValueError("a pipeline with more than one device needs a Transport.")
 
@@ -399,8 +403,11 @@ class Executor:
         if vs > 0:
             inputs = self._local_activation(action) if self._is_local(vs - 1) else self._take_activation(action)
             flight.inputs = tuple(t for t in _as_tensors(inputs) if t.requires_grad)
+        micro_batch = self._micro_batches[self._slot(action)]
+        if self.policy is not None and self.policy.take_cosine_request():  # before the forward draws from the RNG
+            flight.probe = GradientProbe(detached(inputs), micro_batch, rng_state(self._policy_device()))
         with self.policy.forward(mb) if self.policy else nullcontext():
-            output = self.chunks[chunk](inputs, self._micro_batches[self._slot(action)])
+            output = self.chunks[chunk](inputs, micro_batch)
         if vs == self._schedule.virtual_stages - 1:
             if self._schedule.forward_only:
                 self._outputs[(action.replica, mb)] = output
@@ -425,6 +432,10 @@ class Executor:
             grads = self._local_gradients(action) if self._is_local(vs + 1) else self._take_gradients(action)
         with self.policy.backward(mb) if self.policy else nullcontext():
             roots, root_grads = self._backward_roots(flight, grads)
+            if flight.probe is not None and action.kind is Kind.BACKWARD and roots and self.policy.params:
+                # the stale gradient on the same graph, kept for the regular backward, which runs unchanged
+                flight.probe.stale = torch.autograd.grad(roots, self.policy.used_tensors(mb), root_grads,
+                                                         retain_graph=True, allow_unused=True)
             if action.kind is Kind.BACKWARD:
                 if roots:
                     torch.autograd.backward(roots, root_grads)
@@ -439,11 +450,34 @@ class Executor:
         if self.policy is not None:
             self.policy.finished(mb)
         flight.output = None  # free the graph before anything else runs
+        if flight.probe is not None and flight.probe.stale is not None:
+            self.policy.record_cosine(cosine(flight.probe.stale, self._applied_gradient(chunk, flight, grads)))
+        flight.probe = None
         if vs > 0:
             flight.input_grads = [t.grad if t.grad is not None else torch.zeros_like(t) for t in flight.inputs]
             flight.inputs = ()
         else:
             self._in_flight.pop(key)
+
+    def _policy_device(self) -> torch.device:
+        """The device of the policy's weights (whose RNG stream a measured forward's recompute replays)."""
+        return next(iter(self.policy.params.values())).device if self.policy.params else torch.device("cpu")
+
+    def _applied_gradient(self, chunk: int, flight: _InFlight, grads: list[Tensor] | None) -> Sequence[Tensor | None]:
+        """grad_cosine's other side: the measured micro-batch's gradient at the weights the STEP updates, from
+        the same input activation and the same output gradient (the last stage: its own weighted loss),
+        with the RNG stream its forward saw. Touches no ``.grad``, RNG stream or buffer of training."""
+        probe, policy = flight.probe, self.policy
+        with self.recompute_context(), policy.bind_applied(), buffers_kept(policy.root), \
+                replayed_rng(probe.rng, self._policy_device()), torch.enable_grad():
+            output = self.chunks[chunk](probe.inputs, probe.micro_batch)
+            if grads is not None:
+                output = _check_output(output, self._name(chunk))
+            again = _InFlight(output=output, weight=flight.weight, header=flight.header)
+            roots, root_grads = self._backward_roots(again, grads)
+            if not roots:
+                return [None] * len(policy.params)
+            return torch.autograd.grad(roots, policy.applied_tensors(), root_grads, allow_unused=True)
 
     def _backward_roots(self, flight: _InFlight, grads: list[Tensor] | None) -> tuple[list[Tensor], list[Tensor | None]]:
         """What backward starts from: the weighted (and scaled) loss, or the outputs that carry a gradient."""

@@ -11,6 +11,8 @@ real ``LightningModule.log``.
 from __future__ import annotations
 
 import inspect
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -48,6 +50,20 @@ def _reduction(reduce_fx: Any) -> str:
     if reduce_fx in _TORCH_REDUCTIONS:
         return _TORCH_REDUCTIONS[reduce_fx]
     raise ValueError(f"self.log(reduce_fx={reduce_fx!r}) cannot be combined over micro-batches; use 'mean', 'sum', 'max' or 'min'.")
+
+
+@contextmanager
+def silenced(module: LightningModule) -> Iterator[None]:
+    """Within the block ``module.log`` does nothing (a recompute of a step already recorded: grad_cosine's)."""
+    outer = module.__dict__.get("log")
+    module.__dict__["log"] = lambda *args, **kwargs: None
+    try:
+        yield
+    finally:
+        if outer is None:
+            module.__dict__.pop("log", None)
+        else:
+            module.__dict__["log"] = outer
 
 
 class LogCapture:

@@ -83,6 +83,7 @@ class PipeOptions:
     delay_warmup_steps: int = 0
     quality_warning: bool = True
     save_distributed_checkpoint: bool = False
+    grad_cosine_every: int = 0
 
     @property
     def spec(self) -> ScheduleSpec:
@@ -98,7 +99,8 @@ class PipeOptions:
     @property
     def asynchronous(self) -> AsyncOptions:
         """What the asynchronous weight policies read."""
-        return AsyncOptions(self.pipemare, self.xpipe, self.pipedream_2bw, self.pipedream, self.delay_warmup_steps)
+        return AsyncOptions(self.pipemare, self.xpipe, self.pipedream_2bw, self.pipedream, self.delay_warmup_steps,
+                            self.grad_cosine_every)
 
     @property
     def tuned(self) -> bool:
@@ -201,13 +203,17 @@ def check(options: PipeOptions) -> None:
     if isinstance(o.balance, str) and o.balance not in ("uniform", "parameters", "auto"):
         raise PipeConfigError(f"balance={o.balance!r} is not known; use 'uniform', 'parameters', 'auto' (profile and plan "
                               "at setup) or a list of layer counts.")
-    for name in ("sync_warmup_epochs", "sync_warmup_steps", "delay_warmup_steps"):
+    for name in ("sync_warmup_epochs", "sync_warmup_steps", "delay_warmup_steps", "grad_cosine_every"):
         if not isinstance(getattr(o, name), int) or getattr(o, name) < 0:
             raise PipeConfigError(f"{name}={getattr(o, name)!r} must be a whole number, at least 0.")
     if o.delay_warmup_steps and row.family != "asynchronous":
         stale = ", ".join(map(repr, names("asynchronous")))
         raise PipeConfigError(f"delay_warmup_steps={o.delay_warmup_steps} warms up stages whose gradients are stale, which "
                               f"only the schedules {stale} have; leave it at 0 for {o.schedule!r}.")
+    if o.grad_cosine_every and row.family != "asynchronous":
+        stale = ", ".join(map(repr, names("asynchronous")))
+        raise PipeConfigError(f"grad_cosine_every={o.grad_cosine_every} measures how stale gradients turn, which only the "
+                              f"schedules {stale} have; leave it at 0 for {o.schedule!r}.")
     lookahead = o.pipedream_2bw.lookahead
     if not (isinstance(lookahead, (int, float)) and math.isfinite(lookahead) and lookahead >= 0):
         raise PipeConfigError(f"pipedream_2bw lookahead={lookahead!r} must be a number >= 0 (0: the paper's rule, "

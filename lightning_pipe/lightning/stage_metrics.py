@@ -12,8 +12,9 @@ pipeline once and every rank logs them, so ``callback_metrics`` and the loggers 
 * ``pipe/stage{s}/peak_memory_mib``: peak memory allocated on the device during the step (CUDA), or
   the process's peak resident memory so far (CPU);
 * asynchronous schedules also: ``staleness``, ``weight_copies``, ``weight_lag`` (the stale schedules:
-  ``||W_applied - W_used|| / ||W_applied||``, measured only on these steps), and ``correction_norm``
-  (pipemare) or ``prediction_norm`` (xpipe) (docs/async-semantics.md, docs/metrics.md).
+  ``||W_applied - W_used|| / ||W_applied||``, measured only on these steps), ``grad_cosine`` (with
+  ``grad_cosine_every``: the latest cosine between a stale gradient and the gradient at the applied
+  weights), and ``correction_norm`` (pipemare) or ``prediction_norm`` (xpipe) (docs/async-semantics.md, docs/metrics.md).
 
 Steps Lightning does not log cost nothing: no timing, no synchronisation, no collective. An emulated
 pipeline runs its stages one after another in one process, so it logs only the policies' diagnostics.

@@ -156,6 +156,11 @@ class PipeStrategy(DDPStrategy, metaclass=_NamesItsOptions):
             ``min(1, (k + 1) / (delay_warmup_steps * tau_s))`` at its ``k``-th optimizer step (on top of
             the user's scheduler and PipeMare's T1); stages with fresh gradients are untouched. ``0``
             (the default): off (docs/lm-quality.md measures it).
+        grad_cosine_every: asynchronous schedules with stale gradients: every ``K``-th training step, measure
+            on one micro-batch per stage the cosine between the stale gradient the stage took and the
+            gradient at the weights its step updates, logged with the stage metrics as
+            ``pipe/stage{s}/grad_cosine`` (the latest measurement). It recomputes that micro-batch's forward
+            and backward on the stage; training is unchanged. ``0`` (the default): off (docs/metrics.md).
         quality_warning: warn once, on rank 0 at fit start, when a schedule with stale gradients runs with
             an Adam-like optimizer (Adam, AdamW, RAdam, Adamax; NAdam outside the recipe that keeps
             quality), with the cost measured on the language-model benchmark at that stage count and the
@@ -236,6 +241,7 @@ class PipeStrategy(DDPStrategy, metaclass=_NamesItsOptions):
         sync_warmup_epochs: int = 0,
         sync_warmup_steps: int = 0,
         delay_warmup_steps: int = 0,
+        grad_cosine_every: int = 0,
         quality_warning: bool = True,
         pipemare: PipeMareOptions = PipeMareOptions(),
         xpipe: XPipeOptions = XPipeOptions(),

@@ -88,6 +88,8 @@ class WeightPolicy:
         self.tracking_lag = False  # measure weight_lag in the coming backwards (on logged steps)
         self._lag_sum: Tensor | float = 0.0
         self._lag_count = 0
+        self.cosine_requested = False  # measure grad_cosine on the next forward's micro-batch
+        self.grad_cosine: Tensor | None = None  # the latest measurement (0-d, read back only when logged)
 
     #: measure ``weight_lag`` on logged steps (``False``: never; the throughput benchmark measures the difference)
     measure_weight_lag = True
@@ -133,6 +135,37 @@ class WeightPolicy:
         self._lag_sum = self._lag_sum + lag
         self._lag_count += 1
 
+    # -- grad_cosine (lightning_pipe.engine.grad_cosine; docs/metrics.md) -------------------------
+    def request_cosine(self, on: bool) -> None:
+        """Measure ``grad_cosine`` on the micro-batch of this stage's next forward (``on``: a step whose index
+        is a multiple of ``AsyncOptions.grad_cosine_every``); ``False`` withdraws a request not taken yet."""
+        self.cosine_requested = on
+
+    def take_cosine_request(self) -> bool:
+        """Whether the forward about to run is the measured one (a request is taken once)."""
+        taken, self.cosine_requested = self.cosine_requested, False
+        return taken
+
+    def used_tensors(self, g: int) -> list[Tensor]:
+        """The tensors ``B(g)``'s graph takes its weight gradients in, in the order of :attr:`params`
+        (called within :meth:`backward`'s context): the parameters themselves by default."""
+        return list(self.params.values())
+
+    def applied_tensors(self) -> list[Tensor]:
+        """The weights this stage's next STEP updates, in the order of :attr:`params` (what ``weight_lag``
+        compares with as ``W_applied``): the parameters by default."""
+        return list(self.params.values())
+
+    def bind_applied(self) -> ContextManager[Any]:
+        """Within the block a forward of the module runs on :meth:`applied_tensors` (called outside any
+        forward's or backward's context): the parameters hold them by default."""
+        return nullcontext()
+
+    def record_cosine(self, value: Tensor | None) -> None:
+        """Keep one ``grad_cosine`` measurement (the metrics log the latest)."""
+        if value is not None:
+            self.grad_cosine = value.detach()
+
     def _delay(self, g: int, tau: int) -> int:
         """How many STEPs older than the weights it updates the gradient of ``B(g)`` is (the
         ``staleness`` metric): the STEPs between its forward and its backward, ``tau``, by default."""
@@ -176,6 +209,8 @@ class WeightPolicy:
             values["lr_scale"] = self.lr_scale
         if self._lag_count:
             values["weight_lag"] = float(self._lag_sum) / self._lag_count
+        if self.grad_cosine is not None:
+            values["grad_cosine"] = float(self.grad_cosine)
         return values
 
     @property

@@ -21,7 +21,7 @@ import torch
 from torch import Tensor, nn
 from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz
 
-from lightning_pipe.engine.policies.base import WeightPolicy, norm_of, relative_distance
+from lightning_pipe.engine.policies.base import Binding, WeightPolicy, norm_of, relative_distance
 from lightning_pipe.optim import BasisRotationAdam
 
 
@@ -58,6 +58,16 @@ class _LivePolicy(WeightPolicy):
             if id(p) in master_of:
                 self.optimizer.state[master_of[id(p)]] = self.optimizer.state.pop(p)
         self._holding: tuple[Any, ...] | None = ("masters", 0)
+        self._binding: Binding | None = None  # binds the masters for grad_cosine's recompute (made when first needed)
+
+    def applied_tensors(self) -> list[Tensor]:
+        return list(self.masters.values())
+
+    def bind_applied(self) -> ContextManager[Any]:
+        # the parameters hold whatever the last forward or backward wanted; the masters are what STEP updates
+        if self._binding is None:
+            self._binding = Binding(self.root, self.params)
+        return self._binding.bound(self.masters)
 
     def load(self, values: dict[str, Tensor], token: tuple[Any, ...]) -> None:
         """Copy ``values`` into the live storage unless it already holds what ``token`` names."""

@@ -129,6 +129,8 @@ class AsyncOptions:
             learning rate by ``min(1, (k + 1) / (K * tau_s))`` at its ``k``-th STEP, a linear warm-up
             over ``K * tau_s`` STEPs; fresh stages (``tau_s = 0``, e.g. pipedream's last) are untouched.
             ``0`` (the default): off. docs/algorithms.md §5.
+        grad_cosine_every: measure ``pipe/stage{s}/grad_cosine`` on every ``K``-th training step (one
+            micro-batch per stage; docs/metrics.md); ``0`` (the default): never.
     """
 
     pipemare: PipeMareOptions = field(default_factory=PipeMareOptions)
@@ -136,6 +138,7 @@ class AsyncOptions:
     pipedream_2bw: DoubleBufferOptions = field(default_factory=DoubleBufferOptions)
     pipedream: PipeDreamOptions = field(default_factory=PipeDreamOptions)
     delay_warmup_steps: int = 0
+    grad_cosine_every: int = 0
 
 
 @dataclass(frozen=True)

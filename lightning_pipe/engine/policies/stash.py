@@ -74,6 +74,10 @@ class _SnapshotPolicy(WeightPolicy):
         # bound again: a checkpointed stage recomputes its forward inside this backward, on the version F saw
         return self._binding.bound(self.snapshots[version])
 
+    def used_tensors(self, g: int) -> list[Tensor]:
+        version = self.version_of[g]  # None: the forward ran on the parameters themselves
+        return super().used_tensors(g) if version is None else list(self.snapshots[version].values())
+
     def finished(self, g: int) -> None:
         super().finished(g)
         version = self.version_of.pop(g)

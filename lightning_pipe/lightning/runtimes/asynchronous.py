@@ -19,7 +19,7 @@ from lightning_pipe.engine.emulated import EmulatedAsyncSegments
 from lightning_pipe.engine.outside import reject_shared
 from lightning_pipe.engine.policies import make_clip, merge_states
 from lightning_pipe.errors import CheckpointMismatchError, PipeConfigError, SharedParameterError
-from lightning_pipe.lightning.log_replay import LogCapture
+from lightning_pipe.lightning.log_replay import LogCapture, silenced
 from lightning_pipe.lightning.module_glue import ModuleStages, stage_parameter_names
 from lightning_pipe.lightning.runtimes.common import BaseRuntime, unwrapped
 from lightning_pipe.lightning.runtimes.flush import FlushRuntime
@@ -97,8 +97,15 @@ class AsyncRuntime(BaseRuntime):
             if self.segments.policy is None:
                 self._start(stages, micro_batches[0])
             measuring = self.strategy.measuring_step
+            every = self.strategy.options.grad_cosine_every
+            cosine = every > 0 and self.strategy.lightning_module.trainer.global_step % every == 0
             for policy in self.segments.policies:  # weight_lag costs a pass over the weights: logged steps only
                 policy.track_lag(measuring)
+                policy.request_cosine(cosine)  # grad_cosine recomputes one micro-batch: every K-th step only
+            if cosine:  # the recompute runs the step again, whose self.log was recorded once already
+                executor, module = self.pipeline.executor, self.strategy.lightning_module
+                for each in getattr(executor, "executors", [executor]):
+                    each.recompute_context = lambda: silenced(module)
             sizes = [batch_size(mb) for mb in micro_batches]
             scaler = getattr(self.strategy.precision_plugin, "scaler", None)
             return self.segments.run_window(micro_batches, [s / sum(sizes) for s in sizes], scaler.scale if scaler else None)
