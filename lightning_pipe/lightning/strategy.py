@@ -420,6 +420,18 @@ class PipeStrategy(DDPStrategy, metaclass=_NamesItsOptions):
             self._construction.finished += construction.finished
 
     @property
+    def layer_counts(self) -> list[int] | None:
+        """Trunk layers per virtual stage, in pipeline order: the split in use (``balance="auto"``: the one it
+        chose). ``None`` until the model was checked (in the launching process, before the other ranks start)."""
+        return None if self._counts is None else list(self._counts)
+
+    @property
+    def plan(self) -> Plan | None:
+        """With ``balance="auto"``: the plan its split came from (the split, and the planner's predicted times
+        and memory per stage); ``None`` with a given balance, and before setup."""
+        return self._plan
+
+    @property
     @override
     def restore_checkpoint_after_setup(self) -> bool:
         """A model built on the meta device has no memory to restore a checkpoint into before setup, and a

@@ -60,8 +60,8 @@ def test_profiling_at_setup_changes_nothing_about_the_run(tmp_path):
     strategy = PipeStrategy(schedule="1f1b", micro_batches=2, stages=2, balance="auto",
                             auto_balance={"profile_cache": str(tmp_path / "p.json")})
     losses, state = _fit(strategy)
-    assert len(strategy._counts) == 2 and sum(strategy._counts) == 5 and strategy._plan is not None
-    want_losses, want_state = _fit(PipeStrategy(schedule="1f1b", micro_batches=2, stages=2, balance=strategy._counts))
+    assert len(strategy.layer_counts) == 2 and sum(strategy.layer_counts) == 5 and strategy.plan is not None
+    want_losses, want_state = _fit(PipeStrategy(schedule="1f1b", micro_batches=2, stages=2, balance=strategy.layer_counts))
     assert losses == pytest.approx(want_losses, rel=1e-6)
     for key, value in want_state.items():
         torch.testing.assert_close(state[key], value, msg=key)
@@ -89,10 +89,10 @@ def test_a_resumed_run_keeps_the_checkpoints_split(tmp_path, monkeypatch):
     trainer.fit(DropoutNet(), datamodule=ShuffledData())
     path = str(tmp_path / "auto.ckpt")
     trainer.save_checkpoint(path)
-    assert torch.load(path, weights_only=False)["pipe_balance"] == strategy._counts
+    assert torch.load(path, weights_only=False)["pipe_balance"] == strategy.layer_counts
     monkeypatch.setattr(auto_balance, "split_by_profile", lambda *a, **k: pytest.fail("planned again"))
     resumed = PipeStrategy(schedule="1f1b", micro_batches=2, stages=2, balance="auto")
     trainer = L.Trainer(accelerator="cpu", devices=1, strategy=resumed, max_steps=4, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
     trainer.fit(DropoutNet(), datamodule=ShuffledData(), ckpt_path=path)
-    assert resumed._counts == strategy._counts and trainer.global_step == 4
+    assert resumed.layer_counts == strategy.layer_counts and trainer.global_step == 4

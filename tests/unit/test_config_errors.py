@@ -15,7 +15,7 @@ def connect(model: L.LightningModule, devices: int = 2, **options) -> list[int]:
     """Run the strategy's pre-launch checks without launching processes; return the trunk layers per stage."""
     trainer = L.Trainer(strategy=PipeStrategy(**options), accelerator="cpu", devices=devices, logger=False)
     trainer.strategy.connect(model)
-    return trainer.strategy._counts
+    return trainer.strategy.layer_counts
 
 
 class TwoTrunks(TrunkModel):
