@@ -99,7 +99,10 @@ def cosine(a: Sequence[Tensor | None], b: Sequence[Tensor | None]) -> Tensor | N
 
 
 def _norm(tensors: Sequence[Tensor | None]) -> Tensor:
-    """The 2-norm of the concatenation of ``tensors`` (``None``: zero), in float32."""
+    """The 2-norm of the concatenation of ``tensors`` (``None``: zero), in float32.
+
+    Not :func:`~lightning_pipe.engine.policies.base.norm_of`: that one takes each tensor's norm in its own
+    dtype, and a bf16 norm's three digits would swamp a cosine read near 0.99."""
     present = [t.detach().float() for t in tensors if t is not None]
     if not present:
         return torch.zeros(())

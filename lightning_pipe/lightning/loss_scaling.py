@@ -56,17 +56,20 @@ def agree_on_overflow(scaler: Any, group: Any = None) -> None:
         return
     unscale, check = scaler.unscale_, scaler._check_inf_per_device
 
-    def unscale_and_agree(optimizer: torch.optim.Optimizer) -> None:
-        unscale(optimizer)
+    def agree(optimizer: torch.optim.Optimizer) -> dict[torch.device, torch.Tensor]:
+        """Replace the flags this rank just recorded for ``optimizer`` by the world's agreed one."""
         state = scaler._per_optimizer_states[id(optimizer)]
         state["found_inf_per_device"] = agreed_flags(state["found_inf_per_device"], scaler, group)
+        return state["found_inf_per_device"]
+
+    def unscale_and_agree(optimizer: torch.optim.Optimizer) -> None:
+        unscale(optimizer)
+        agree(optimizer)
 
     def check_and_agree(optimizer: torch.optim.Optimizer) -> dict[torch.device, torch.Tensor]:
         # a fused optimizer unscales inside its step: scaler.step looks for infs here instead of in unscale_
         check(optimizer)
-        state = scaler._per_optimizer_states[id(optimizer)]
-        state["found_inf_per_device"] = agreed_flags(state["found_inf_per_device"], scaler, group)
-        return state["found_inf_per_device"]
+        return agree(optimizer)
 
     scaler.unscale_, scaler._check_inf_per_device = unscale_and_agree, check_and_agree
     setattr(scaler, _AGREES, True)
