@@ -11,7 +11,9 @@ out of the optimizer's state, the weight policies, checkpoints (another stage ho
 copy) and loads.
 
 A looped trunk (``nn.ModuleList``) runs the step's code before the loop on every stage (its blocks take
-arguments that code computes, docs/models.md), so every rank keeps the tensors there.
+arguments that code computes, docs/models.md), so no rank knows before the first step which of those
+tensors it needs. After it, :func:`release` turns the parameters a rank holds but did not train (the
+head on the first stage, the embedding on the last) into stand-ins in place.
 """
 
 from __future__ import annotations
@@ -58,6 +60,21 @@ def replace_outside(root: nn.Module, outside: Iterable[str], device: torch.devic
                         made[id(t)] = stand_in(t, device)
                     store[name] = made[id(t)]  # type: ignore[assignment]
     return [name for name, t in _named_tensors(root) if is_absent(t)]
+
+
+def release(root: nn.Module, names: Iterable[str]) -> list[str]:
+    """Turn the parameters named ``names`` into stand-ins **in place**: the same ``nn.Parameter`` objects
+    (an optimizer, a gradient hook or a tie keeps referring to them) now hold one element, and their
+    values' memory is free once nothing else refers to it. Return the names released (aliases of a tied
+    parameter included)."""
+    wanted = set(names)
+    released = {id(p) for name, p in root.named_parameters(remove_duplicate=False) if name in wanted}
+    for p in root.parameters():  # each object once
+        if id(p) in released and not is_absent(p):
+            p.data = torch.zeros((), dtype=p.dtype, device=p.device).expand(p.shape)
+            p.grad = None
+            setattr(p, ABSENT, True)
+    return [name for name, p in root.named_parameters(remove_duplicate=False) if id(p) in released]
 
 
 def move_stand_ins(root: nn.Module, device: torch.device) -> None:

@@ -84,6 +84,7 @@ class PipeOptions:
     quality_warning: bool = True
     save_distributed_checkpoint: bool = False
     grad_cosine_every: int = 0
+    release_unused_outside: bool = True
 
     @property
     def spec(self) -> ScheduleSpec:
@@ -164,8 +165,9 @@ def resolve(given: Mapping[str, Any], deprecated: Mapping[str, Any] | None = Non
     for name in ("timeout", "startup_timeout", "checkpoint_timeout"):
         if name in values:
             values[name] = float(values[name])
-    if "save_distributed_checkpoint" in values:
-        values["save_distributed_checkpoint"] = bool(values["save_distributed_checkpoint"])
+    for name in ("save_distributed_checkpoint", "release_unused_outside"):
+        if name in values:
+            values[name] = bool(values[name])
     options = PipeOptions(**values, **groups)
     check(options)
     return options

@@ -21,11 +21,12 @@ from lightning_pipe.engine import Executor, Topology, Transport, Watchdog, batch
 from lightning_pipe.engine.local import LocalPipeline
 from lightning_pipe.engine.outside import OutsideParameters
 from lightning_pipe.engine.recorder import ActionRecorder
-from lightning_pipe.engine.stand_ins import replace_outside, runs_outside_code
+from lightning_pipe.engine.stand_ins import is_absent, release, replace_outside, runs_outside_code
 from lightning_pipe.errors import PipeConfigError
 from lightning_pipe.lightning.log_replay import LogCapture, combine, replay
 from lightning_pipe.lightning.module_glue import ModuleStages, detach_to_cpu, merge_outputs, step_loss
 from lightning_pipe.partition import find_trunk, stage_bounds
+from lightning_pipe.partition.materialize import release_memory
 from lightning_pipe.partition.split import PartitionedTrunk
 from lightning_pipe.planning.planner import Plan, format_bytes
 from lightning_pipe.registry import build_schedule
@@ -70,7 +71,8 @@ class StagePipeline:
         param_order: parameter names of the unpartitioned module.
 
     ``absent``: the ``state_dict`` names outside the trunk that this rank holds as stand-ins
-    (:mod:`lightning_pipe.engine.stand_ins`), because it never runs the code that uses them.
+    (:mod:`lightning_pipe.engine.stand_ins`): from the cut, because it never runs the code that uses
+    them; from the first step on (:meth:`release_unused_outside`), because another stage trains them.
     """
 
     def __init__(
@@ -83,6 +85,7 @@ class StagePipeline:
         self.counts = counts
         self.layers = layers
         self.absent: set[str] = set()
+        self.released: list[tuple[str, torch.nn.Parameter]] = []  # absent since the first step
         self.key_order = key_order
         self.param_order = param_order
         self.executor: Executor | LocalPipeline | None = None
@@ -109,6 +112,39 @@ class StagePipeline:
             names = [k for k in key_order if not outside.in_trunk(k)]
             pipeline.absent = set(replace_outside(module, names, strategy.root_device))
         return pipeline
+
+    def release_unused_outside(self, optimizers: Sequence[torch.optim.Optimizer]) -> list[str]:
+        """After the first step (:meth:`OutsideParameters.learn`): turn the parameters outside the trunk
+        that this rank holds but another stage trained into stand-ins, and give their memory back (the
+        head on the first stage, the embedding on the last; on a looped trunk, what each stage's step
+        did not train). A parameter no stage trained stays (an evaluation may use it), as does one this
+        rank trained. Return the names released (docs/large-models.md)."""
+        users, stage = self.outside.users or {}, self.topology.stage
+        module = self.strategy.lightning_module
+        named = [(n, p) for n, p in module.named_parameters()
+                 if not self.outside.in_trunk(n) and not is_absent(p) and n in users and stage not in users[n]]
+        if self.strategy.emulating or not named:
+            return []
+        for optimizer in optimizers:  # never stepped here, but drop any state made ahead of a gradient
+            for _, p in named:
+                optimizer.state.pop(p, None)
+        released = release(module, [n for n, _ in named])
+        self.absent |= set(released)
+        self.released += named
+        release_memory()
+        return released
+
+    def check_released(self) -> None:
+        """Stop if a released parameter got a gradient: this rank's step uses it after all (not in the
+        first step), and it computed with a stand-in's zeros. Checked after every training step,
+        before anything is stepped."""
+        late = sorted(n for n, p in self.released if p.grad is not None)
+        if late:
+            raise PipeConfigError(
+                f"stage {self.topology.stage} trained {', '.join(late)} in a later step but not in the first, "
+                "after which it gave them back to save memory; make the first step use every parameter it "
+                "will, or pass release_unused_outside=False."
+            )
 
     # ------------------------------------------------------------------ the executor
     @property

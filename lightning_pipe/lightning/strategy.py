@@ -221,6 +221,14 @@ class PipeStrategy(DDPStrategy, metaclass=_NamesItsOptions):
             one ordinary checkpoint. ``False`` (the default): one file, every stage gathered on rank 0.
             Every schedule: an asynchronous one's and avgpipe's weight-policy state is written by name
             too, each rank its own parameters' (docs/large-models.md).
+        release_unused_outside: synchronous schedules (and an asynchronous one's synchronous warm-up)
+            on several processes: after the first training step, give back the parameters outside the
+            trunk that this rank holds but another stage trained (the head on the first stage, the
+            embedding on the last; every stage of a looped trunk keeps only what its step trained),
+            keeping a one-element stand-in for each. ``False`` keeps them: for a step that reads such a
+            parameter without training it (under ``torch.no_grad``, for a metric), which would read the
+            stand-in's zeros. A parameter first trained in a later step stops training with an error
+            that names it (docs/large-models.md).
     """
 
     strategy_name = "pipe"
@@ -276,6 +284,7 @@ class PipeStrategy(DDPStrategy, metaclass=_NamesItsOptions):
         precision_plugin: Precision | None = None,
         process_group_backend: str | None = None,
         save_distributed_checkpoint: bool = False,
+        release_unused_outside: bool = True,
     ) -> None:
         given = locals()  # every option by its name: a new option is a parameter here and a field of PipeOptions
         self.options: PipeOptions = options_module.resolve(

@@ -8,6 +8,7 @@ from torch import nn
 
 from lightning_pipe.engine import split_micro_batches
 from lightning_pipe.engine.policies import AsyncOptions, PipeMareOptions
+from tests.distributed.test_strategy import merged_state
 from tests.harness.launch import launch
 from tests.harness.lightning_run import TrunkModel, make_data
 from tests.reference.async_reference import AsyncEmulator
@@ -106,6 +107,15 @@ def test_sync_warmup_epochs_switch_in_the_same_run():
     assert losses[:6] == pytest.approx([m["train_loss"] for m in one_device["metrics"]], rel=1e-5)
     assert records[0]["metrics"][5]["pipe/stage0/staleness"] == 0.0  # the synchronous warm-up
     assert records[0]["metrics"][-1]["pipe/stage0/staleness"] > 0
+    # the warm-up's first step gave back the head on stage 0 and the input layer on stage 1, before the
+    # weight policies existed; the asynchronous epoch still equals the emulation, which keeps everything
+    assert [r["absent"] for r in records] == [["head.bias", "head.weight"], ["pre.bias", "pre.weight"]]
+    emulated = train({"epochs": 2, "batch_size": BATCH, "trainer": {"log_every_n_steps": 1},
+                      "strategy": {"schedule": "pipemare", "micro_batches": MICRO, "sync_warmup_epochs": 1, "stages": 2}})
+    assert losses == pytest.approx([m["train_loss"] for m in emulated["metrics"]], rel=1e-6)
+    state = merged_state(records)
+    for key, value in emulated["state"].items():
+        torch.testing.assert_close(state[key], value, rtol=1e-6, atol=1e-7, msg=key)
 
 
 def test_async_rejects_parameters_shared_across_stages():

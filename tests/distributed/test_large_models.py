@@ -153,7 +153,8 @@ def test_sharded_checkpoint_of_a_weight_policy_resumes_bit_exactly(schedule, tmp
 @pytest.mark.parametrize("tie", [False, True])
 def test_middle_stages_keep_only_stand_ins_outside_the_trunk(tie, tmp_path):
     """4 stages of a Sequential trunk built in configure_model: stages 1 and 2 only run their layers, so
-    they hold one-element stand-ins for the input layer and the head. Training equals one device
+    they hold one-element stand-ins for the input layer and the head; after the first step the first
+    stage releases the head and the last the input layer, which the other one trains. Training equals one device
     (tie=True: the input layer's weight is used by the first and the last stage, and the middle ones take
     part in the sum of its gradient with zeros); a sharded checkpoint written without the middle
     stages' copies resumes on 4 processes, and equals uninterrupted one-device training."""
@@ -167,18 +168,33 @@ def test_middle_stages_keep_only_stand_ins_outside_the_trunk(tie, tmp_path):
                                     "ckpt_out": str(saved)})
     assert code == 0, output[-3000:]
     outside = ["head.bias", "head.weight", "pre.bias", "pre.weight"]
-    assert [r["absent"] for r in records] == [[], outside, outside, []]
+    # after the first step the first stage gives back the head, the last the input layer (shared when tied)
+    released = [[], ["pre.bias"]] if tie else [["head.bias", "head.weight"], ["pre.bias", "pre.weight"]]
+    assert [r["absent"] for r in records] == [released[0], outside, outside, released[1]]
     assert_matches(reference, records, [0, 1, 2, 3])
     code, output, resumed = launch({"epochs": 2, "batch_size": 16, "model": model, "devices": 4, "strategy": pipe,
                                     "ckpt_path": str(saved), "ckpt_out": str(tmp_path / "epoch2.ckpt")})
     assert code == 0, output[-3000:]
-    assert [r["absent"] for r in resumed] == [[], outside, outside, []]
+    assert [r["absent"] for r in resumed] == [released[0], outside, outside, released[1]]
     consolidate_checkpoint(tmp_path / "epoch2.ckpt", tmp_path / "one.ckpt")
     state = torch.load(tmp_path / "one.ckpt", weights_only=False)["state_dict"]
     want = train({"epochs": 2, "batch_size": 16, "model": model})["state"]
     assert state.keys() == want.keys()
     for key, value in want.items():
         torch.testing.assert_close(state[key], value, rtol=1e-5, atol=1e-6, msg=key)
+
+
+def test_a_parameter_first_used_after_the_first_step_stops_training_unless_kept():
+    """The last stage starts training the input layer's bias at step 2, after giving it back: training
+    stops with an error naming it; with release_unused_outside=False it equals one device."""
+    common = {"max_steps": STEPS, "batch_size": 16, "model": {"late_use": 2}}
+    code, output, _ = launch({**common, "devices": 2, "strategy": {"schedule": "1f1b", "micro_batches": 4}})
+    assert code != 0 and "stage 1 trained pre.bias in a later step but not in the first" in output, output[-3000:]
+    code, output, records = launch({**common, "devices": 2, "strategy": {"schedule": "1f1b", "micro_batches": 4,
+                                                                         "release_unused_outside": False}})
+    assert code == 0, output[-3000:]
+    assert [r["absent"] for r in records] == [[], []]
+    assert_matches(train(common), records, [0, 1])
 
 
 @pytest.mark.parametrize("schedule", ["pipedream_2bw", "pipemare"])

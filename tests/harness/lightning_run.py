@@ -40,7 +40,7 @@ class TrunkModel(L.LightningModule):
 
     def __init__(self, width: int = 16, depth: int = 6, classes: int = 4, optimizer: str = "sgd", fail_at: int = -1,
                  fail_rank: int = -1, tie: bool = False, scheduler: bool | str = False, fail_hook: str | None = None,
-                 fault: dict | None = None, configure: bool = False, overflow: dict | None = None):
+                 fault: dict | None = None, configure: bool = False, overflow: dict | None = None, late_use: int = -1):
         super().__init__()
         self.save_hyperparameters()
         self.tie, self.scheduler = tie, scheduler
@@ -51,6 +51,7 @@ class TrunkModel(L.LightningModule):
         self.fail_at, self.fail_rank, self.fail_hook = fail_at, fail_rank, fail_hook
         self.fault = fault  # {"kind": "stop" | "kill" | "sleep", "rank": r, "step": s}: see inject()
         self.overflow = overflow  # {"param": name, "step": s[, "rank": r]}: that parameter's gradient is inf at step s
+        self.late_use = late_use  # from this step on, the head's code also trains the input layer's bias (-1: never)
         self.val_acc = torchmetrics.classification.MulticlassAccuracy(num_classes=classes, average="micro")
         self.val_mae = torchmetrics.MeanAbsoluteError()
 
@@ -65,7 +66,10 @@ class TrunkModel(L.LightningModule):
 
     def output(self, h):
         # tie=True reuses the input layer's weight after the trunk (like a tied embedding / LM head)
-        return F.linear(h, self.pre.weight.t()) if self.tie else self.head(h)
+        out = F.linear(h, self.pre.weight.t()) if self.tie else self.head(h)
+        if 0 <= self.late_use <= self.global_step and self.training:
+            out = out + self.pre.bias.sum() * 0.0  # a parameter the last stage starts to use after the first step
+        return out
 
     def _fail_in(self, hook):
         if self.fail_hook == hook and self.global_rank == self.fail_rank:

@@ -8,7 +8,7 @@ from torch import Tensor
 
 from lightning_pipe.engine.collectives import GradientReducer
 from lightning_pipe.lightning import _compat
-from lightning_pipe.lightning.runtimes.common import BaseRuntime, trainable
+from lightning_pipe.lightning.runtimes.common import BaseRuntime, trainable, unwrapped
 
 if TYPE_CHECKING:
     from lightning_pipe.lightning.pipeline import StagePipeline
@@ -52,9 +52,12 @@ class FlushRuntime(BaseRuntime):
         with self.strategy.precision_plugin.train_step_context():
             ran = self.pipeline.flush("training_step", args, kwargs, True, self.schedule, last_backward)
         self.pipeline.seen_batch = True
+        self.pipeline.check_released()
         if not self.pipeline.outside.known:
             with self.pipeline.watchdog.guard("which stages use the parameters outside the trunk"):
                 self.pipeline.outside.learn()
+            if self.strategy.options.release_unused_outside:
+                self.pipeline.release_unused_outside([unwrapped(o) for o in self.strategy.optimizers])
         self._keep_aside()
         for p, grad in zip(params, earlier):
             p.grad = grad
