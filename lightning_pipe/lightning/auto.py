@@ -21,8 +21,9 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_only, rank_zero_warn
 
 from lightning_pipe.engine import batch_size, keeps_one_fifo_order, split_micro_batches
-from lightning_pipe.errors import PipeConfigError
+from lightning_pipe.errors import CheckpointMismatchError, PipeConfigError
 from lightning_pipe.lightning import _compat
+from lightning_pipe.lightning.checkpointing import BALANCE_KEY
 from lightning_pipe.lightning.log_replay import LogCapture
 from lightning_pipe.partition import find_trunk, stage_bounds
 from lightning_pipe.partition.trunk import container_name
@@ -36,6 +37,7 @@ from lightning_pipe.planning.profile import capture_trunk_input, profile_trunk
 from lightning_pipe.planning.trials import on_device
 
 if TYPE_CHECKING:
+    from lightning_pipe.lightning.options import PipeOptions
     from lightning_pipe.lightning.strategy import PipeStrategy
 
 log = logging.getLogger(__name__)
@@ -200,3 +202,28 @@ def trial_stage(strategy: PipeStrategy, module: LightningModule, counts: list[in
         strategy.root_device, options.avgpipe.alpha, topology.stage_group if strategy.num_pipelines > 1 else None,
         strategy.num_pipelines,
     )
+
+
+def check_resumed_choices(options: PipeOptions, counts: list[int], checkpoint: dict[str, Any], path: Any) -> None:
+    """A checkpoint read after setup (sharded, or any under ``save_distributed_checkpoint=True`` or
+    ``configure_model``) comes too late for ``balance="auto"`` and avgpipe's ``"auto"`` options to adopt its
+    values, which are chosen at setup. Where the values chosen now differ from the checkpoint's and change
+    what training computes (an asynchronous schedule's staleness per layer, avgpipe's rounds), stop with
+    the values to give instead; a synchronous schedule equals one device under any split, so it goes on."""
+    stored = checkpoint.get(BALANCE_KEY)
+    if options.balance == "auto" and stored is not None and list(stored) != list(counts) and not options.spec.synchronous:
+        raise CheckpointMismatchError(
+            f"{path}: the checkpoint was trained with the split {list(stored)}, but balance='auto' chose {list(counts)} "
+            f"at setup, before the checkpoint is read, and schedule={options.schedule!r} trains differently under another "
+            f"split; resume with balance={list(stored)}."
+        )
+    tuned = checkpoint.get(avgpipe_autotune.CHECKPOINT_KEY)
+    if options.tuned and options.spec.family == "averaging" and tuned is not None:
+        now = avgpipe_autotune.options_record(int(options.avgpipe.parallel_pipelines), int(options.micro_batches),
+                                              int(options.avgpipe.advance_forward))
+        if now != tuned:
+            raise CheckpointMismatchError(
+                f"{path}: the checkpoint was trained with avgpipe's {tuned}, but the 'auto' options chose {now} at setup, "
+                f"before the checkpoint is read; resume with micro_batches={tuned['micro_batches']}, "
+                f"avgpipe={{'parallel_pipelines': {tuned['parallel_pipelines']}, 'advance_forward': {tuned['advance_forward']}}}."
+            )

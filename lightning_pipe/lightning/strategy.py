@@ -750,14 +750,18 @@ class PipeStrategy(DDPStrategy, metaclass=_NamesItsOptions):
         and a file that cannot be read fails with :class:`~lightning_pipe.CheckpointFileError` naming it."""
         self._loading = checkpoint_path
         if not sharded.is_sharded(checkpoint_path):
-            return checkpointing.read(self.checkpoint_io, checkpoint_path, weights_only)
-        if self._pipeline is None:
+            checkpoint = checkpointing.read(self.checkpoint_io, checkpoint_path, weights_only)
+        elif self._pipeline is None:
             raise PipeConfigError(
                 f"{checkpoint_path} is a sharded checkpoint, which each stage reads after setup; resume it with "
                 "PipeStrategy(save_distributed_checkpoint=True), or make one file of it with "
                 "lightning_pipe.consolidate_checkpoint."
             )
-        return sharded.load(self._pipeline, checkpoint_path)
+        else:
+            checkpoint = sharded.load(self._pipeline, checkpoint_path)
+        if self._pipeline is not None and self._counts is not None:  # read after setup: too late to adopt its choices
+            auto.check_resumed_choices(self.options, self._counts, checkpoint, checkpoint_path)
+        return checkpoint
 
     @override
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:

@@ -96,3 +96,44 @@ def test_a_resumed_run_keeps_the_checkpoints_split(tmp_path, monkeypatch):
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
     trainer.fit(DropoutNet(), datamodule=ShuffledData(), ckpt_path=path)
     assert resumed.layer_counts == strategy.layer_counts and trainer.global_step == 4
+
+
+@pytest.mark.parametrize("schedule", ["pipedream", "1f1b"])
+def test_a_checkpoint_read_after_setup_stops_an_asynchronous_run_whose_auto_split_differs(tmp_path, monkeypatch, schedule):
+    """save_distributed_checkpoint=True reads a checkpoint after setup, too late for balance="auto" to adopt its
+    split. If setup chose another one, an asynchronous schedule (whose staleness per layer follows the split)
+    stops with the split to give; a synchronous one equals one device under any split and goes on."""
+    import dataclasses
+
+    from lightning_pipe import CheckpointMismatchError, PipeStrategy
+    from lightning_pipe.planning import auto_balance
+
+    def trainer_for(strategy, steps):
+        return L.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=steps, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+
+    options = {"schedule": schedule, "micro_batches": 2, "stages": 2, "balance": "auto", "save_distributed_checkpoint": True,
+               "auto_balance": {"refine": 0}}
+    strategy = PipeStrategy(**options)
+    trainer = trainer_for(strategy, 2)
+    trainer.fit(DropoutNet(), datamodule=ShuffledData())
+    path = str(tmp_path / "auto.ckpt")
+    trainer.save_checkpoint(path)
+    stored = strategy.layer_counts
+    other = [stored[0] + 1, stored[1] - 1] if stored[1] > 1 else [stored[0] - 1, stored[1] + 1]
+    planned = auto_balance.split_by_profile
+
+    def another_split(*args, **kwargs):
+        chosen = planned(*args, **kwargs)
+        return dataclasses.replace(chosen, plan=dataclasses.replace(chosen.plan, balance=other))
+
+    monkeypatch.setattr(auto_balance, "split_by_profile", another_split)
+    resumed = PipeStrategy(**options)
+    trainer = trainer_for(resumed, 4)
+    if schedule == "1f1b":
+        trainer.fit(DropoutNet(), datamodule=ShuffledData(), ckpt_path=path)
+        assert resumed.layer_counts == other and trainer.global_step == 4
+        return
+    with pytest.raises(CheckpointMismatchError, match=rf"auto\.ckpt: the checkpoint was trained with the split \{stored}, but "
+                                                       rf"balance='auto' chose \{other} at setup.*resume with balance=\{stored}\."):
+        trainer.fit(DropoutNet(), datamodule=ShuffledData(), ckpt_path=path)
