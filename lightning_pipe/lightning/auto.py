@@ -204,12 +204,14 @@ def trial_stage(strategy: PipeStrategy, module: LightningModule, counts: list[in
     )
 
 
-def check_resumed_choices(options: PipeOptions, counts: list[int], checkpoint: dict[str, Any], path: Any) -> None:
+def check_resumed_choices(options: PipeOptions, counts: list[int], avgpipe_tuned: bool, checkpoint: dict[str, Any],
+                          path: Any) -> None:
     """A checkpoint read after setup (sharded, or any under ``save_distributed_checkpoint=True`` or
     ``configure_model``) comes too late for ``balance="auto"`` and avgpipe's ``"auto"`` options to adopt its
     values, which are chosen at setup. Where the values chosen now differ from the checkpoint's and change
     what training computes (an asynchronous schedule's staleness per layer, avgpipe's rounds), stop with
-    the values to give instead; a synchronous schedule equals one device under any split, so it goes on."""
+    the values to give instead; a synchronous schedule equals one device under any split, so it goes on.
+    ``avgpipe_tuned``: whether avgpipe's values were ``"auto"`` (``options`` holds the values chosen)."""
     stored = checkpoint.get(BALANCE_KEY)
     if options.balance == "auto" and stored is not None and list(stored) != list(counts) and not options.spec.synchronous:
         raise CheckpointMismatchError(
@@ -218,7 +220,7 @@ def check_resumed_choices(options: PipeOptions, counts: list[int], checkpoint: d
             f"split; resume with balance={list(stored)}."
         )
     tuned = checkpoint.get(avgpipe_autotune.CHECKPOINT_KEY)
-    if options.tuned and options.spec.family == "averaging" and tuned is not None:
+    if avgpipe_tuned and tuned is not None:
         now = avgpipe_autotune.options_record(int(options.avgpipe.parallel_pipelines), int(options.micro_batches),
                                               int(options.avgpipe.advance_forward))
         if now != tuned:

@@ -305,6 +305,7 @@ class PipeStrategy(DDPStrategy, metaclass=_NamesItsOptions):
         self.checked: tuple[LightningModule | None, list[int] | None] = (None, None)
         self._plan: Plan | None = None  # balance="auto": the chosen split and its predictions
         self._measured: list[float] | None = None  # balance="auto" refined: each stage's measured time
+        self._avgpipe_tuned = False  # avgpipe's "auto" values were chosen at setup (options now hold them)
         self._topology: Topology | None = None
         self._watchdog: Watchdog | None = None
         self._transport: Transport | None = None
@@ -576,6 +577,7 @@ class PipeStrategy(DDPStrategy, metaclass=_NamesItsOptions):
         elif options.balance == "auto":
             self._plan, self._measured = auto.balance(self, trainer, module)
             self._counts = self._plan.balance
+        self._avgpipe_tuned = options.tuned and options.spec.family == "averaging"
         if options.tuned:
             values = auto.tune_avgpipe(self, trainer, module, list(self._counts))
             self.options = options_module.adopt_tuned(options, values)
@@ -760,7 +762,7 @@ class PipeStrategy(DDPStrategy, metaclass=_NamesItsOptions):
         else:
             checkpoint = sharded.load(self._pipeline, checkpoint_path)
         if self._pipeline is not None and self._counts is not None:  # read after setup: too late to adopt its choices
-            auto.check_resumed_choices(self.options, self._counts, checkpoint, checkpoint_path)
+            auto.check_resumed_choices(self.options, self._counts, self._avgpipe_tuned, checkpoint, checkpoint_path)
         return checkpoint
 
     @override

@@ -137,3 +137,20 @@ def test_a_checkpoint_read_after_setup_stops_an_asynchronous_run_whose_auto_spli
     with pytest.raises(CheckpointMismatchError, match=rf"auto\.ckpt: the checkpoint was trained with the split \{stored}, but "
                                                        rf"balance='auto' chose \{other} at setup.*resume with balance=\{stored}\."):
         trainer.fit(DropoutNet(), datamodule=ShuffledData(), ckpt_path=path)
+
+
+def test_avgpipes_auto_values_that_differ_from_a_checkpoint_read_after_setup_stop_the_load():
+    """avgpipe's "auto" values are chosen at setup too: a checkpoint read after it with other values stops
+    with the values to give; values given by hand, or equal to the checkpoint's, go on."""
+    from lightning_pipe import CheckpointMismatchError, PipeStrategy
+    from lightning_pipe.lightning.auto import check_resumed_choices
+    from lightning_pipe.planning.avgpipe_autotune import CHECKPOINT_KEY
+
+    chosen = PipeStrategy(schedule="avgpipe", micro_batches=4, avgpipe={"parallel_pipelines": 2, "advance_forward": 1}).options
+    saved = {CHECKPOINT_KEY: {"parallel_pipelines": 2, "micro_batches": 2, "advance_forward": 0}}
+    with pytest.raises(CheckpointMismatchError, match=r"^ck: the checkpoint was trained with avgpipe's .*resume with "
+                                                      r"micro_batches=2, avgpipe=\{'parallel_pipelines': 2, 'advance_forward': 0\}\.$"):
+        check_resumed_choices(chosen, [3, 2], True, saved, "ck")
+    check_resumed_choices(chosen, [3, 2], False, saved, "ck")  # given by hand: the user's values
+    same = {CHECKPOINT_KEY: {"parallel_pipelines": 2, "micro_batches": 4, "advance_forward": 1}}
+    check_resumed_choices(chosen, [3, 2], True, same, "ck")
