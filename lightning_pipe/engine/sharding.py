@@ -1,0 +1,99 @@
+"""A stage's trunk layers sharded across the data-parallel copies of that stage (FSDP2).
+
+With ``PipeStrategy(pipelines=N, data_parallel="fsdp")`` the N ranks holding the same stage (the
+topology's stage group) each keep ``1/N`` of every trunk layer's parameters, gradients and optimizer
+state. Each trunk layer is its own ``torch.distributed.fsdp.fully_shard`` unit on a one-dimensional
+``DeviceMesh`` ("dp") built from the stage group: its forward all-gathers the layer and frees the
+gathered copy afterwards, its backward gathers it again.
+
+Gradients are reduce-scattered once per step, not once per micro-batch: every unit runs with
+``set_requires_gradient_sync(False)`` (FSDP2 sums the micro-batches' gradients unsharded) except
+inside :meth:`ShardedLayers.reducing`, which the executor enters around each chunk's last backward
+(:meth:`~lightning_pipe.engine.executor.Executor.run`'s ``chunk_last_backward``). A trunk layer
+belongs to exactly one chunk, so every unit's last backward of the step runs inside it, and FSDP2
+reduce-scatters the sum into the sharded parameters' ``.grad`` (a ``DTensor``), averaged over the
+stage group like the ``"ddp"`` all-reduce.
+
+Parameters outside the trunk stay replicated on every copy of the stage and are averaged by
+:class:`~lightning_pipe.engine.collectives.GradientReducer` as with ``"ddp"``: they are read by the
+user's own step code (an embedding, a head, a tied weight used as ``F.linear(h, self.pre.weight.t())``),
+which FSDP2's module hooks would not see. Middle stages hold them as one-element stand-ins anyway.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.tensor import DTensor
+
+
+def is_sharded(tensor: Tensor | None) -> bool:
+    """Whether ``tensor`` is a sharded parameter (a ``DTensor``; FSDP2 turns a unit's parameters into them)."""
+    return isinstance(tensor, DTensor)
+
+
+def replicated(params: Sequence[Tensor]) -> list[Tensor]:
+    """The parameters of ``params`` that every data-parallel copy holds whole (not :func:`is_sharded`)."""
+    return [p for p in params if not is_sharded(p)]
+
+
+def stage_mesh(group: Any, device: torch.device) -> DeviceMesh:
+    """A one-dimensional mesh named ``"dp"`` over the ranks of ``group`` (the stage group: the same stage
+    of every pipeline). Built from the existing group, not from ``init_device_mesh``: the pipeline's
+    point-to-point channel groups (engine/topology.py, engine/p2p.py) must stay the ones the validator
+    proved deadlock-free, and a new world-sized mesh would create its groups in another order."""
+    return DeviceMesh.from_group(group, device.type, mesh_dim_names=("dp",))
+
+
+class ShardedLayers:
+    """This rank's trunk layers, each an FSDP2 unit sharded over the stage group.
+
+    Args:
+        layers: the trunk layers this rank holds (every chunk's, in any order); layers without
+            parameters (an activation) are left as they are.
+        group: the stage group (the ranks holding the same stage, one per pipeline).
+        device: this rank's device (the mesh's device type).
+    """
+
+    def __init__(self, layers: Sequence[nn.Module], group: Any, device: torch.device) -> None:
+        self.mesh = stage_mesh(group, device)
+        self.units: list[FSDPModule] = []
+        for layer in layers:
+            if any(p.requires_grad for p in layer.parameters()):
+                # reshard_after_forward=True: each layer is its own root, and FSDP2 keeps a root's gathered
+                # parameters after forward by default; a pipeline holds many micro-batches between their
+                # forward and backward, so gather again in backward instead
+                fully_shard(layer, mesh=self.mesh, reshard_after_forward=True)
+                self.units.append(layer)  # type: ignore[arg-type]
+        self.accumulate()
+
+    def accumulate(self) -> None:
+        """From now on a backward adds to the units' unsharded gradients without communicating."""
+        for unit in self.units:
+            unit.set_requires_gradient_sync(False)
+
+    @contextmanager
+    def reducing(self) -> Iterator[None]:
+        """Within the block, a unit's backward ends by reduce-scattering its gradient (summed over every
+        micro-batch of the step) into its parameters' ``.grad``."""
+        for unit in self.units:
+            unit.set_requires_gradient_sync(True)
+        try:
+            yield
+        finally:
+            self.accumulate()
+
+    def parameter_bytes(self) -> int:
+        """Bytes of this rank's shards of the units' parameters."""
+        return sum(local(p).numel() * p.element_size() for unit in self.units for p in unit.parameters())  # type: ignore[attr-defined]
+
+
+def local(tensor: Tensor) -> Tensor:
+    """This rank's part of ``tensor`` (``tensor`` itself unless it is sharded)."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
