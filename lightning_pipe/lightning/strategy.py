@@ -40,6 +40,7 @@ from typing_extensions import override
 from lightning_pipe.engine import Topology, Transport, Watchdog, batch_size, ending, shm
 from lightning_pipe.engine.policies import AvgPipeOptions, DoubleBufferOptions, PipeDreamOptions, PipeMareOptions, XPipeOptions
 from lightning_pipe.engine.policies.options import Averaging, Prediction
+from lightning_pipe.engine.sharding import ShardedLayers
 from lightning_pipe.engine.stand_ins import move_stand_ins
 from lightning_pipe.engine.watchdog import FAILURE_GRACE
 from lightning_pipe.errors import CheckpointMismatchError, LightningPipeError, PipeConfigError
@@ -221,6 +222,13 @@ class PipeStrategy(DDPStrategy, metaclass=_NamesItsOptions):
             one ordinary checkpoint. ``False`` (the default): one file, every stage gathered on rank 0.
             Every schedule: an asynchronous one's and avgpipe's weight-policy state is written by name
             too, each rank its own parameters' (docs/large-models.md).
+        data_parallel: how the ``pipelines`` copies of a stage share it. ``"ddp"`` (the default): every
+            pipeline holds its whole stage and gradients are all-reduced across pipelines. ``"fsdp"``: each
+            trunk layer is an FSDP2 unit sharded across the pipelines' copies of its stage, so parameters,
+            gradients and optimizer state take about ``1/pipelines`` of the memory per rank; gradients are
+            reduce-scattered once per step; parameters outside the trunk stay replicated. Schedules
+            ``"gpipe"``, ``"1f1b"``, ``"interleaved_1f1b"``; needs one process per stage and pipeline (no
+            emulation) and ``save_distributed_checkpoint=True`` to write checkpoints (docs/parallelism.md).
     """
 
     strategy_name = "pipe"
@@ -276,6 +284,7 @@ class PipeStrategy(DDPStrategy, metaclass=_NamesItsOptions):
         precision_plugin: Precision | None = None,
         process_group_backend: str | None = None,
         save_distributed_checkpoint: bool = False,
+        data_parallel: Literal["ddp", "fsdp"] = "ddp",
     ) -> None:
         given = locals()  # every option by its name: a new option is a parameter here and a field of PipeOptions
         self.options: PipeOptions = options_module.resolve(
@@ -308,6 +317,7 @@ class PipeStrategy(DDPStrategy, metaclass=_NamesItsOptions):
         self._preemption: Preemption | None = None
         self._construction: MetaConstruction | None = None  # what configure_model / init_module built on meta
         self._restore_after_setup: bool | None = None
+        self._sharded: ShardedLayers | None = None  # data_parallel="fsdp": this rank's trunk layers, sharded
 
     @classmethod
     @override
@@ -373,6 +383,12 @@ class PipeStrategy(DDPStrategy, metaclass=_NamesItsOptions):
         (NCCL); a one-stage pipeline sends none."""
         return _compat.process_group_backend(self) == "gloo" or self.num_stages == 1
 
+    @property
+    def sharding(self) -> ShardedLayers | None:
+        """With ``data_parallel="fsdp"``: this rank's trunk layers as FSDP2 units over the stage group
+        (``None`` with ``"ddp"``, and before setup)."""
+        return self._sharded
+
     def transport(self) -> Transport | None:
         """This rank's point-to-point layer (``None`` for a one-process pipeline); one per rank, since a
         shared-memory channel counts its messages."""
@@ -387,6 +403,7 @@ class PipeStrategy(DDPStrategy, metaclass=_NamesItsOptions):
     @override
     def _configure_launcher(self) -> None:
         checks.resolve_stages(self.world_size, self.options.stages, self.options.pipelines)  # at Trainer(...)
+        checks.check_data_parallel(self.options, self.world_size)
         super()._configure_launcher()
         if _compat.is_script_launcher(self.launcher):  # check the model before the other ranks start
             _compat.set_launcher(self, PipeLauncher(self))
@@ -519,6 +536,10 @@ class PipeStrategy(DDPStrategy, metaclass=_NamesItsOptions):
                 "was cut; make it return early once the model exists (if self.model is not None: return)."
             )
         self.model_to_device()
+        if self.options.data_parallel == "fsdp" and self._sharded is None:  # before the optimizer: it keeps the shards
+            partition = self._pipeline.partition
+            layers = [partition.trunk._modules[str(i)] for i in sorted(partition.owned)]
+            self._sharded = ShardedLayers(layers, self.topology.stage_group, self.root_device)
         for metric in module.modules():
             # every stage of a pipeline holds a replica of the last stage's metric state (see
             # log_replay), so metrics must only sync across pipelines, never across stages
@@ -528,6 +549,7 @@ class PipeStrategy(DDPStrategy, metaclass=_NamesItsOptions):
         self._metrics = StageMetrics(self, self.options.stage_metrics)
         self._pipeline.build_executor(self._metrics.recorder(self._tracer.recorder if self._tracer is not None else None))
         if fitting:
+            checks.check_sharded_checkpoints(self.options, bool(trainer.checkpoint_callbacks))
             self.setup_optimizers(trainer)
             checks.check_trainer(self.options.spec, trainer.accumulate_grad_batches, len(self.optimizers))
             if self.options.quality_warning and self.is_global_zero:
@@ -708,6 +730,7 @@ class PipeStrategy(DDPStrategy, metaclass=_NamesItsOptions):
         self._drain()
         if self.options.save_distributed_checkpoint:
             return sharded.model_part(self._pipeline)
+        checks.check_sharded_checkpoints(self.options, True)
         return checkpointing.module_state(self._pipeline)
 
     @override
