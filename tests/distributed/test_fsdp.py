@@ -53,3 +53,81 @@ def test_one_shard_equals_ddp():
         torch.testing.assert_close(fsdp[key], value, rtol=1e-5, atol=1e-6, msg=key)
     reference = train({"max_steps": STEPS, "batch_size": 16, "model": {"optimizer": "adam"}})
     assert_state_equal(reference, runs["fsdp"], [[0, 1]])
+
+
+def test_sharded_checkpoint_resumes(tmp_path):
+    """A sharded (DCP) checkpoint of 2 sharded pipelines after one epoch (trunk weights and Adam state written as
+    DTensor shards) resumes: the second epoch ends equal to one device trained two epochs at twice the batch, in
+    the run itself and in its checkpoint consolidated into one file."""
+    from lightning_pipe import consolidate_checkpoint
+
+    common = {"batch_size": 8, "devices": 4, "stages": 2, "pipelines_in_sampler": 2, "model": {"optimizer": "adam"}}
+    pipe = {"schedule": "1f1b", "micro_batches": 4, "pipelines": 2, "data_parallel": "fsdp", "save_distributed_checkpoint": True}
+    saved, resumed = tmp_path / "epoch1.ckpt", tmp_path / "epoch2.ckpt"
+    code, output, _ = launch({**common, "epochs": 1, "strategy": pipe, "ckpt_out": str(saved)}, timeout=300)
+    assert code == 0, output[-3000:]
+    code, output, records = launch({**common, "epochs": 2, "strategy": pipe, "ckpt_path": str(saved),
+                                    "ckpt_out": str(resumed)}, timeout=300)
+    assert code == 0, output[-3000:]
+    reference = train({"epochs": 2, "batch_size": 16, "model": {"optimizer": "adam"}})
+    steps = len(reference["returned"]) // 2
+    assert [len(r["returned"]) for r in records] == [steps] * 4  # the second epoch only: it did restore
+    assert_state_equal(reference, records, [[0, 1], [2, 3]])
+    consolidate_checkpoint(resumed, tmp_path / "one.ckpt")
+    state = torch.load(tmp_path / "one.ckpt", weights_only=False)["state_dict"]
+    assert state.keys() == reference["state"].keys()
+    for key, value in reference["state"].items():
+        torch.testing.assert_close(state[key], value, rtol=1e-5, atol=1e-6, msg=key)
+
+
+
+def _interleaved_sharded_step(rank: int, world: int) -> dict:
+    """One device holding two chunks (interleaved_1f1b, 1 stage × 2 chunks, 4 micro-batches), its four Linear
+    layers sharded over ``world`` data-parallel copies: how many reduce-scatters one step makes, and the
+    gradients they leave (gathered whole)."""
+    import torch.distributed as dist
+    from torch import nn
+
+    from lightning_pipe.engine import Executor, SequentialStage, split_micro_batches
+    from lightning_pipe.engine.sharding import ShardedLayers
+    from lightning_pipe.registry import build_schedule
+
+    torch.manual_seed(0)
+    layers = [nn.Linear(4, 4) for _ in range(4)]
+    sharded = ShardedLayers(layers, dist.group.WORLD, torch.device("cpu"))
+    chunks = [SequentialStage(nn.Sequential(*layers[:2]), input_fn=lambda mb: mb),
+              SequentialStage(nn.Sequential(*layers[2:]), loss_fn=lambda out, mb: out.pow(2).sum())]
+    executor = Executor(0, [rank], chunks)
+    batch = torch.randn(world, 8, 4, generator=torch.Generator().manual_seed(1))
+    scatters = []
+    original = dist.reduce_scatter_single
+
+    def counting(*args, **kwargs):
+        scatters.append(1)
+        return original(*args, **kwargs)
+
+    dist.reduce_scatter_single = counting  # FSDP2's reduce-scatter (DefaultReduceScatter)
+    try:
+        executor.run(build_schedule("interleaved_1f1b", 1, 4, 2), split_micro_batches(batch[rank], 4),
+                     chunk_last_backward=sharded.reducing)
+    finally:
+        dist.reduce_scatter_single = original
+    return {"scatters": len(scatters), "batch": batch,
+            "grads": [p.grad.full_tensor() for layer in layers for p in layer.parameters()]}
+
+
+def test_each_unit_reduce_scatters_once_per_step():
+    """interleaved_1f1b on one device with 2 chunks, 4 micro-batches, 2 copies: one reduce-scatter per layer in the
+    step (in its chunk's last backward), and the gradients equal the mean over both copies' micro-batches."""
+    from torch import nn
+
+    from tests.harness.distributed import run_workers, values
+
+    results = values(run_workers(_interleaved_sharded_step, 2, timeout=120))
+    assert [r["scatters"] for r in results] == [4, 4]
+    torch.manual_seed(0)
+    layers = nn.Sequential(*[nn.Linear(4, 4) for _ in range(4)])
+    batch = results[0]["batch"]
+    (layers(batch.reshape(-1, 4)).pow(2).sum() / (4 * 2)).backward()  # 4 micro-batches, 2 copies: their mean
+    for got, want in zip(results[0]["grads"], [p.grad for p in layers.parameters()]):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
