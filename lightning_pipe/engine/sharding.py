@@ -94,6 +94,22 @@ class ShardedLayers:
         return sum(local(p).numel() * p.element_size() for unit in self.units for p in unit.parameters())  # type: ignore[attr-defined]
 
 
+def single_tensor_updates_where_mixed(optimizer: torch.optim.Optimizer) -> int:
+    """Set ``foreach=False`` on every param group of ``optimizer`` that holds sharded and whole parameters
+    together (the trunk's shards and the parameters outside the trunk); return how many it changed.
+
+    A ``foreach`` update (the default on CUDA) runs one kernel over a list of tensors and refuses a list that
+    mixes ``DTensor`` and ``Tensor``; the per-tensor update computes the same values. A ``fused`` group is left
+    as it is: its kernel was chosen at construction."""
+    changed = 0
+    for group in optimizer.param_groups:
+        kinds = {is_sharded(p) for p in group["params"]}
+        if len(kinds) == 2 and not group.get("fused") and group.get("foreach", False) is not False:
+            group["foreach"] = False
+            changed += 1
+    return changed
+
+
 def local(tensor: Tensor) -> Tensor:
     """This rank's part of ``tensor`` (``tensor`` itself unless it is sharded)."""
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor

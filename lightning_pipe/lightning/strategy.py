@@ -40,7 +40,7 @@ from typing_extensions import override
 from lightning_pipe.engine import Topology, Transport, Watchdog, batch_size, ending, shm
 from lightning_pipe.engine.policies import AvgPipeOptions, DoubleBufferOptions, PipeDreamOptions, PipeMareOptions, XPipeOptions
 from lightning_pipe.engine.policies.options import Averaging, Prediction
-from lightning_pipe.engine.sharding import ShardedLayers
+from lightning_pipe.engine.sharding import ShardedLayers, single_tensor_updates_where_mixed
 from lightning_pipe.engine.stand_ins import move_stand_ins
 from lightning_pipe.engine.watchdog import FAILURE_GRACE
 from lightning_pipe.errors import CheckpointMismatchError, LightningPipeError, PipeConfigError
@@ -551,6 +551,7 @@ class PipeStrategy(DDPStrategy, metaclass=_NamesItsOptions):
         if fitting:
             checks.check_sharded_checkpoints(self.options, bool(trainer.checkpoint_callbacks))
             self.setup_optimizers(trainer)
+            self._update_mixed_groups_per_tensor()
             checks.check_trainer(self.options.spec, trainer.accumulate_grad_batches, len(self.optimizers))
             if self.options.quality_warning and self.is_global_zero:
                 checks.warn_quality(self.options.schedule, self.num_stages, self.optimizers[0])
@@ -577,6 +578,13 @@ class PipeStrategy(DDPStrategy, metaclass=_NamesItsOptions):
                 for callback in trainer.checkpoint_callbacks:
                     if getattr(callback, "dirpath", None):
                         checkpointing.remove_stale_partials(callback.dirpath)
+
+    def _update_mixed_groups_per_tensor(self) -> None:
+        """``data_parallel="fsdp"``: a param group holding the trunk's shards and whole parameters from outside
+        the trunk updates them one by one (a ``foreach`` update refuses the mix; see :mod:`~lightning_pipe.engine.sharding`)."""
+        if self._sharded is not None:
+            for optimizer in self.optimizers:
+                single_tensor_updates_where_mixed(unwrapped(optimizer))
 
     def _choose_split(self, trainer: Trainer, module: LightningModule) -> None:
         """``balance="auto"`` and avgpipe's ``"auto"`` options (a checkpoint's choice when resuming)."""
@@ -797,6 +805,7 @@ class PipeStrategy(DDPStrategy, metaclass=_NamesItsOptions):
                 sharded.load_optimizer(self._pipeline, self._runtime, unwrapped(optimizer), state)
             else:
                 checkpointing.load_optimizer_state(self._pipeline, self._runtime, unwrapped(optimizer), state)
+        self._update_mixed_groups_per_tensor()  # a loaded state brings its own param groups' settings
         _compat.optimizers_to_device(self.optimizers, self.root_device)
 
     # ------------------------------------------------------------------ collectives

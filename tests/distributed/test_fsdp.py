@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.distributed.test_strategy import merged_state
+from tests.distributed.test_strategy import assert_close_dicts, merged_state
 from tests.harness.launch import launch
 from tests.harness.lightning_run import train
 
@@ -24,11 +24,14 @@ def assert_state_equal(reference: dict, records: list, pipelines: list[list[int]
 
 @pytest.mark.parametrize("schedule,extra", [("gpipe", {}), ("1f1b", {}), ("interleaved_1f1b", {"chunks_per_stage": 2})])
 def test_two_sharded_pipelines_equal_one_device_at_double_batch(schedule, extra):
-    """2 stages × 2 pipelines, Adam (its state sharded too): after 4 steps every weight, gathered whole,
-    equals one device trained at twice the batch; the trunk's parameters are DTensors, the rest stays whole."""
-    reference = train({"max_steps": STEPS, "batch_size": 16, "model": {"optimizer": "adam"}})
+    """2 stages × 2 pipelines, Adam (its state sharded too; its multi-tensor update, CUDA's default, which the
+    strategy turns per-tensor where a group mixes shards and whole parameters): after 4 steps every weight,
+    gathered whole, equals one device trained at twice the batch; the trunk's parameters are DTensors, the rest
+    stays whole."""
+    model = {"optimizer": "adam_foreach"}
+    reference = train({"max_steps": STEPS, "batch_size": 16, "model": model})
     code, output, records = launch({
-        "devices": 4, "max_steps": STEPS, "batch_size": 8, "stages": 2, "pipelines_in_sampler": 2, "model": {"optimizer": "adam"},
+        "devices": 4, "max_steps": STEPS, "batch_size": 8, "stages": 2, "pipelines_in_sampler": 2, "model": model,
         "strategy": {"schedule": schedule, "micro_batches": 4, "pipelines": 2, "data_parallel": "fsdp", **extra},
     }, timeout=300)
     assert code == 0, output[-3000:]
@@ -39,8 +42,10 @@ def test_two_sharded_pipelines_equal_one_device_at_double_batch(schedule, extra)
 
 
 def test_one_shard_equals_ddp():
-    """pipelines=1: a one-rank mesh per stage; 1f1b with "fsdp" trains exactly as with "ddp" (and one device)."""
-    common = {"devices": 2, "max_steps": STEPS, "batch_size": 16, "model": {"optimizer": "adam"}}
+    """pipelines=1: a one-rank mesh per stage; 1f1b with "fsdp" trains exactly as with "ddp" (and one device), and
+    evaluates alike: mid-epoch validation, then validate, test and predict (forward-only steps gather each layer)."""
+    common = {"devices": 2, "max_steps": STEPS, "batch_size": 16, "model": {"optimizer": "adam"}, "evaluate": True,
+              "trainer": {"val_check_interval": 2}}
     runs = {}
     for data_parallel in ("ddp", "fsdp"):
         code, output, records = launch({**common, "strategy": {"schedule": "1f1b", "micro_batches": 4,
@@ -51,8 +56,30 @@ def test_one_shard_equals_ddp():
     ddp, fsdp = merged_state(runs["ddp"]), merged_state(runs["fsdp"])
     for key, value in ddp.items():
         torch.testing.assert_close(fsdp[key], value, rtol=1e-5, atol=1e-6, msg=key)
+    for got, want in zip(runs["fsdp"], runs["ddp"]):
+        assert len(want["val_metrics"]) == 3  # two mid-epoch checks + trainer.validate
+        for name in ("val_metrics", "validate", "test"):
+            assert_close_dicts(got[name], want[name])
+        torch.testing.assert_close(torch.cat(got["predict"]), torch.cat(want["predict"]), rtol=1e-5, atol=1e-6)
     reference = train({"max_steps": STEPS, "batch_size": 16, "model": {"optimizer": "adam"}})
     assert_state_equal(reference, runs["fsdp"], [[0, 1]])
+
+
+def test_accumulation_clipping_and_recomputation_equal_one_device():
+    """accumulate_grad_batches=2 (each batch reduce-scatters, the shards add up), gradient_clip_val (the global norm
+    counts every shard once) and checkpoint_activations (the recomputed forward gathers the layer again), SGD with
+    momentum: equal to one device at twice the batch."""
+    trainer = {"accumulate_grad_batches": 2, "gradient_clip_val": 0.05}
+    reference = train({"max_steps": STEPS, "batch_size": 16, "trainer": trainer})
+    unclipped = train({"max_steps": STEPS, "batch_size": 16, "trainer": {"accumulate_grad_batches": 2}})
+    assert not torch.allclose(unclipped["state"]["model.0.weight"], reference["state"]["model.0.weight"])  # it clips
+    code, output, records = launch({
+        "devices": 4, "max_steps": STEPS, "batch_size": 8, "stages": 2, "pipelines_in_sampler": 2, "trainer": trainer,
+        "strategy": {"schedule": "1f1b", "micro_batches": 4, "pipelines": 2, "data_parallel": "fsdp",
+                     "checkpoint_activations": True},
+    }, timeout=300)
+    assert code == 0, output[-3000:]
+    assert_state_equal(reference, records, [[0, 1], [2, 3]])
 
 
 def test_sharded_checkpoint_resumes(tmp_path):

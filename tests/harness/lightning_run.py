@@ -141,6 +141,8 @@ class TrunkModel(L.LightningModule):
     def configure_optimizers(self):
         if self.optimizer == "adam":
             optimizer = torch.optim.Adam(self.parameters(), lr=1e-2)
+        elif self.optimizer == "adam_foreach":  # the multi-tensor update CUDA defaults to, on the CPU too
+            optimizer = torch.optim.Adam(self.parameters(), lr=1e-2, foreach=True)
         elif self.optimizer == "muon":
             optimizer = muon_with_adam(self.parameters())
         elif self.optimizer == "basis_rotation":  # the matrices in their eigenbasis, Adam for the rest
