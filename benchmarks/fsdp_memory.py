@@ -1,5 +1,6 @@
 """Per-rank memory of parameters, gradients and optimizer state, and step time: ``data_parallel="ddp"``
-against ``"fsdp"`` at 2 stages × 2 pipelines on CPU processes (gloo), 1f1b, Adam (issue 33).
+against ``"fsdp"`` (both ``fsdp_reshard`` values) at 2 stages × 2 pipelines on CPU processes (gloo), 1f1b,
+Adam (issue 33).
 
     python benchmarks/fsdp_memory.py [--width 512] [--depth 8] [--batch 64] [--steps 12]
 
@@ -7,9 +8,9 @@ Each configuration is one Lightning job of 4 processes (this script again, with 
 counts, at its last optimizer step, the bytes of the storages behind its parameters, their gradients and
 the optimizer's state (a sharded tensor: this rank's shard; a stand-in: its one element), each storage
 once. Step time is rank 0's wall time per training step after the first two steps. What the table does
-not count: FSDP2's transient buffers (a layer gathered whole for its forward and backward, and the
-unsharded gradient it sums the micro-batches into until the step's reduce-scatter), which are at most a
-stage's gradients plus one layer's parameters at a time.
+not count: FSDP2's buffers within a step (the layers gathered whole: one at a time with
+``fsdp_reshard="micro_batch"``, the whole stage with ``"step"``; and the unsharded gradients it sums the
+micro-batches into until the step's reduce-scatter: the stage's, as ``"ddp"`` holds them).
 """
 
 from __future__ import annotations
@@ -43,7 +44,11 @@ def storage_bytes(tensors) -> int:
     return sum(seen.values())
 
 
-def run(data_parallel: str, width: int, depth: int, batch: int, steps: int, out: str) -> None:
+CONFIGS = {"ddp": {"data_parallel": "ddp"}, "fsdp step": {"data_parallel": "fsdp", "fsdp_reshard": "step"},
+           "fsdp micro_batch": {"data_parallel": "fsdp", "fsdp_reshard": "micro_batch"}}
+
+
+def run(config: str, width: int, depth: int, batch: int, steps: int, out: str) -> None:
     """One job: train and write every rank's numbers to ``out/rank{r}.json``."""
     import lightning as L
     import torch.nn.functional as F
@@ -89,7 +94,7 @@ def run(data_parallel: str, width: int, depth: int, batch: int, steps: int, out:
     x = torch.randn(batch * PIPELINES * steps, 32, generator=torch.Generator().manual_seed(0))
     data = TensorDataset(x, (x[:, 0] > 0).long())
     measure = Measure()
-    strategy = PipeStrategy(schedule="1f1b", micro_batches=4, pipelines=PIPELINES, data_parallel=data_parallel)
+    strategy = PipeStrategy(schedule="1f1b", micro_batches=4, pipelines=PIPELINES, **CONFIGS[config])
     trainer = L.Trainer(accelerator="cpu", devices=STAGES * PIPELINES, strategy=strategy, max_steps=steps, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         use_distributed_sampler=False, callbacks=[measure])
@@ -106,32 +111,31 @@ def main() -> None:
     parser.add_argument("--depth", type=int, default=8)
     parser.add_argument("--batch", type=int, default=64, help="samples per pipeline per step (4 micro-batches)")
     parser.add_argument("--steps", type=int, default=12)
-    parser.add_argument("--run", choices=("ddp", "fsdp"), help=argparse.SUPPRESS)
+    parser.add_argument("--run", choices=tuple(CONFIGS), help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.run:
         run(args.run, args.width, args.depth, args.batch, args.steps, args.out)
         return
     results = {}
-    for data_parallel in ("ddp", "fsdp"):
+    for config in CONFIGS:
         with tempfile.TemporaryDirectory() as out:
             command = [sys.executable, os.path.abspath(__file__), "--width", str(args.width), "--depth", str(args.depth),
-                       "--batch", str(args.batch), "--steps", str(args.steps), "--run", data_parallel, "--out", out]
+                       "--batch", str(args.batch), "--steps", str(args.steps), "--run", config, "--out", out]
             subprocess.run(command, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=900)
-            results[data_parallel] = [json.load(open(os.path.join(out, f"rank{r}.json"))) for r in range(STAGES * PIPELINES)]
+            results[config] = [json.load(open(os.path.join(out, f"rank{r}.json"))) for r in range(STAGES * PIPELINES)]
     mib = 2**20
     print(f"2 stages x 2 pipelines, 1f1b, M=4, Adam, trunk {args.depth} x Linear({args.width}, {args.width}), "
           f"{args.batch} samples per pipeline per step, CPU (gloo)")
-    print(f"{'rank':>4} {'stage':>5}  {'ddp MiB':>8} {'fsdp MiB':>8} {'ratio':>6}   (parameters + gradients + optimizer state)")
+    print("parameters + gradients + optimizer state per rank at its optimizer step, MiB (ratio to ddp)")
+    print(f"{'rank':>4} {'stage':>5}" + "".join(f"  {config:>22}" for config in CONFIGS))
     for rank in range(STAGES * PIPELINES):
-        ddp, fsdp = (sum(results[d][rank][k] for k in ("parameters", "gradients", "optimizer")) for d in ("ddp", "fsdp"))
-        print(f"{rank:>4} {rank % STAGES:>5}  {ddp / mib:>8.2f} {fsdp / mib:>8.2f} {fsdp / ddp:>6.3f}")
-    for d in ("ddp", "fsdp"):
-        parts = {k: max(r[k] for r in results[d]) / mib for k in ("parameters", "gradients", "optimizer")}
-        print(f"{d:>4} largest rank: " + ", ".join(f"{k} {v:.2f} MiB" for k, v in parts.items()))
-    times = {d: results[d][0]["step_time"] for d in ("ddp", "fsdp")}
-    print(f"step time (rank 0, after 2 warm-up steps): ddp {times['ddp'] * 1e3:.1f} ms, fsdp {times['fsdp'] * 1e3:.1f} ms; "
-          f"throughput fsdp/ddp = {times['ddp'] / times['fsdp']:.2f}")
+        total = {c: sum(results[c][rank][k] for k in ("parameters", "gradients", "optimizer")) for c in CONFIGS}
+        cells = [f"{total[c] / mib:8.2f} ({total[c] / total['ddp']:.3f})" for c in CONFIGS]
+        print(f"{rank:>4} {rank % STAGES:>5}" + "".join(f"  {cell:>22}" for cell in cells))
+    times = {c: results[c][0]["step_time"] for c in CONFIGS}
+    print("step time, rank 0, after 2 warm-up steps: " + ", ".join(
+        f"{c} {times[c] * 1e3:.1f} ms ({times['ddp'] / times[c]:.2f}x ddp's throughput)" for c in CONFIGS))
 
 
 if __name__ == "__main__":

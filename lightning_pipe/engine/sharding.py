@@ -3,8 +3,11 @@
 With ``PipeStrategy(pipelines=N, data_parallel="fsdp")`` the N ranks holding the same stage (the
 topology's stage group) each keep ``1/N`` of every trunk layer's parameters, gradients and optimizer
 state. Each trunk layer is its own ``torch.distributed.fsdp.fully_shard`` unit on a one-dimensional
-``DeviceMesh`` ("dp") built from the stage group: its forward all-gathers the layer and frees the
-gathered copy afterwards, its backward gathers it again.
+``DeviceMesh`` ("dp") built from the stage group. A layer is gathered (all-gathered) for its first
+forward of the step and, with ``reshard="step"``, kept whole until its last backward of the step, as
+``torch.distributed.pipelining`` and torchtitan do for pipelines (one all-gather per layer per step);
+with ``reshard="micro_batch"`` it is freed after every forward and every backward and gathered again
+for the next (``2 × micro_batches`` all-gathers, one layer whole at a time).
 
 Gradients are reduce-scattered once per step, not once per micro-batch: every unit runs with
 ``set_requires_gradient_sync(False)`` (FSDP2 sums the micro-batches' gradients unsharded) except
@@ -24,7 +27,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import Tensor, nn
@@ -59,35 +62,51 @@ class ShardedLayers:
             parameters (an activation) are left as they are.
         group: the stage group (the ranks holding the same stage, one per pipeline).
         device: this rank's device (the mesh's device type).
+        reshard: when a layer's gathered copy is freed. ``"step"``: at the end of the step, in the
+            layer's last backward (one all-gather per layer per step; the stage's parameters are whole
+            during the step). ``"micro_batch"``: after every forward and every backward (``2 ×``
+            micro-batches all-gathers per layer per step; one layer whole at a time).
     """
 
-    def __init__(self, layers: Sequence[nn.Module], group: Any, device: torch.device) -> None:
+    def __init__(self, layers: Sequence[nn.Module], group: Any, device: torch.device,
+                 reshard: Literal["step", "micro_batch"] = "step") -> None:
+        if reshard not in ("step", "micro_batch"):
+            raise ValueError(f"reshard={reshard!r}: use 'step' or 'micro_batch'.")
         self.mesh = stage_mesh(group, device)
+        self.per_step = reshard == "step"
         self.units: list[FSDPModule] = []
         for layer in layers:
             if any(p.requires_grad for p in layer.parameters()):
-                # reshard_after_forward=True: each layer is its own root, and FSDP2 keeps a root's gathered
-                # parameters after forward by default; a pipeline holds many micro-batches between their
-                # forward and backward, so gather again in backward instead
-                fully_shard(layer, mesh=self.mesh, reshard_after_forward=True)
+                # each layer is its own root, whose gathered parameters FSDP2 keeps after forward by default:
+                # say which is meant
+                fully_shard(layer, mesh=self.mesh, reshard_after_forward=not self.per_step)
                 self.units.append(layer)  # type: ignore[arg-type]
         self.accumulate()
 
     def accumulate(self) -> None:
-        """From now on a backward adds to the units' unsharded gradients without communicating."""
+        """From now on a backward adds to the units' unsharded gradients without communicating (and, resharding
+        per step, keeps the layer gathered for the step's next micro-batch)."""
         for unit in self.units:
             unit.set_requires_gradient_sync(False)
+            if self.per_step:
+                unit.set_reshard_after_backward(False)
 
     @contextmanager
     def reducing(self) -> Iterator[None]:
         """Within the block, a unit's backward ends by reduce-scattering its gradient (summed over every
-        micro-batch of the step) into its parameters' ``.grad``."""
+        micro-batch of the step) into its parameters' ``.grad`` and freeing its gathered copy."""
         for unit in self.units:
             unit.set_requires_gradient_sync(True)
+            unit.set_reshard_after_backward(True)
         try:
             yield
         finally:
             self.accumulate()
+
+    def reshard(self) -> None:
+        """Free every gathered copy now (after a forward-only step, which has no backward to free them)."""
+        for unit in self.units:
+            unit.reshard()
 
     def parameter_bytes(self) -> int:
         """Bytes of this rank's shards of the units' parameters."""

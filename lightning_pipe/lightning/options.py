@@ -85,6 +85,7 @@ class PipeOptions:
     save_distributed_checkpoint: bool = False
     grad_cosine_every: int = 0
     data_parallel: Literal["ddp", "fsdp"] = "ddp"
+    fsdp_reshard: Literal["step", "micro_batch"] = "step"
 
     @property
     def spec(self) -> ScheduleSpec:
@@ -258,7 +259,13 @@ def _check_data_parallel(o: PipeOptions) -> None:
     if o.data_parallel not in ("ddp", "fsdp"):
         raise PipeConfigError(f"data_parallel={o.data_parallel!r} is not known; use 'ddp' (every pipeline holds its whole "
                               "stage, gradients all-reduced) or 'fsdp' (each stage sharded across the pipelines).")
+    if o.fsdp_reshard not in ("step", "micro_batch"):
+        raise PipeConfigError(f"fsdp_reshard={o.fsdp_reshard!r} is not known; use 'step' (gather each sharded layer once "
+                              "per step) or 'micro_batch' (gather it for every forward and backward, least memory).")
     if o.data_parallel != "fsdp":
+        if o.fsdp_reshard != "step":
+            raise PipeConfigError(f"fsdp_reshard={o.fsdp_reshard!r} applies to sharded stages; set data_parallel='fsdp', "
+                                  "or leave fsdp_reshard at 'step'.")
         return
     works = ", ".join(map(repr, FSDP_SCHEDULES))
     if not o.spec.synchronous:

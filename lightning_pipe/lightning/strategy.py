@@ -124,7 +124,8 @@ class PipeStrategy(DDPStrategy, metaclass=_NamesItsOptions):
             you study a schedule's statistical efficiency without a cluster (docs/emulation.md).
         pipelines: data-parallel pipeline replicas; each gets its own shard of the data and gradients
             are averaged across them, so ``pipelines=N`` equals one device at ``N ×`` the batch size.
-            Synchronous schedules only.
+            Synchronous schedules only. Each pipeline holds its stage whole, or a shard of it with
+            ``data_parallel="fsdp"``.
         balance: how many trunk layers each stage gets: a list of counts (one per stage, or per virtual
             stage for interleaved), ``"uniform"`` (equal counts), ``"parameters"`` (balanced parameter
             counts) or ``"auto"`` (rank 0 profiles every trunk layer on its device with the first batch
@@ -229,6 +230,12 @@ class PipeStrategy(DDPStrategy, metaclass=_NamesItsOptions):
             reduce-scattered once per step; parameters outside the trunk stay replicated. Schedules
             ``"gpipe"``, ``"1f1b"``, ``"interleaved_1f1b"``; needs one process per stage and pipeline (no
             emulation) and ``save_distributed_checkpoint=True`` to write checkpoints (docs/parallelism.md).
+        fsdp_reshard: with ``data_parallel="fsdp"``, when a sharded layer's gathered copy is freed. ``"step"``
+            (the default): each layer is all-gathered once per step and kept whole until the step's
+            reduce-scatter, so during a step the stage's parameters are whole (between steps, and in the
+            optimizer, sharded). ``"micro_batch"``: freed after every micro-batch's forward and backward and
+            gathered again for the next, ``2 × micro_batches`` all-gathers per layer per step, for the least
+            memory within the step (one layer whole at a time).
     """
 
     strategy_name = "pipe"
@@ -285,6 +292,7 @@ class PipeStrategy(DDPStrategy, metaclass=_NamesItsOptions):
         process_group_backend: str | None = None,
         save_distributed_checkpoint: bool = False,
         data_parallel: Literal["ddp", "fsdp"] = "ddp",
+        fsdp_reshard: Literal["step", "micro_batch"] = "step",
     ) -> None:
         given = locals()  # every option by its name: a new option is a parameter here and a field of PipeOptions
         self.options: PipeOptions = options_module.resolve(
@@ -539,7 +547,7 @@ class PipeStrategy(DDPStrategy, metaclass=_NamesItsOptions):
         if self.options.data_parallel == "fsdp" and self._sharded is None:  # before the optimizer: it keeps the shards
             partition = self._pipeline.partition
             layers = [partition.trunk._modules[str(i)] for i in sorted(partition.owned)]
-            self._sharded = ShardedLayers(layers, self.topology.stage_group, self.root_device)
+            self._sharded = ShardedLayers(layers, self.topology.stage_group, self.root_device, self.options.fsdp_reshard)
         for metric in module.modules():
             # every stage of a pipeline holds a replica of the last stage's metric state (see
             # log_replay), so metrics must only sync across pipelines, never across stages
@@ -727,7 +735,11 @@ class PipeStrategy(DDPStrategy, metaclass=_NamesItsOptions):
     def _forward_step(self, hook: str, args: tuple, kwargs: dict) -> Any:
         assert self._pipeline is not None
         self._stop_on_sigterm()
-        return self._pipeline.forward_step(hook, args, kwargs)
+        try:
+            return self._pipeline.forward_step(hook, args, kwargs)
+        finally:
+            if self._sharded is not None:  # no backward frees what the forwards gathered
+                self._sharded.reshard()
 
     # ------------------------------------------------------------------ checkpoints
     @override

@@ -22,7 +22,10 @@ def assert_state_equal(reference: dict, records: list, pipelines: list[list[int]
             torch.testing.assert_close(state[key], value, rtol=1e-5, atol=1e-6, msg=key)
 
 
-@pytest.mark.parametrize("schedule,extra", [("gpipe", {}), ("1f1b", {}), ("interleaved_1f1b", {"chunks_per_stage": 2})])
+@pytest.mark.parametrize("schedule,extra", [
+    ("gpipe", {}), ("1f1b", {}), ("interleaved_1f1b", {"chunks_per_stage": 2}),
+    ("1f1b", {"fsdp_reshard": "micro_batch"}), ("interleaved_1f1b", {"chunks_per_stage": 2, "fsdp_reshard": "micro_batch"}),
+])
 def test_two_sharded_pipelines_equal_one_device_at_double_batch(schedule, extra):
     """2 stages × 2 pipelines, Adam (its state sharded too; its multi-tensor update, CUDA's default, which the
     strategy turns per-tensor where a group mixes shards and whole parameters): after 4 steps every weight,
@@ -108,7 +111,7 @@ def test_sharded_checkpoint_resumes(tmp_path):
 
 
 
-def _interleaved_sharded_step(rank: int, world: int) -> dict:
+def _interleaved_sharded_step(rank: int, world: int, reshard: str) -> dict:
     """One device holding two chunks (interleaved_1f1b, 1 stage × 2 chunks, 4 micro-batches), its four Linear
     layers sharded over ``world`` data-parallel copies: how many reduce-scatters one step makes, and the
     gradients they leave (gathered whole)."""
@@ -121,37 +124,44 @@ def _interleaved_sharded_step(rank: int, world: int) -> dict:
 
     torch.manual_seed(0)
     layers = [nn.Linear(4, 4) for _ in range(4)]
-    sharded = ShardedLayers(layers, dist.group.WORLD, torch.device("cpu"))
+    sharded = ShardedLayers(layers, dist.group.WORLD, torch.device("cpu"), reshard)
     chunks = [SequentialStage(nn.Sequential(*layers[:2]), input_fn=lambda mb: mb),
               SequentialStage(nn.Sequential(*layers[2:]), loss_fn=lambda out, mb: out.pow(2).sum())]
     executor = Executor(0, [rank], chunks)
     batch = torch.randn(world, 8, 4, generator=torch.Generator().manual_seed(1))
-    scatters = []
-    original = dist.reduce_scatter_single
+    calls = {"reduce_scatter_single": 0, "all_gather_single": 0}  # FSDP2's collectives (_fsdp_collectives.py)
+    originals = {name: getattr(dist, name) for name in calls}
 
-    def counting(*args, **kwargs):
-        scatters.append(1)
-        return original(*args, **kwargs)
+    def counting(name):
+        def call(*args, **kwargs):
+            calls[name] += 1
+            return originals[name](*args, **kwargs)
+        return call
 
-    dist.reduce_scatter_single = counting  # FSDP2's reduce-scatter (DefaultReduceScatter)
+    for name in calls:
+        setattr(dist, name, counting(name))
     try:
         executor.run(build_schedule("interleaved_1f1b", 1, 4, 2), split_micro_batches(batch[rank], 4),
                      chunk_last_backward=sharded.reducing)
     finally:
-        dist.reduce_scatter_single = original
-    return {"scatters": len(scatters), "batch": batch,
-            "grads": [p.grad.full_tensor() for layer in layers for p in layer.parameters()]}
+        for name, original in originals.items():
+            setattr(dist, name, original)
+    return {**calls, "batch": batch, "grads": [p.grad.full_tensor() for layer in layers for p in layer.parameters()]}
 
 
-def test_each_unit_reduce_scatters_once_per_step():
-    """interleaved_1f1b on one device with 2 chunks, 4 micro-batches, 2 copies: one reduce-scatter per layer in the
-    step (in its chunk's last backward), and the gradients equal the mean over both copies' micro-batches."""
+@pytest.mark.parametrize("reshard,gathers", [("step", 4), ("micro_batch", 4 * 4 * 2)])
+def test_each_unit_reduce_scatters_once_per_step(reshard, gathers):
+    """interleaved_1f1b on one device with 2 chunks, 4 micro-batches, 2 copies of 4 sharded layers: one
+    reduce-scatter per layer in the step (in its chunk's last backward); one all-gather per layer per step
+    (reshard="step") or one per forward and per backward ("micro_batch"); the gradients equal the mean over
+    both copies' micro-batches."""
     from torch import nn
 
     from tests.harness.distributed import run_workers, values
 
-    results = values(run_workers(_interleaved_sharded_step, 2, timeout=120))
-    assert [r["scatters"] for r in results] == [4, 4]
+    results = values(run_workers(_interleaved_sharded_step, 2, reshard, timeout=120))
+    assert [r["reduce_scatter_single"] for r in results] == [4, 4]
+    assert [r["all_gather_single"] for r in results] == [gathers, gathers]
     torch.manual_seed(0)
     layers = nn.Sequential(*[nn.Linear(4, 4) for _ in range(4)])
     batch = results[0]["batch"]

@@ -47,3 +47,12 @@ def test_a_single_file_checkpoint_is_refused():
     checks.check_sharded_checkpoints(options, False)  # no checkpoint callback: nothing to refuse
     checks.check_sharded_checkpoints(resolve({"data_parallel": "fsdp", "save_distributed_checkpoint": True}), True)
     checks.check_sharded_checkpoints(resolve({}), True)
+
+
+def test_fsdp_reshard_is_checked():
+    assert resolve({"data_parallel": "fsdp", "fsdp_reshard": "micro_batch"}).fsdp_reshard == "micro_batch"
+    assert resolve({"data_parallel": "fsdp"}).fsdp_reshard == "step"  # the default
+    with pytest.raises(PipeConfigError, match="fsdp_reshard='layer' is not known; use 'step'"):
+        resolve({"data_parallel": "fsdp", "fsdp_reshard": "layer"})
+    with pytest.raises(PipeConfigError, match="applies to sharded stages; set data_parallel='fsdp'"):
+        resolve({"fsdp_reshard": "micro_batch"})
