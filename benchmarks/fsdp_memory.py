@@ -2,12 +2,13 @@
 against ``"fsdp"`` (both ``fsdp_reshard`` values) at 2 stages × 2 pipelines on CPU processes (gloo), 1f1b,
 Adam (issue 33).
 
-    python benchmarks/fsdp_memory.py [--width 512] [--depth 8] [--batch 64] [--steps 12]
+    python benchmarks/fsdp_memory.py [--width 512] [--depth 8] [--batch 64] [--steps 12] [--rounds 1]
 
 Each configuration is one Lightning job of 4 processes (this script again, with ``--run``). Every rank
 counts, at its last optimizer step, the bytes of the storages behind its parameters, their gradients and
 the optimizer's state (a sharded tensor: this rank's shard; a stand-in: its one element), each storage
-once. Step time is rank 0's wall time per training step after the first two steps. What the table does
+once. Step time is rank 0's wall time per training step after the first two steps; with ``--rounds R`` the
+configurations run in turn R times and the median is shown (a shared machine's load drifts). What the table does
 not count: FSDP2's buffers within a step (the layers gathered whole: one at a time with
 ``fsdp_reshard="micro_batch"``, the whole stage with ``"step"``; and the unsharded gradients it sums the
 micro-batches into until the step's reduce-scatter: the stage's, as ``"ddp"`` holds them).
@@ -18,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -111,19 +113,23 @@ def main() -> None:
     parser.add_argument("--depth", type=int, default=8)
     parser.add_argument("--batch", type=int, default=64, help="samples per pipeline per step (4 micro-batches)")
     parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--rounds", type=int, default=1, help="run the configurations in turn this many times")
     parser.add_argument("--run", choices=tuple(CONFIGS), help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.run:
         run(args.run, args.width, args.depth, args.batch, args.steps, args.out)
         return
-    results = {}
-    for config in CONFIGS:
-        with tempfile.TemporaryDirectory() as out:
-            command = [sys.executable, os.path.abspath(__file__), "--width", str(args.width), "--depth", str(args.depth),
-                       "--batch", str(args.batch), "--steps", str(args.steps), "--run", config, "--out", out]
-            subprocess.run(command, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=900)
-            results[config] = [json.load(open(os.path.join(out, f"rank{r}.json"))) for r in range(STAGES * PIPELINES)]
+    results: dict[str, list[dict]] = {}
+    step_times: dict[str, list[float]] = {config: [] for config in CONFIGS}
+    for _ in range(args.rounds):
+        for config in CONFIGS:
+            with tempfile.TemporaryDirectory() as out:
+                command = [sys.executable, os.path.abspath(__file__), "--width", str(args.width), "--depth", str(args.depth),
+                           "--batch", str(args.batch), "--steps", str(args.steps), "--run", config, "--out", out]
+                subprocess.run(command, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=900)
+                results[config] = [json.load(open(os.path.join(out, f"rank{r}.json"))) for r in range(STAGES * PIPELINES)]
+                step_times[config].append(results[config][0]["step_time"])
     mib = 2**20
     print(f"2 stages x 2 pipelines, 1f1b, M=4, Adam, trunk {args.depth} x Linear({args.width}, {args.width}), "
           f"{args.batch} samples per pipeline per step, CPU (gloo)")
@@ -133,8 +139,8 @@ def main() -> None:
         total = {c: sum(results[c][rank][k] for k in ("parameters", "gradients", "optimizer")) for c in CONFIGS}
         cells = [f"{total[c] / mib:8.2f} ({total[c] / total['ddp']:.3f})" for c in CONFIGS]
         print(f"{rank:>4} {rank % STAGES:>5}" + "".join(f"  {cell:>22}" for cell in cells))
-    times = {c: results[c][0]["step_time"] for c in CONFIGS}
-    print("step time, rank 0, after 2 warm-up steps: " + ", ".join(
+    times = {c: statistics.median(step_times[c]) for c in CONFIGS}
+    print(f"step time, rank 0, after 2 warm-up steps, median of {args.rounds} round(s): " + ", ".join(
         f"{c} {times[c] * 1e3:.1f} ms ({times['ddp'] / times[c]:.2f}x ddp's throughput)" for c in CONFIGS))
 
 
