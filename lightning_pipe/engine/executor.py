@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager, nullcontext
+from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any, ContextManager, Protocol, runtime_checkable
 
@@ -108,6 +108,7 @@ class ScheduleRunner(Protocol):
         first_micro_batch: int = 0,
         carry_over: bool = False,
         last_backward: Callable[[], ContextManager[Any]] | None = None,
+        chunk_last_backward: Callable[[], ContextManager[Any]] | None = None,
     ) -> list[Any]:
         """Run the schedule's actions; what the last virtual stage returned for each micro-batch forwarded."""
         ...
@@ -190,6 +191,7 @@ class Executor:
         first_micro_batch: int = 0,
         carry_over: bool = False,
         last_backward: Callable[[], ContextManager[Any]] | None = None,
+        chunk_last_backward: Callable[[], ContextManager[Any]] | None = None,
     ) -> list[Any]:
         """Run this device's actions for one step (or one window of an asynchronous segment).
 
@@ -210,13 +212,16 @@ class Executor:
                 windows); call :meth:`finish` after the segment's drain.
             last_backward: wraps this device's last backward of the run, after which its gradients
                 are final (e.g. :meth:`~lightning_pipe.engine.collectives.GradientReducer.armed`).
+            chunk_last_backward: wraps the last backward of each chunk of this device, after which the
+                gradients of that chunk's own layers are final (FSDP2's reduce-scatter, :mod:`~.sharding`).
 
         Returns:
             What the last virtual stage returned for every micro-batch forwarded in this run (in
             the order of ``micro_batches``), on the device holding it (the detached, unweighted loss when training; the raw output for
             a forward-only schedule); an empty list elsewhere.
         """
-        self.begin(schedule, micro_batches, loss_weights, scale_loss, first_micro_batch, carry_over, last_backward)
+        self.begin(schedule, micro_batches, loss_weights, scale_loss, first_micro_batch, carry_over, last_backward,
+                   chunk_last_backward)
         try:
             for index in range(len(schedule.actions[self.device_index])):
                 self.execute(index, step)
@@ -248,6 +253,7 @@ class Executor:
         first_micro_batch: int = 0,
         carry_over: bool = False,
         last_backward: Callable[[], ContextManager[Any]] | None = None,
+        chunk_last_backward: Callable[[], ContextManager[Any]] | None = None,
     ) -> None:
         """Prepare a run (arguments as in :meth:`run`)."""
         if not carry_over and len(micro_batches) != schedule.micro_batches * schedule.replicas:
@@ -266,6 +272,8 @@ class Executor:
         backwards = [i for i, a in enumerate(schedule.actions[self.device_index])
                      if a.kind in (Kind.BACKWARD, Kind.BACKWARD_WEIGHT)]
         self._last_backward = (backwards[-1], last_backward) if backwards and last_backward is not None else None
+        last_of_chunk = {schedule.actions[self.device_index][i].chunk: i for i in backwards}
+        self._chunk_last_backward = (set(last_of_chunk.values()), chunk_last_backward) if chunk_last_backward else None
         self._received: dict[tuple[Kind, int, int], _PendingReceive] = {}
         self._header_decisions: dict[tuple[Kind, int, int, int], bool] = {}  # receives that could not be posted yet
         self._taken: set[tuple[Kind, int, int, int]] = set()  # receives their compute consumed this run
@@ -282,11 +290,17 @@ class Executor:
         """Run action ``index`` of this device's list (after :meth:`begin`, in list order)."""
         actions = self._schedule.actions[self.device_index]
         action = actions[index]
-        if self._last_backward is not None and index == self._last_backward[0]:
-            with self._last_backward[1]():
-                self._execute(actions, index, action, step)
+        last = self._last_backward is not None and index == self._last_backward[0]
+        chunk_last = self._chunk_last_backward is not None and index in self._chunk_last_backward[0]
+        if not (last or chunk_last):
+            self._execute(actions, index, action, step)
             return
-        self._execute(actions, index, action, step)
+        with ExitStack() as wrapped:
+            if last:
+                wrapped.enter_context(self._last_backward[1]())  # type: ignore[index]
+            if chunk_last:
+                wrapped.enter_context(self._chunk_last_backward[1]())  # type: ignore[index]
+            self._execute(actions, index, action, step)
 
     def _execute(self, actions: Sequence[Action], index: int, action: Action, step: Callable[[], None] | None) -> None:
         if action.kind.is_compute:

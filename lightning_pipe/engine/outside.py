@@ -16,6 +16,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_pipe.engine.collectives import all_reduce_flat
+from lightning_pipe.engine.sharding import is_sharded, local
 from lightning_pipe.engine.stand_ins import is_absent
 from lightning_pipe.engine.topology import Topology
 
@@ -92,14 +93,23 @@ class OutsideParameters:
         """Norm clipping over the whole model: every parameter counted once, on the stage owning it."""
         owner, stage = self.owner(), self.topology.stage
         squares = torch.zeros((), device=device)
+        shards = torch.zeros((), device=device)  # data_parallel="fsdp": this rank's part of the sharded gradients
+        sharded = False
         for name, p in self.module.named_parameters():
             counted = self.in_trunk(name) or owner.get(name, 0) == stage
             if p.grad is not None and counted:
-                squares = squares + p.grad.detach().float().pow(2).sum()
+                if is_sharded(p.grad):
+                    sharded = True
+                    shards = shards + local(p.grad).detach().float().pow(2).sum()
+                else:
+                    squares = squares + p.grad.detach().float().pow(2).sum()
+        if sharded:  # every copy of the stage holds the same units: all take part
+            dist.all_reduce(shards, group=self.topology.stage_group)
+            squares = squares + shards
         if self.topology.stages > 1:
             dist.all_reduce(squares, group=self.topology.pipeline_group)
         coef = (float(clip_val) / (squares.sqrt() + 1e-6)).clamp(max=1.0)
         for group in optimizer.param_groups:
             for p in group["params"]:
                 if p.grad is not None:
-                    p.grad.detach().mul_(coef.to(p.grad.dtype))
+                    local(p.grad).detach().mul_(coef.to(p.grad.dtype))

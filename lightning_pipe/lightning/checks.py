@@ -52,6 +52,24 @@ def resolve_stages(world_size: int, stages: int | None, pipelines: int) -> int:
     return stages
 
 
+def check_data_parallel(options: PipeOptions, world_size: int) -> None:
+    """``data_parallel="fsdp"`` shards a stage across the processes holding it: one process has no other."""
+    if options.data_parallel == "fsdp" and world_size == 1:
+        raise PipeConfigError(
+            "data_parallel='fsdp' shards each stage across the processes of the pipelines, and this Trainer runs one "
+            "process; set devices to stages × pipelines, or use data_parallel='ddp'."
+        )
+
+
+def check_sharded_checkpoints(options: PipeOptions, saves: bool) -> None:
+    """With ``data_parallel="fsdp"`` a checkpoint is written only as a sharded directory (each rank its shards)."""
+    if saves and options.data_parallel == "fsdp" and not options.save_distributed_checkpoint:
+        raise PipeConfigError(
+            "data_parallel='fsdp' writes checkpoints only as sharded directories; set save_distributed_checkpoint=True "
+            "(lightning_pipe.consolidate_checkpoint makes one file of one), or Trainer(enable_checkpointing=False)."
+        )
+
+
 def builds_in_configure_model(module: LightningModule) -> bool:
     """Whether the module builds (some of) its layers in ``configure_model``, which Lightning calls
     after ``connect``: its trunk is looked for at setup, once the hook ran (docs/large-models.md)."""

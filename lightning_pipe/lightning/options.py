@@ -85,6 +85,8 @@ class PipeOptions:
     save_distributed_checkpoint: bool = False
     grad_cosine_every: int = 0
     release_unused_outside: bool = True
+    data_parallel: Literal["ddp", "fsdp"] = "ddp"
+    fsdp_reshard: Literal["step", "micro_batch"] = "step"
 
     @property
     def spec(self) -> ScheduleSpec:
@@ -239,6 +241,7 @@ def check(options: PipeOptions) -> None:
     if o.xpipe.momentum_direction not in ("buffer", "spectrain"):
         raise PipeConfigError(f"xpipe momentum_direction={o.xpipe.momentum_direction!r} is not known; use 'buffer' (SGD's "
                               "momentum buffer) or 'spectrain' (momentum * buffer + the last gradient).")
+    _check_data_parallel(o)
     _check_avgpipe(o)
     _check_trace(o.trace_dir, o.trace_steps)
     if o.shape_headers not in ("on_change", "always"):
@@ -247,6 +250,33 @@ def check(options: PipeOptions) -> None:
     if o.transport not in ("auto", "shared_memory", "process_group"):
         raise PipeConfigError(f"transport={o.transport!r} is not known; use 'auto' (shared memory between CPU processes "
                               "of one host where it works), 'shared_memory' or 'process_group' (torch.distributed).")
+
+
+#: The schedules ``data_parallel="fsdp"`` runs (issue 33): synchronous ones whose backward is one autograd
+#: pass per micro-batch, which FSDP2's per-layer hooks follow.
+FSDP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
+
+
+def _check_data_parallel(o: PipeOptions) -> None:
+    if o.data_parallel not in ("ddp", "fsdp"):
+        raise PipeConfigError(f"data_parallel={o.data_parallel!r} is not known; use 'ddp' (every pipeline holds its whole "
+                              "stage, gradients all-reduced) or 'fsdp' (each stage sharded across the pipelines).")
+    if o.fsdp_reshard not in ("step", "micro_batch"):
+        raise PipeConfigError(f"fsdp_reshard={o.fsdp_reshard!r} is not known; use 'step' (gather each sharded layer once "
+                              "per step) or 'micro_batch' (gather it for every forward and backward, least memory).")
+    if o.data_parallel != "fsdp":
+        if o.fsdp_reshard != "step":
+            raise PipeConfigError(f"fsdp_reshard={o.fsdp_reshard!r} applies to sharded stages; set data_parallel='fsdp', "
+                                  "or leave fsdp_reshard at 'step'.")
+        return
+    works = ", ".join(map(repr, FSDP_SCHEDULES))
+    if not o.spec.synchronous:
+        raise PipeConfigError(f"data_parallel='fsdp' shards each stage across pipelines that step together, which "
+                              f"schedule={o.schedule!r} does not do (its stages step on their own); use one of {works}, or "
+                              "data_parallel='ddp'.")
+    if o.schedule not in FSDP_SCHEDULES:
+        raise PipeConfigError(f"data_parallel='fsdp' does not follow schedule={o.schedule!r}'s backward split into input "
+                              f"and weight gradients; use one of {works}, or data_parallel='ddp'.")
 
 
 def _check_avgpipe(o: PipeOptions) -> None:

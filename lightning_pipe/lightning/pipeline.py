@@ -229,8 +229,9 @@ class StagePipeline:
         return Ran(outputs, [batch_size(mb) for mb in micro_batches], batch_size(batch), capture)
 
     def flush(self, hook: str, args: tuple, kwargs: dict, training: bool, schedule: str,
-              last_backward: Callable[[], Any] | None = None) -> Ran:
-        """One flushed step of the synchronous ``schedule`` (forwards only when not ``training``)."""
+              last_backward: Callable[[], Any] | None = None, chunk_last_backward: Callable[[], Any] | None = None) -> Ran:
+        """One flushed step of the synchronous ``schedule`` (forwards only when not ``training``); ``last_backward``
+        and ``chunk_last_backward`` as in :meth:`~lightning_pipe.engine.executor.Executor.run`."""
         strategy = self.strategy
         scaler = getattr(strategy.precision_plugin, "scaler", None) if training else None
         accumulate = strategy.lightning_module.trainer.accumulate_grad_batches if training else 1
@@ -244,7 +245,7 @@ class StagePipeline:
             plan = build_schedule(schedule, strategy.num_stages, len(micro_batches), strategy.options.chunks_per_stage,
                                   not training)
             return self.executor.run(plan, micro_batches, weights, scale_loss=scaler.scale if scaler else None,
-                                     last_backward=last_backward)
+                                     last_backward=last_backward, chunk_last_backward=chunk_last_backward)
 
         return self.run(hook, args, kwargs, training, split, launch)
 

@@ -30,6 +30,7 @@ import torch.distributed.checkpoint as dcp
 from torch import Tensor
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from lightning_pipe.engine import sharding
 from lightning_pipe.errors import CheckpointMismatchError
 from lightning_pipe.lightning import sharded_policy
 from lightning_pipe.lightning.checkpointing import NAMES_KEY, local_param_names
@@ -156,13 +157,14 @@ def load(pipeline: StagePipeline, path: str | os.PathLike[str]) -> dict[str, Any
         raise CheckpointMismatchError(f"the sharded checkpoint {path} lacks {len(missing)} tensors this stage holds: {shown}; "
                                       "resume from a checkpoint of the same LightningModule.")
     optim: dict[str, dict[str, dict[str, Tensor]]] = {}
+    params = dict(pipeline.strategy.lightning_module.named_parameters())
     for i in range(len(checkpoint.get("optimizer_groups", []))):
         optim[str(i)] = {}
         for name in model:
             prefix = f"optim.{i}.{name}."
             fields = {key[len(prefix):]: meta for key, meta in stored.items() if key.startswith(prefix)}
             if fields:
-                optim[str(i)][name] = {f: torch.empty(m.size, dtype=m.properties.dtype) for f, m in fields.items()}
+                optim[str(i)][name] = {f: _optimizer_placeholder(m, params.get(name)) for f, m in fields.items()}
     request: dict[str, Any] = {"model": model, "optim": optim}
     policy = checkpoint[SHARDED_KEY].get("policy")
     if policy is not None:  # the weight policy's entries of the parameters this rank holds
@@ -184,6 +186,14 @@ def load(pipeline: StagePipeline, path: str | os.PathLike[str]) -> dict[str, Any
     if policy is not None:  # as the single-file format's merged state, restricted to this rank's parameters
         checkpoint[policy[0]] = sharded_policy.join(policy[1], request[sharded_policy.PREFIX])
     return checkpoint
+
+
+def _optimizer_placeholder(metadata: TensorStorageMetadata, param: Tensor | None) -> Tensor:
+    """What DCP reads an optimizer state tensor into: for a sharded parameter (``data_parallel="fsdp"``) a
+    parameter-shaped state is read as this rank's shard of it, as the optimizer holds it; else the whole tensor."""
+    if sharding.is_sharded(param) and tuple(metadata.size) == tuple(param.shape):  # type: ignore[union-attr]
+        return torch.empty_like(param, dtype=metadata.properties.dtype)  # type: ignore[arg-type]
+    return torch.empty(metadata.size, dtype=metadata.properties.dtype)
 
 
 def _placeholder(metadata: Any) -> Any:

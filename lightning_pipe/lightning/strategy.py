@@ -40,6 +40,7 @@ from typing_extensions import override
 from lightning_pipe.engine import Topology, Transport, Watchdog, batch_size, ending, shm
 from lightning_pipe.engine.policies import AvgPipeOptions, DoubleBufferOptions, PipeDreamOptions, PipeMareOptions, XPipeOptions
 from lightning_pipe.engine.policies.options import Averaging, Prediction
+from lightning_pipe.engine.sharding import ShardedLayers, single_tensor_updates_where_mixed
 from lightning_pipe.engine.stand_ins import move_stand_ins
 from lightning_pipe.engine.watchdog import FAILURE_GRACE
 from lightning_pipe.errors import CheckpointMismatchError, LightningPipeError, PipeConfigError
@@ -123,7 +124,8 @@ class PipeStrategy(DDPStrategy, metaclass=_NamesItsOptions):
             you study a schedule's statistical efficiency without a cluster (docs/emulation.md).
         pipelines: data-parallel pipeline replicas; each gets its own shard of the data and gradients
             are averaged across them, so ``pipelines=N`` equals one device at ``N ×`` the batch size.
-            Synchronous schedules only.
+            Synchronous schedules only. Each pipeline holds its stage whole, or a shard of it with
+            ``data_parallel="fsdp"``.
         balance: how many trunk layers each stage gets: a list of counts (one per stage, or per virtual
             stage for interleaved), ``"uniform"`` (equal counts), ``"parameters"`` (balanced parameter
             counts) or ``"auto"`` (rank 0 profiles every trunk layer on its device with the first batch
@@ -229,6 +231,19 @@ class PipeStrategy(DDPStrategy, metaclass=_NamesItsOptions):
             parameter without training it (under ``torch.no_grad``, for a metric), which would read the
             stand-in's zeros. A parameter first trained in a later step stops training with an error
             that names it (docs/large-models.md).
+        data_parallel: how the ``pipelines`` copies of a stage share it. ``"ddp"`` (the default): every
+            pipeline holds its whole stage and gradients are all-reduced across pipelines. ``"fsdp"``: each
+            trunk layer is an FSDP2 unit sharded across the pipelines' copies of its stage, so parameters,
+            gradients and optimizer state take about ``1/pipelines`` of the memory per rank; gradients are
+            reduce-scattered once per step; parameters outside the trunk stay replicated. Schedules
+            ``"gpipe"``, ``"1f1b"``, ``"interleaved_1f1b"``; needs one process per stage and pipeline (no
+            emulation) and ``save_distributed_checkpoint=True`` to write checkpoints (docs/parallelism.md).
+        fsdp_reshard: with ``data_parallel="fsdp"``, when a sharded layer's gathered copy is freed. ``"step"``
+            (the default): each layer is all-gathered once per step and kept whole until the step's
+            reduce-scatter, so during a step the stage's parameters are whole (between steps, and in the
+            optimizer, sharded). ``"micro_batch"``: freed after every micro-batch's forward and backward and
+            gathered again for the next, ``2 × micro_batches`` all-gathers per layer per step, for the least
+            memory within the step (one layer whole at a time).
     """
 
     strategy_name = "pipe"
@@ -285,6 +300,8 @@ class PipeStrategy(DDPStrategy, metaclass=_NamesItsOptions):
         process_group_backend: str | None = None,
         save_distributed_checkpoint: bool = False,
         release_unused_outside: bool = True,
+        data_parallel: Literal["ddp", "fsdp"] = "ddp",
+        fsdp_reshard: Literal["step", "micro_batch"] = "step",
     ) -> None:
         given = locals()  # every option by its name: a new option is a parameter here and a field of PipeOptions
         self.options: PipeOptions = options_module.resolve(
@@ -318,6 +335,7 @@ class PipeStrategy(DDPStrategy, metaclass=_NamesItsOptions):
         self._preemption: Preemption | None = None
         self._construction: MetaConstruction | None = None  # what configure_model / init_module built on meta
         self._restore_after_setup: bool | None = None
+        self._sharded: ShardedLayers | None = None  # data_parallel="fsdp": this rank's trunk layers, sharded
 
     @classmethod
     @override
@@ -383,6 +401,12 @@ class PipeStrategy(DDPStrategy, metaclass=_NamesItsOptions):
         (NCCL); a one-stage pipeline sends none."""
         return _compat.process_group_backend(self) == "gloo" or self.num_stages == 1
 
+    @property
+    def sharding(self) -> ShardedLayers | None:
+        """With ``data_parallel="fsdp"``: this rank's trunk layers as FSDP2 units over the stage group
+        (``None`` with ``"ddp"``, and before setup)."""
+        return self._sharded
+
     def transport(self) -> Transport | None:
         """This rank's point-to-point layer (``None`` for a one-process pipeline); one per rank, since a
         shared-memory channel counts its messages."""
@@ -397,6 +421,7 @@ class PipeStrategy(DDPStrategy, metaclass=_NamesItsOptions):
     @override
     def _configure_launcher(self) -> None:
         checks.resolve_stages(self.world_size, self.options.stages, self.options.pipelines)  # at Trainer(...)
+        checks.check_data_parallel(self.options, self.world_size)
         super()._configure_launcher()
         if _compat.is_script_launcher(self.launcher):  # check the model before the other ranks start
             _compat.set_launcher(self, PipeLauncher(self))
@@ -529,6 +554,10 @@ class PipeStrategy(DDPStrategy, metaclass=_NamesItsOptions):
                 "was cut; make it return early once the model exists (if self.model is not None: return)."
             )
         self.model_to_device()
+        if self.options.data_parallel == "fsdp" and self._sharded is None:  # before the optimizer: it keeps the shards
+            partition = self._pipeline.partition
+            layers = [partition.trunk._modules[str(i)] for i in sorted(partition.owned)]
+            self._sharded = ShardedLayers(layers, self.topology.stage_group, self.root_device, self.options.fsdp_reshard)
         for metric in module.modules():
             # every stage of a pipeline holds a replica of the last stage's metric state (see
             # log_replay), so metrics must only sync across pipelines, never across stages
@@ -538,7 +567,9 @@ class PipeStrategy(DDPStrategy, metaclass=_NamesItsOptions):
         self._metrics = StageMetrics(self, self.options.stage_metrics)
         self._pipeline.build_executor(self._metrics.recorder(self._tracer.recorder if self._tracer is not None else None))
         if fitting:
+            checks.check_sharded_checkpoints(self.options, bool(trainer.checkpoint_callbacks))
             self.setup_optimizers(trainer)
+            self._update_mixed_groups_per_tensor()
             checks.check_trainer(self.options.spec, trainer.accumulate_grad_batches, len(self.optimizers))
             if self.options.quality_warning and self.is_global_zero:
                 checks.warn_quality(self.options.schedule, self.num_stages, self.optimizers[0])
@@ -565,6 +596,13 @@ class PipeStrategy(DDPStrategy, metaclass=_NamesItsOptions):
                 for callback in trainer.checkpoint_callbacks:
                     if getattr(callback, "dirpath", None):
                         checkpointing.remove_stale_partials(callback.dirpath)
+
+    def _update_mixed_groups_per_tensor(self) -> None:
+        """``data_parallel="fsdp"``: a param group holding the trunk's shards and whole parameters from outside
+        the trunk updates them one by one (a ``foreach`` update refuses the mix; see :mod:`~lightning_pipe.engine.sharding`)."""
+        if self._sharded is not None:
+            for optimizer in self.optimizers:
+                single_tensor_updates_where_mixed(unwrapped(optimizer))
 
     def _choose_split(self, trainer: Trainer, module: LightningModule) -> None:
         """``balance="auto"`` and avgpipe's ``"auto"`` options (a checkpoint's choice when resuming)."""
@@ -708,7 +746,11 @@ class PipeStrategy(DDPStrategy, metaclass=_NamesItsOptions):
     def _forward_step(self, hook: str, args: tuple, kwargs: dict) -> Any:
         assert self._pipeline is not None
         self._stop_on_sigterm()
-        return self._pipeline.forward_step(hook, args, kwargs)
+        try:
+            return self._pipeline.forward_step(hook, args, kwargs)
+        finally:
+            if self._sharded is not None:  # no backward frees what the forwards gathered
+                self._sharded.reshard()
 
     # ------------------------------------------------------------------ checkpoints
     @override
@@ -719,6 +761,7 @@ class PipeStrategy(DDPStrategy, metaclass=_NamesItsOptions):
         self._drain()
         if self.options.save_distributed_checkpoint:
             return sharded.model_part(self._pipeline)
+        checks.check_sharded_checkpoints(self.options, True)
         return checkpointing.module_state(self._pipeline)
 
     @override
@@ -789,6 +832,7 @@ class PipeStrategy(DDPStrategy, metaclass=_NamesItsOptions):
                 sharded.load_optimizer(self._pipeline, self._runtime, unwrapped(optimizer), state)
             else:
                 checkpointing.load_optimizer_state(self._pipeline, self._runtime, unwrapped(optimizer), state)
+        self._update_mixed_groups_per_tensor()  # a loaded state brings its own param groups' settings
         _compat.optimizers_to_device(self.optimizers, self.root_device)
 
     # ------------------------------------------------------------------ collectives

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 import torchmetrics
 from lightning.fabric.plugins import TorchCheckpointIO
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
@@ -144,6 +145,8 @@ class TrunkModel(L.LightningModule):
     def configure_optimizers(self):
         if self.optimizer == "adam":
             optimizer = torch.optim.Adam(self.parameters(), lr=1e-2)
+        elif self.optimizer == "adam_foreach":  # the multi-tensor update CUDA defaults to, on the CPU too
+            optimizer = torch.optim.Adam(self.parameters(), lr=1e-2, foreach=True)
         elif self.optimizer == "muon":
             optimizer = muon_with_adam(self.parameters())
         elif self.optimizer == "basis_rotation":  # the matrices in their eigenbasis, Adam for the rest
@@ -180,7 +183,7 @@ class Recorder(L.Callback):
 
     def on_before_optimizer_step(self, trainer, module, optimizer):
         if not self.first_grads:
-            self.first_grads = {n: p.grad.clone() for n, p in module.named_parameters() if p.grad is not None}
+            self.first_grads = {n: whole(p.grad) for n, p in module.named_parameters() if p.grad is not None}
 
     def on_validation_end(self, trainer, module):
         if not trainer.sanity_checking:
@@ -222,6 +225,12 @@ class SlowCheckpointIO(TorchCheckpointIO):
             os.kill(os.getpid(), signal.SIGKILL)
         time.sleep(self.seconds)
         super().save_checkpoint(checkpoint, path, storage_options)
+
+
+def whole(tensor: torch.Tensor) -> torch.Tensor:
+    """A copy of ``tensor``, gathered whole where it is a shard (``data_parallel="fsdp"``: a collective over the
+    copies of the stage, which every one of them calls in the same order)."""
+    return tensor.full_tensor().detach().clone() if isinstance(tensor, DTensor) else tensor.detach().clone()
 
 
 def make_data(n: int = 96, seed: int = 0) -> TensorDataset:
@@ -361,7 +370,8 @@ def record_of(recorder: Recorder, trainer: L.Trainer, model: L.LightningModule) 
         "returned": recorder.returned,
         "scales": recorder.scales,
         "grads": recorder.first_grads,
-        "state": {k: v.clone() for k, v in model.state_dict().items()},
+        "state": {k: whole(v) for k, v in model.state_dict().items()},
+        "sharded": sorted(n for n, p in model.named_parameters() if isinstance(p, DTensor)),
         "global_step": trainer.global_step,
         "counts": getattr(trainer.strategy, "_counts", None),
         "avgpipe": avgpipe_values(trainer.strategy),

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 from torch import Tensor
 
 from lightning_pipe.engine.collectives import GradientReducer
+from lightning_pipe.engine.sharding import replicated
 from lightning_pipe.lightning import _compat
 from lightning_pipe.lightning.runtimes.common import BaseRuntime, trainable, unwrapped
 
@@ -45,12 +46,15 @@ class FlushRuntime(BaseRuntime):
         # across pipelines, average while the last backward runs (DDP's overlap); not when the step adds
         # to earlier batches' gradients, which only the sum at backward() completes
         last_backward = None
+        whole = replicated(params)  # data_parallel="fsdp": the sharded trunk reduce-scatters in its chunks' last backward
         if self.strategy.num_pipelines > 1 and all(g is None for g in earlier) and not _compat.should_accumulate(trainer):
-            if self._reducer is None or [id(p) for p in self._reducer.params] != [id(p) for p in params]:
-                self._reducer = GradientReducer(params, self.strategy.topology.stage_group, self.strategy.num_pipelines)
+            if self._reducer is None or [id(p) for p in self._reducer.params] != [id(p) for p in whole]:
+                self._reducer = GradientReducer(whole, self.strategy.topology.stage_group, self.strategy.num_pipelines)
             last_backward, self._reducing = self._reducer.armed, True
+        sharding = self.strategy.sharding
         with self.strategy.precision_plugin.train_step_context():
-            ran = self.pipeline.flush("training_step", args, kwargs, True, self.schedule, last_backward)
+            ran = self.pipeline.flush("training_step", args, kwargs, True, self.schedule, last_backward,
+                                      sharding.reducing if sharding is not None else None)
         self.pipeline.seen_batch = True
         self.pipeline.check_released()
         if not self.pipeline.outside.known:
@@ -74,4 +78,4 @@ class FlushRuntime(BaseRuntime):
         self.pipeline.outside.sum_shared_gradients()
         pipelines = self.strategy.num_pipelines
         if pipelines > 1 and not reduced:  # the same buckets on every replica, used or not (GradientReducer)
-            GradientReducer(trainable(self.strategy), self.strategy.topology.stage_group, pipelines).finish()
+            GradientReducer(replicated(trainable(self.strategy)), self.strategy.topology.stage_group, pipelines).finish()

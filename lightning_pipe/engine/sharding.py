@@ -1,0 +1,134 @@
+"""A stage's trunk layers sharded across the data-parallel copies of that stage (FSDP2).
+
+With ``PipeStrategy(pipelines=N, data_parallel="fsdp")`` the N ranks holding the same stage (the
+topology's stage group) each keep ``1/N`` of every trunk layer's parameters, gradients and optimizer
+state. Each trunk layer is its own ``torch.distributed.fsdp.fully_shard`` unit on a one-dimensional
+``DeviceMesh`` ("dp") built from the stage group. A layer is gathered (all-gathered) for its first
+forward of the step and, with ``reshard="step"``, kept whole until its last backward of the step, as
+``torch.distributed.pipelining`` and torchtitan do for pipelines (one all-gather per layer per step);
+with ``reshard="micro_batch"`` it is freed after every forward and every backward and gathered again
+for the next (``2 × micro_batches`` all-gathers, one layer whole at a time).
+
+Gradients are reduce-scattered once per step, not once per micro-batch: every unit runs with
+``set_requires_gradient_sync(False)`` (FSDP2 sums the micro-batches' gradients unsharded) except
+inside :meth:`ShardedLayers.reducing`, which the executor enters around each chunk's last backward
+(:meth:`~lightning_pipe.engine.executor.Executor.run`'s ``chunk_last_backward``). A trunk layer
+belongs to exactly one chunk, so every unit's last backward of the step runs inside it, and FSDP2
+reduce-scatters the sum into the sharded parameters' ``.grad`` (a ``DTensor``), averaged over the
+stage group like the ``"ddp"`` all-reduce.
+
+Parameters outside the trunk stay replicated on every copy of the stage and are averaged by
+:class:`~lightning_pipe.engine.collectives.GradientReducer` as with ``"ddp"``: they are read by the
+user's own step code (an embedding, a head, a tied weight used as ``F.linear(h, self.pre.weight.t())``),
+which FSDP2's module hooks would not see. Middle stages hold them as one-element stand-ins anyway.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any, Literal
+
+import torch
+from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.tensor import DTensor
+
+
+def is_sharded(tensor: Tensor | None) -> bool:
+    """Whether ``tensor`` is a sharded parameter (a ``DTensor``; FSDP2 turns a unit's parameters into them)."""
+    return isinstance(tensor, DTensor)
+
+
+def replicated(params: Sequence[Tensor]) -> list[Tensor]:
+    """The parameters of ``params`` that every data-parallel copy holds whole (not :func:`is_sharded`)."""
+    return [p for p in params if not is_sharded(p)]
+
+
+def stage_mesh(group: Any, device: torch.device) -> DeviceMesh:
+    """A one-dimensional mesh named ``"dp"`` over the ranks of ``group`` (the stage group: the same stage
+    of every pipeline). Built from the existing group, not from ``init_device_mesh``: the pipeline's
+    point-to-point channel groups (engine/topology.py, engine/p2p.py) must stay the ones the validator
+    proved deadlock-free, and a new world-sized mesh would create its groups in another order."""
+    return DeviceMesh.from_group(group, device.type, mesh_dim_names=("dp",))
+
+
+class ShardedLayers:
+    """This rank's trunk layers, each an FSDP2 unit sharded over the stage group.
+
+    Args:
+        layers: the trunk layers this rank holds (every chunk's, in any order); layers without
+            parameters (an activation) are left as they are.
+        group: the stage group (the ranks holding the same stage, one per pipeline).
+        device: this rank's device (the mesh's device type).
+        reshard: when a layer's gathered copy is freed. ``"step"``: at the end of the step, in the
+            layer's last backward (one all-gather per layer per step; the stage's parameters are whole
+            during the step). ``"micro_batch"``: after every forward and every backward (``2 ×``
+            micro-batches all-gathers per layer per step; one layer whole at a time).
+    """
+
+    def __init__(self, layers: Sequence[nn.Module], group: Any, device: torch.device,
+                 reshard: Literal["step", "micro_batch"] = "step") -> None:
+        if reshard not in ("step", "micro_batch"):
+            raise ValueError(f"reshard={reshard!r}: use 'step' or 'micro_batch'.")
+        self.mesh = stage_mesh(group, device)
+        self.per_step = reshard == "step"
+        self.units: list[FSDPModule] = []
+        for layer in layers:
+            if any(p.requires_grad for p in layer.parameters()):
+                # each layer is its own root, whose gathered parameters FSDP2 keeps after forward by default:
+                # say which is meant
+                fully_shard(layer, mesh=self.mesh, reshard_after_forward=not self.per_step)
+                self.units.append(layer)  # type: ignore[arg-type]
+        self.accumulate()
+
+    def accumulate(self) -> None:
+        """From now on a backward adds to the units' unsharded gradients without communicating (and, resharding
+        per step, keeps the layer gathered for the step's next micro-batch)."""
+        for unit in self.units:
+            unit.set_requires_gradient_sync(False)
+            if self.per_step:
+                unit.set_reshard_after_backward(False)
+
+    @contextmanager
+    def reducing(self) -> Iterator[None]:
+        """Within the block, a unit's backward ends by reduce-scattering its gradient (summed over every
+        micro-batch of the step) into its parameters' ``.grad`` and freeing its gathered copy."""
+        for unit in self.units:
+            unit.set_requires_gradient_sync(True)
+            unit.set_reshard_after_backward(True)
+        try:
+            yield
+        finally:
+            self.accumulate()
+
+    def reshard(self) -> None:
+        """Free every gathered copy now (after a forward-only step, which has no backward to free them)."""
+        for unit in self.units:
+            unit.reshard()
+
+    def parameter_bytes(self) -> int:
+        """Bytes of this rank's shards of the units' parameters."""
+        return sum(local(p).numel() * p.element_size() for unit in self.units for p in unit.parameters())  # type: ignore[attr-defined]
+
+
+def single_tensor_updates_where_mixed(optimizer: torch.optim.Optimizer) -> int:
+    """Set ``foreach=False`` on every param group of ``optimizer`` that holds sharded and whole parameters
+    together (the trunk's shards and the parameters outside the trunk); return how many it changed.
+
+    A ``foreach`` update (the default on CUDA) runs one kernel over a list of tensors and refuses a list that
+    mixes ``DTensor`` and ``Tensor``; the per-tensor update computes the same values. A ``fused`` group is left
+    as it is: its kernel was chosen at construction."""
+    changed = 0
+    for group in optimizer.param_groups:
+        kinds = {is_sharded(p) for p in group["params"]}
+        if len(kinds) == 2 and not group.get("fused") and group.get("foreach", False) is not False:
+            group["foreach"] = False
+            changed += 1
+    return changed
+
+
+def local(tensor: Tensor) -> Tensor:
+    """This rank's part of ``tensor`` (``tensor`` itself unless it is sharded)."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor

@@ -1,0 +1,170 @@
+"""``PipeStrategy(pipelines=N, data_parallel="fsdp")``: each stage's trunk layers sharded across the N copies
+of the stage (FSDP2) still equal one device at N × the batch size (issue 33)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.distributed.test_strategy import assert_close_dicts, merged_state
+from tests.harness.launch import launch
+from tests.harness.lightning_run import train
+
+STEPS = 4
+TRUNK = [f"model.{2 * i}.{kind}" for i in range(6) for kind in ("weight", "bias")]  # TrunkModel's Linear layers
+
+
+def assert_state_equal(reference: dict, records: list, pipelines: list[list[int]]) -> None:
+    for pipeline in pipelines:
+        state = merged_state([records[r] for r in pipeline])
+        assert state.keys() == reference["state"].keys()
+        for key, value in reference["state"].items():
+            torch.testing.assert_close(state[key], value, rtol=1e-5, atol=1e-6, msg=key)
+
+
+@pytest.mark.parametrize("schedule,extra", [
+    ("gpipe", {}), ("1f1b", {}), ("interleaved_1f1b", {"chunks_per_stage": 2}),
+    ("1f1b", {"fsdp_reshard": "micro_batch"}), ("interleaved_1f1b", {"chunks_per_stage": 2, "fsdp_reshard": "micro_batch"}),
+])
+def test_two_sharded_pipelines_equal_one_device_at_double_batch(schedule, extra):
+    """2 stages × 2 pipelines, Adam (its state sharded too; its multi-tensor update, CUDA's default, which the
+    strategy turns per-tensor where a group mixes shards and whole parameters): after 4 steps every weight,
+    gathered whole, equals one device trained at twice the batch; the trunk's parameters are DTensors, the rest
+    stays whole."""
+    model = {"optimizer": "adam_foreach"}
+    reference = train({"max_steps": STEPS, "batch_size": 16, "model": model})
+    code, output, records = launch({
+        "devices": 4, "max_steps": STEPS, "batch_size": 8, "stages": 2, "pipelines_in_sampler": 2, "model": model,
+        "strategy": {"schedule": schedule, "micro_batches": 4, "pipelines": 2, "data_parallel": "fsdp", **extra},
+    }, timeout=300)
+    assert code == 0, output[-3000:]
+    assert_state_equal(reference, records, [[0, 1], [2, 3]])
+    for record in records:  # each rank's own trunk layers are sharded, the layers outside the trunk are not
+        assert record["sharded"] and set(record["sharded"]) <= set(TRUNK)
+    assert sorted(set(records[0]["sharded"] + records[1]["sharded"])) == sorted(TRUNK)
+
+
+def test_one_shard_equals_ddp():
+    """pipelines=1: a one-rank mesh per stage; 1f1b with "fsdp" trains exactly as with "ddp" (and one device), and
+    evaluates alike: mid-epoch validation, then validate, test and predict (forward-only steps gather each layer)."""
+    common = {"devices": 2, "max_steps": STEPS, "batch_size": 16, "model": {"optimizer": "adam"}, "evaluate": True,
+              "trainer": {"val_check_interval": 2}}
+    runs = {}
+    for data_parallel in ("ddp", "fsdp"):
+        code, output, records = launch({**common, "strategy": {"schedule": "1f1b", "micro_batches": 4,
+                                                                "data_parallel": data_parallel}}, timeout=240)
+        assert code == 0, output[-3000:]
+        runs[data_parallel] = records
+    assert runs["fsdp"][0]["sharded"] and not runs["ddp"][0]["sharded"]
+    ddp, fsdp = merged_state(runs["ddp"]), merged_state(runs["fsdp"])
+    for key, value in ddp.items():
+        torch.testing.assert_close(fsdp[key], value, rtol=1e-5, atol=1e-6, msg=key)
+    for got, want in zip(runs["fsdp"], runs["ddp"]):
+        assert len(want["val_metrics"]) == 3  # two mid-epoch checks + trainer.validate
+        for name in ("val_metrics", "validate", "test"):
+            assert_close_dicts(got[name], want[name])
+        torch.testing.assert_close(torch.cat(got["predict"]), torch.cat(want["predict"]), rtol=1e-5, atol=1e-6)
+    reference = train({"max_steps": STEPS, "batch_size": 16, "model": {"optimizer": "adam"}})
+    assert_state_equal(reference, runs["fsdp"], [[0, 1]])
+
+
+def test_accumulation_clipping_and_recomputation_equal_one_device():
+    """accumulate_grad_batches=2 (each batch reduce-scatters, the shards add up), gradient_clip_val (the global norm
+    counts every shard once) and checkpoint_activations (the recomputed forward gathers the layer again), SGD with
+    momentum: equal to one device at twice the batch."""
+    trainer = {"accumulate_grad_batches": 2, "gradient_clip_val": 0.05}
+    reference = train({"max_steps": STEPS, "batch_size": 16, "trainer": trainer})
+    unclipped = train({"max_steps": STEPS, "batch_size": 16, "trainer": {"accumulate_grad_batches": 2}})
+    assert not torch.allclose(unclipped["state"]["model.0.weight"], reference["state"]["model.0.weight"])  # it clips
+    code, output, records = launch({
+        "devices": 4, "max_steps": STEPS, "batch_size": 8, "stages": 2, "pipelines_in_sampler": 2, "trainer": trainer,
+        "strategy": {"schedule": "1f1b", "micro_batches": 4, "pipelines": 2, "data_parallel": "fsdp",
+                     "checkpoint_activations": True},
+    }, timeout=300)
+    assert code == 0, output[-3000:]
+    assert_state_equal(reference, records, [[0, 1], [2, 3]])
+
+
+def test_sharded_checkpoint_resumes(tmp_path):
+    """A sharded (DCP) checkpoint of 2 sharded pipelines after one epoch (trunk weights and Adam state written as
+    DTensor shards) resumes: the second epoch ends equal to one device trained two epochs at twice the batch, in
+    the run itself and in its checkpoint consolidated into one file."""
+    from lightning_pipe import consolidate_checkpoint
+
+    common = {"batch_size": 8, "devices": 4, "stages": 2, "pipelines_in_sampler": 2, "model": {"optimizer": "adam"}}
+    pipe = {"schedule": "1f1b", "micro_batches": 4, "pipelines": 2, "data_parallel": "fsdp", "save_distributed_checkpoint": True}
+    saved, resumed = tmp_path / "epoch1.ckpt", tmp_path / "epoch2.ckpt"
+    code, output, _ = launch({**common, "epochs": 1, "strategy": pipe, "ckpt_out": str(saved)}, timeout=300)
+    assert code == 0, output[-3000:]
+    code, output, records = launch({**common, "epochs": 2, "strategy": pipe, "ckpt_path": str(saved),
+                                    "ckpt_out": str(resumed)}, timeout=300)
+    assert code == 0, output[-3000:]
+    reference = train({"epochs": 2, "batch_size": 16, "model": {"optimizer": "adam"}})
+    steps = len(reference["returned"]) // 2
+    assert [len(r["returned"]) for r in records] == [steps] * 4  # the second epoch only: it did restore
+    assert_state_equal(reference, records, [[0, 1], [2, 3]])
+    consolidate_checkpoint(resumed, tmp_path / "one.ckpt")
+    state = torch.load(tmp_path / "one.ckpt", weights_only=False)["state_dict"]
+    assert state.keys() == reference["state"].keys()
+    for key, value in reference["state"].items():
+        torch.testing.assert_close(state[key], value, rtol=1e-5, atol=1e-6, msg=key)
+
+
+
+def _interleaved_sharded_step(rank: int, world: int, reshard: str) -> dict:
+    """One device holding two chunks (interleaved_1f1b, 1 stage × 2 chunks, 4 micro-batches), its four Linear
+    layers sharded over ``world`` data-parallel copies: how many reduce-scatters one step makes, and the
+    gradients they leave (gathered whole)."""
+    import torch.distributed as dist
+    from torch import nn
+
+    from lightning_pipe.engine import Executor, SequentialStage, split_micro_batches
+    from lightning_pipe.engine.sharding import ShardedLayers
+    from lightning_pipe.registry import build_schedule
+
+    torch.manual_seed(0)
+    layers = [nn.Linear(4, 4) for _ in range(4)]
+    sharded = ShardedLayers(layers, dist.group.WORLD, torch.device("cpu"), reshard)
+    chunks = [SequentialStage(nn.Sequential(*layers[:2]), input_fn=lambda mb: mb),
+              SequentialStage(nn.Sequential(*layers[2:]), loss_fn=lambda out, mb: out.pow(2).sum())]
+    executor = Executor(0, [rank], chunks)
+    batch = torch.randn(world, 8, 4, generator=torch.Generator().manual_seed(1))
+    calls = {"reduce_scatter_single": 0, "all_gather_single": 0}  # FSDP2's collectives (_fsdp_collectives.py)
+    originals = {name: getattr(dist, name) for name in calls}
+
+    def counting(name):
+        def call(*args, **kwargs):
+            calls[name] += 1
+            return originals[name](*args, **kwargs)
+        return call
+
+    for name in calls:
+        setattr(dist, name, counting(name))
+    try:
+        executor.run(build_schedule("interleaved_1f1b", 1, 4, 2), split_micro_batches(batch[rank], 4),
+                     chunk_last_backward=sharded.reducing)
+    finally:
+        for name, original in originals.items():
+            setattr(dist, name, original)
+    return {**calls, "batch": batch, "grads": [p.grad.full_tensor() for layer in layers for p in layer.parameters()]}
+
+
+@pytest.mark.parametrize("reshard,gathers", [("step", 4), ("micro_batch", 4 * 4 * 2)])
+def test_each_unit_reduce_scatters_once_per_step(reshard, gathers):
+    """interleaved_1f1b on one device with 2 chunks, 4 micro-batches, 2 copies of 4 sharded layers: one
+    reduce-scatter per layer in the step (in its chunk's last backward); one all-gather per layer per step
+    (reshard="step") or one per forward and per backward ("micro_batch"); the gradients equal the mean over
+    both copies' micro-batches."""
+    from torch import nn
+
+    from tests.harness.distributed import run_workers, values
+
+    results = values(run_workers(_interleaved_sharded_step, 2, reshard, timeout=120))
+    assert [r["reduce_scatter_single"] for r in results] == [4, 4]
+    assert [r["all_gather_single"] for r in results] == [gathers, gathers]
+    torch.manual_seed(0)
+    layers = nn.Sequential(*[nn.Linear(4, 4) for _ in range(4)])
+    batch = results[0]["batch"]
+    (layers(batch.reshape(-1, 4)).pow(2).sum() / (4 * 2)).backward()  # 4 micro-batches, 2 copies: their mean
+    for got, want in zip(results[0]["grads"], [p.grad for p in layers.parameters()]):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
