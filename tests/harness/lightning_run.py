@@ -359,7 +359,7 @@ def record_of(recorder: Recorder, trainer: L.Trainer, model: L.LightningModule) 
         "grads": recorder.first_grads,
         "state": {k: v.clone() for k, v in model.state_dict().items()},
         "global_step": trainer.global_step,
-        "counts": getattr(trainer.strategy, "_counts", None),
+        "counts": getattr(trainer.strategy, "layer_counts", None),
         "avgpipe": avgpipe_values(trainer.strategy),
         "transport": transport_of(trainer.strategy),
         "absent": sorted(getattr(getattr(trainer.strategy, "_pipeline", None), "absent", ())),
