@@ -137,10 +137,10 @@ def worker(args: argparse.Namespace) -> None:
     )
     trainer.fit(UnbalancedMLP(), DataLoader(data, batch_size=batch))
     if trainer.is_global_zero:
-        plan = strategy._plan
+        plan = strategy.plan
         result = {
             "balance": args.balance,
-            "counts": strategy._counts,
+            "counts": strategy.layer_counts,
             "samples_per_s": clock.timed * batch / (clock.end[0] - clock.start[0]),
             "other_load": clock.other_load,
             "predicted_stage_ms": [s.time * 1e3 for s in plan.stages] if plan else None,

@@ -2,11 +2,22 @@
 
 from __future__ import annotations
 
+import os
 import pathlib
 
 import pytest
+import torch
 
 DISTRIBUTED = pathlib.Path(__file__).parent / "distributed"
+
+#: One intra-op thread for the in-process tests, as every multi-process job of the suite already has
+#: (tests/harness: OMP_NUM_THREADS=1). Their tensors are tiny, so a second thread buys nothing; on a loaded
+#: machine with few cores each op then waits for a descheduled OpenMP thread instead (an emulated 2-stage
+#: Trainer run: 5.2 s with two threads, 1.8 s with one, on 2 busy cores). Set in the environment too, so
+#: Lightning's launcher keeps it (it sets the thread count only without OMP_NUM_THREADS) and the
+#: subprocesses tests start inherit it. Set OMP_NUM_THREADS to run the suite with more.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

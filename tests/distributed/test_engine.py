@@ -143,6 +143,8 @@ def test_pipeline_equals_single_device(name, world, micro_batches, chunks, wire)
 def reducer_worker(rank: int, world: int):
     """Each rank's gradients of its own batch, averaged by GradientReducer while the backward runs
     (small buckets, so several launch during it) and by one flat all-reduce afterwards."""
+    import torch.distributed as dist
+
     from lightning_pipe.engine.collectives import GradientReducer, all_reduce_flat
 
     torch.manual_seed(0)
@@ -151,9 +153,15 @@ def reducer_worker(rank: int, world: int):
     x = torch.randn(5, 6, generator=torch.Generator().manual_seed(rank))
     params = [p for p in model.parameters() if p.requires_grad]
     reducer = GradientReducer(params, None, world, bucket_bytes=256)
-    with reducer.armed():
-        model(x).square().sum().backward()
-    filed_during_backward = len(reducer._launched)
+    launched = []  # the all-reduces posted while the backward ran (this worker's torch.distributed, restored after)
+    all_reduce = dist.all_reduce
+    dist.all_reduce = lambda tensor, *args, **kwargs: launched.append(tensor.numel()) or all_reduce(tensor, *args, **kwargs)
+    try:
+        with reducer.armed():
+            model(x).square().sum().backward()
+    finally:
+        dist.all_reduce = all_reduce
+    filed_during_backward = len(launched)
     moved = [p.grad for p in params]  # the strategy moves gradients aside meanwhile (Lightning's zero_grad)
     for p in params:
         p.grad = None

@@ -26,6 +26,7 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import lightning_pipe  # noqa: E402  (registers the strategy names)
+from lightning_pipe.engine.stand_ins import is_absent  # noqa: E402
 from lightning_pipe.optim import BasisRotationAdam, CombinedOptimizer  # noqa: E402
 
 
@@ -373,10 +374,10 @@ def record_of(recorder: Recorder, trainer: L.Trainer, model: L.LightningModule) 
         "state": {k: whole(v) for k, v in model.state_dict().items()},
         "sharded": sorted(n for n, p in model.named_parameters() if isinstance(p, DTensor)),
         "global_step": trainer.global_step,
-        "counts": getattr(trainer.strategy, "_counts", None),
+        "counts": getattr(trainer.strategy, "layer_counts", None),
         "avgpipe": avgpipe_values(trainer.strategy),
         "transport": transport_of(trainer.strategy),
-        "absent": sorted(getattr(getattr(trainer.strategy, "_pipeline", None), "absent", ())),
+        "absent": sorted(name for name, tensor in model.state_dict(keep_vars=True).items() if is_absent(tensor)),  # stand-ins
     }
 
 

@@ -124,20 +124,22 @@ def test_auto_trains_exactly_like_the_chosen_values_given_by_hand(tmp_path, monk
     a resumed "auto" run adopts them without tuning again."""
     from lightning_pipe import PipeStrategy
     from lightning_pipe.lightning import auto as lightning_auto
+    from lightning_pipe.lightning.runtimes import AVGPIPE_STATE_KEY
     from lightning_pipe.planning import avgpipe_autotune as avg_autotune
 
     auto = PipeStrategy(schedule="avgpipe", micro_batches="auto", avgpipe={"parallel_pipelines": "auto", "advance_forward": "auto"})
     trainer, losses = _fit(auto)
     n, m, a = auto.options.avgpipe.parallel_pipelines, auto.micro_batches, auto.options.avgpipe.advance_forward
     assert 1 <= n <= 4 and 16 % n == 0 and (16 // n) % m == 0 and a in avg_autotune.ADVANCES, (n, m, a)
-    assert trainer.global_step == 3 and auto._runtime.rounds.policy.replicas == n
+    assert trainer.global_step == 3
     _, by_hand = _fit(PipeStrategy(schedule="avgpipe", micro_batches=m, avgpipe={"parallel_pipelines": n, "advance_forward": a}))
     assert losses == by_hand
 
     path = str(tmp_path / "auto.ckpt")
     trainer.save_checkpoint(path)
-    assert torch.load(path, weights_only=False)[avg_autotune.CHECKPOINT_KEY] == {
-        "parallel_pipelines": n, "micro_batches": m, "advance_forward": a}
+    saved = torch.load(path, weights_only=False)
+    assert saved[avg_autotune.CHECKPOINT_KEY] == {"parallel_pipelines": n, "micro_batches": m, "advance_forward": a}
+    assert len(saved[AVGPIPE_STATE_KEY]["weights"]) == n  # the run trained n replicas, not only recorded n
     monkeypatch.setattr(lightning_auto, "predict_candidates", lambda *args, **kwargs: pytest.fail("tuned again"))
     resumed = PipeStrategy(schedule="avgpipe", micro_batches="auto", avgpipe={"parallel_pipelines": "auto", "advance_forward": "auto"})
     trainer, _ = _fit(resumed, ckpt_path=path, steps=4)

@@ -11,6 +11,7 @@ import torch
 from lightning_pipe.engine.executor import Executor
 from lightning_pipe.engine.p2p import Transport
 from lightning_pipe.engine.watchdog import Watchdog, stream_ordered
+from lightning_pipe.registry import build_schedule
 
 
 class FakeWork:
@@ -41,14 +42,28 @@ def test_a_stream_ordered_wait_has_no_host_timeout_and_a_host_wait_is_bounded():
     assert gloo.waits == [(timedelta(seconds=7.0),)]
 
 
+class SendsFakeWork(Transport):
+    """A transport whose activation sends are posted as ``work`` (nothing leaves the process)."""
+
+    def __init__(self, device: str, tagged: bool, work: FakeWork) -> None:
+        super().__init__(torch.device(device), tagged=tagged)
+        self.work = work
+
+    def send_activation(self, value, dst, lane=0, header=True, micro_batch=-1):
+        return [(self.work, value)]
+
+
 def test_the_executor_waits_as_its_transport_says():
-    cuda = Executor(0, [0, 1], [lambda x: x], transport=Transport(torch.device("cuda"), tagged=False))
-    cpu = Executor(0, [0, 1], [lambda x: x], transport=Transport(torch.device("cpu"), tagged=True))
-    assert cuda._stream_ordered and not cpu._stream_ordered
+    """Through the executor's public run: stage 0 of two forwards and sends micro-batch 0, and the end of
+    the run waits for that send, on the stream over NCCL, on the host with the watchdog's timeout over gloo."""
+    schedule = build_schedule("gpipe", 2, 1, forward_only=True)
     work = FakeWork()
-    cuda._wait_sends([work])
-    cpu._wait_sends([work])
-    assert work.waits == [(), (timedelta(seconds=cpu.watchdog.timeout),)]
+    timeouts = []
+    for device, tagged in (("cuda", False), ("cpu", True)):
+        executor = Executor(0, [0, 1], [lambda inputs, micro_batch: micro_batch * 2], transport=SendsFakeWork(device, tagged, work))
+        executor.run(schedule, [torch.zeros(2)])
+        timeouts.append(executor.watchdog.timeout)
+    assert work.waits == [(), (timedelta(seconds=timeouts[1]),)]
 
 
 class CopyLog:

@@ -38,13 +38,17 @@ def test_a_snapshot_reuses_the_storage_of_the_one_released_before_it():
     layers = nn.Linear(3, 3)
     policy = DoubleBufferPolicy(layers, torch.optim.SGD(layers.parameters(), lr=0.1), 0, 2, 2,
                                 AsyncOptions(pipedream_2bw=DoubleBufferOptions(lookahead=0.0)))
-    old = policy._snapshot()
-    policy.snapshots, policy.steps = {0: old}, 3  # version 0 has no users and is older than steps - 1
-    policy._release()
+    with policy.forward(0):  # the first forward snapshots version 0
+        pass
+    old = policy.snapshots[0]
+    policy.steps = 3  # three STEPs later, version 0 is older than steps - 1
+    policy.finished(0)  # its last user is done: version 0 is released
     assert policy.snapshots == {}
     with torch.no_grad():
         layers.weight.add_(1.0)
-    new = policy._snapshot()
+    with policy.forward(8):  # micro-batch 8 (mini-batch 4) runs on version 3: snapshot into version 0's tensors
+        pass
+    new = policy.snapshots[3]
     assert new["weight"] is old["weight"] and torch.equal(new["weight"], layers.weight)
     policy.snapshots = {2: new}
     saved = policy.state_dict()["previous"]["weight"]
@@ -70,7 +74,8 @@ def test_delay_compensation_corrects_the_gradient_and_its_average_survives_a_res
     layer = nn.Linear(3, 3)
     policy = policy_for(layer)
     used = {n: p.detach() - 0.25 for n, p in policy.params.items()}  # the version the gradient was taken at
-    policy.snapshots, policy.steps = {0: used, 1: policy._snapshot()}, 1
+    current = {n: nn.Parameter(p.detach().clone(), requires_grad=False) for n, p in policy.params.items()}
+    policy.snapshots, policy.steps = {0: used, 1: current}, 1
     grads = {n: torch.randn_like(p) for n, p in policy.params.items()}
     before = {n: p.detach().clone() for n, p in policy.params.items()}
     for n, p in policy.params.items():
@@ -87,7 +92,7 @@ def test_delay_compensation_corrects_the_gradient_and_its_average_survives_a_res
         torch.testing.assert_close(resumed.mean_square[n], policy.mean_square[n])
 
 
-def test_an_xpipe_prediction_is_written_into_the_storage_the_last_one_released():
+def test_an_xpipe_prediction_is_written_into_the_storage_the_last_one_released(monkeypatch):
     """xpipe allocates weight-sized tensors for its first prediction only: the next one reuses the
     storage the parameters gave up (fresh large tensors page-fault on every STEP)."""
     from torch import nn
@@ -96,10 +101,16 @@ def test_an_xpipe_prediction_is_written_into_the_storage_the_last_one_released()
 
     layer = nn.Linear(4, 4)
     policy = XPipePolicy(layer, torch.optim.SGD(layer.parameters(), lr=0.1, momentum=0.9), 0, 2, 2)
+    allocated: list[tuple[int, ...]] = []
+    empty_like = torch.empty_like
+    monkeypatch.setattr(torch, "empty_like", lambda t, *a, **k: allocated.append(tuple(t.shape)) or empty_like(t, *a, **k))
     first = layer.weight.data_ptr()
-    policy._use("F", 0)  # mini-batch 0: a new prediction is exchanged into the parameters
-    second = layer.weight.data_ptr()
-    assert second != first and policy._spare["weight"].data_ptr() == first
-    policy._use("F", 2)  # mini-batch 1: written into the spare, then exchanged in
-    assert layer.weight.data_ptr() == first and policy._spare["weight"].data_ptr() == second
+    with policy.forward(0):  # mini-batch 0: a new prediction is exchanged into the parameters
+        second = layer.weight.data_ptr()
+    assert second != first and allocated == [(4, 4), (4,)]  # the first prediction's weight and bias
+    with policy.forward(2):  # mini-batch 1: written into the storage given up, then exchanged in
+        assert layer.weight.data_ptr() == first
+    with policy.forward(4):  # mini-batch 2: and again, into what mini-batch 0's prediction gave up
+        assert layer.weight.data_ptr() == second
+    assert len(allocated) == 2  # nothing allocated after the first prediction
     torch.testing.assert_close(layer.weight.detach(), policy.masters["weight"].detach())  # no state yet: W itself

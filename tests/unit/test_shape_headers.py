@@ -34,9 +34,7 @@ def emulated_headers(batch_rows: int, micro_batches: int, always: bool = False, 
     """Run 2 steps of 1F1B on a 3-stage in-process pipeline; count activation messages with a header."""
     torch.manual_seed(0)
     model = model or nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2))
-    pipeline = LocalPipeline(3)
-    for executor in pipeline.executors:
-        executor._shapes.always = always
+    pipeline = LocalPipeline(3, shape_headers="always" if always else "on_change")
     parts = [model[0:2], model[2:4], model[4:5]]
     pipeline.chunks = [SequentialStage(parts[0], input_fn=lambda mb: mb[0]), SequentialStage(parts[1]),
                        SequentialStage(parts[2], loss_fn=lambda out, mb: nn.functional.mse_loss(out, mb[1]))]

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from lightning_pipe.engine import shm
+from lightning_pipe.engine.p2p import Transport
 from lightning_pipe.engine.shm import SharedMemoryTransport
 from lightning_pipe.engine.watchdog import Watchdog
 from lightning_pipe.errors import MessageMismatchError, PeerFailure, PipelineTimeout
@@ -95,13 +96,22 @@ def test_a_reported_failure_and_a_hung_peer_end_the_wait():
         Watchdog(timeout=0.2, rank=1, grace=0.0).wait(receiver.irecv(torch.empty(3), 0, tag=2), "RECV_GRAD1 from rank 0", 0)
 
 
-def test_cuda_tensors_and_unreachable_peers_take_the_process_group():
-    sender, _ = pair("route")
-    assert sender._shares_memory(1, torch.zeros(1))
+def test_cuda_tensors_and_unreachable_peers_take_the_process_group(monkeypatch):
+    posted = []  # what reached torch.distributed (Transport.isend), by device and destination
+    monkeypatch.setattr(Transport, "isend", lambda self, tensor, dst, tag: posted.append((tensor.device.type, dst)))
+    sender, receiver = pair("route")
+    sent, got = torch.arange(4.0), torch.empty(4)
+    sender.isend(sent, 1, tag=0)
+    receiver.irecv(got, 0, tag=0).wait(timedelta(seconds=5))
+    assert posted == [] and torch.equal(got, sent)  # a CPU tensor to a reachable peer: shared memory only
+    assert not glob.glob(os.path.join(shm.SHM_DIR, f"lightning-pipe-{sender.token}-*"))
     if torch.cuda.is_available():
-        assert not sender._shares_memory(1, torch.zeros(1, device="cuda"))
+        sender.isend(torch.zeros(1, device="cuda"), 1, tag=0)
+        assert posted == [("cuda", 1)]
+        posted.clear()
     del sender.peers[1]  # another host, or a container with a /dev/shm of its own (reachable_peers)
-    assert not sender._shares_memory(1, torch.zeros(1))
+    sender.isend(torch.zeros(1), 1, tag=0)
+    assert posted == [("cpu", 1)]
 
 
 def test_a_full_dev_shm_names_the_fix_instead_of_a_bus_error(monkeypatch):

@@ -5,6 +5,7 @@ woken there aborted finished runs with "terminate called without an active excep
 from __future__ import annotations
 
 import socket
+import threading
 from datetime import timedelta
 
 import torch.distributed as dist
@@ -22,10 +23,12 @@ def test_close_returns_after_the_listener_thread_ended():
     store = dist.TCPStore("127.0.0.1", free_port(), 1, is_master=True, timeout=timedelta(seconds=10))
     for generation in range(5):  # a race: try it several times
         watchdog = Watchdog(timeout=10.0, store=store, rank=0, generation=generation)
+        before = set(threading.enumerate())
         watchdog.listen(world_size=2)
-        assert watchdog._listener is not None and watchdog._listener.is_alive()
+        started = [t for t in threading.enumerate() if t not in before]  # what listen started: the listener
+        assert len(started) == 1 and started[0].is_alive()
         watchdog.close()
-        assert not watchdog._listener.is_alive()
+        assert not started[0].is_alive()  # joined, not merely told to stop
         assert watchdog.heard is None  # its own stop message is not a report
 
 
