@@ -36,12 +36,17 @@ def runs_outside_code(local: Sequence[int], virtual_stages: int, looped: bool) -
     return looped or any(vs in (0, virtual_stages - 1) for vs in local)
 
 
+def _one_zero(tensor: Tensor, device: torch.device) -> Tensor:
+    """A stand-in's values: one zero on ``device``, expanded (stride 0) to ``tensor``'s shape and dtype."""
+    return torch.zeros((), dtype=tensor.dtype, device=device).expand(tensor.shape)
+
+
 def stand_in(tensor: Tensor, device: torch.device | None = None) -> Tensor:
     """A tensor of ``tensor``'s shape and dtype with one element of memory, on ``device`` (default:
     ``tensor``'s, CPU for a meta tensor); a parameter stays a parameter with its ``requires_grad``."""
     if device is None:
         device = torch.device("cpu") if tensor.is_meta else tensor.device
-    data = torch.zeros((), dtype=tensor.dtype, device=device).expand(tensor.shape)
+    data = _one_zero(tensor, device)
     value: Tensor = nn.Parameter(data, requires_grad=tensor.requires_grad) if isinstance(tensor, nn.Parameter) else data
     setattr(value, ABSENT, True)
     return value
@@ -71,7 +76,7 @@ def release(root: nn.Module, names: Iterable[str]) -> list[str]:
     released = {id(p) for name, p in root.named_parameters(remove_duplicate=False) if name in wanted}
     for p in root.parameters():  # each object once
         if id(p) in released and not is_absent(p):
-            p.data = torch.zeros((), dtype=p.dtype, device=p.device).expand(p.shape)
+            p.data = _one_zero(p, p.device)
             p.grad = None
             setattr(p, ABSENT, True)
     return [name for name, p in root.named_parameters(remove_duplicate=False) if id(p) in released]
@@ -84,7 +89,7 @@ def move_stand_ins(root: nn.Module, device: torch.device) -> None:
         for store in (module._parameters, module._buffers):
             for name, t in store.items():
                 if is_absent(t) and t.device != device:
-                    data = torch.zeros((), dtype=t.dtype, device=device).expand(t.shape)
+                    data = _one_zero(t, device)
                     if isinstance(t, nn.Parameter):
                         t.data = data
                     else:

@@ -119,11 +119,13 @@ class StagePipeline:
         head on the first stage, the embedding on the last; on a looped trunk, what each stage's step
         did not train). A parameter no stage trained stays (an evaluation may use it), as does one this
         rank trained. Return the names released (docs/large-models.md)."""
+        if self.strategy.emulating:  # one process holds every stage: every parameter is used here
+            return []
         users, stage = self.outside.users or {}, self.topology.stage
         module = self.strategy.lightning_module
         named = [(n, p) for n, p in module.named_parameters()
                  if not self.outside.in_trunk(n) and not is_absent(p) and n in users and stage not in users[n]]
-        if self.strategy.emulating or not named:
+        if not named:
             return []
         for optimizer in optimizers:  # never stepped here, but drop any state made ahead of a gradient
             for _, p in named:
