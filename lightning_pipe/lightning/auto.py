@@ -37,8 +37,8 @@ from lightning_pipe.planning.profile import capture_trunk_input, profile_trunk
 from lightning_pipe.planning.trials import on_device
 
 if TYPE_CHECKING:
+    from lightning_pipe.lightning.context import PipeContext
     from lightning_pipe.lightning.options import PipeOptions
-    from lightning_pipe.lightning.strategy import PipeStrategy
 
 log = logging.getLogger(__name__)
 rank_zero_info = rank_zero_only(log.info)  # rank 0 decides and says so; every rank adopts the choice
@@ -81,14 +81,14 @@ def first_batch(trainer: Trainer, module: LightningModule) -> tuple[Any, str]:
 
 
 # ------------------------------------------------------------------------------- balance="auto"
-def balance(strategy: PipeStrategy, trainer: Trainer, module: LightningModule) -> tuple[Plan, list[float] | None]:
+def balance(context: PipeContext, trainer: Trainer, module: LightningModule) -> tuple[Plan, list[float] | None]:
     """Rank 0 profiles and splits, every rank receives the same plan, then all refine it on the
     devices; returns the plan and, when refined, each stage's measured time."""
-    options = strategy.options
+    options = context.options
 
     def work() -> AutoBalance:
         _, trunk = find_trunk(module, options.module)
-        with strategy.precision_plugin.train_step_context(), preserved_random_state(), preserved_buffers(module):
+        with context.precision_plugin.train_step_context(), preserved_random_state(), preserved_buffers(module):
             batch, hook = first_batch(trainer, module)
             micro_batch = split_micro_batches(batch, int(options.micro_batches))[0]
             step = getattr(module, hook)
@@ -96,25 +96,24 @@ def balance(strategy: PipeStrategy, trainer: Trainer, module: LightningModule) -
                 sample = capture_trunk_input(module, trunk, lambda: step(micro_batch, 0), hook)
                 inputs = capture_trunk_input(module, trunk, lambda: step(batch, 0), hook) if options.auto_balance.refine else None
             return auto_balance.split_by_profile(
-                trunk, sample, inputs, options.schedule, strategy.num_stages, int(options.micro_batches),
-                options.chunks_per_stage, options.auto_balance, strategy.root_device, options.checkpoint_activations, module)
+                trunk, sample, inputs, options.schedule, context.num_stages, int(options.micro_batches),
+                options.chunks_per_stage, options.auto_balance, context.root_device, options.checkpoint_activations, module)
 
-    with strategy.watchdog.guard("rank 0's balance='auto' plan"):
-        auto = auto_balance.agreed(strategy.global_rank == 0, strategy.world_size, work)
+    with context.watchdog.guard("rank 0's balance='auto' plan"):
+        auto = auto_balance.agreed(context.global_rank == 0, context.world_size, work)
     warning = auto_balance.noise_warning(auto.profile, options.auto_balance, auto.plan.balance)
     if warning is not None:
         rank_zero_warn(warning)
     _, trunk = find_trunk(module, options.module)
-    if isinstance(trunk, torch.nn.ModuleList) and options.auto_balance.refine and strategy.topology.stages > 1:
+    if isinstance(trunk, torch.nn.ModuleList) and options.auto_balance.refine and context.topology.stages > 1:
         rank_zero_info(f"balance='auto' keeps the profiled split of the {container_name(trunk)} trunk: "
                        "the refinement runs stage copies as nn.Sequential, which a looped trunk's blocks are not.")
         return auto.plan, None
-    if not options.auto_balance.refine or strategy.topology.stages == 1 or options.chunks_per_stage > 1:
+    if not options.auto_balance.refine or context.topology.stages == 1 or options.chunks_per_stage > 1:
         return auto.plan, None  # nothing to measure in one process; interleaved splits are searched locally already
-    transport = strategy.transport()
-    with strategy.precision_plugin.train_step_context():
-        return auto_balance.refine(auto, options.auto_balance, trunk, strategy.topology, transport, strategy.watchdog,
-                                   strategy.root_device, options.checkpoint_activations, rank_zero_info)
+    with context.precision_plugin.train_step_context():
+        return auto_balance.refine(auto, options.auto_balance, trunk, context.topology, context.transport, context.watchdog,
+                                   context.root_device, options.checkpoint_activations, rank_zero_info)
 
 
 # ------------------------------------------------------------------------------- avgpipe's tuner
@@ -151,28 +150,28 @@ def predict_candidates(
     return Prediction(ranked, size, inputs, spec)
 
 
-def tune_avgpipe(strategy: PipeStrategy, trainer: Trainer, module: LightningModule, counts: list[int]) -> dict[str, int]:
+def tune_avgpipe(context: PipeContext, trainer: Trainer, module: LightningModule, counts: list[int]) -> dict[str, int]:
     """avgpipe's ``"auto"`` options: a checkpoint's values, or profile, predict and try the best
     candidates on the devices; every rank returns the same values."""
     stored = _compat.loaded_checkpoint(trainer).get(avgpipe_autotune.CHECKPOINT_KEY)
     if stored is not None:
         rank_zero_info(f"avgpipe adopts the tuned values of the checkpoint: {stored}")
         return stored
-    options, stages = strategy.options, strategy.num_stages
+    options, stages = context.options, context.num_stages
     trunk = find_trunk(module, options.module)[1]
     if isinstance(trunk, torch.nn.ModuleList):
         raise PipeConfigError(
             "avgpipe's tuner measures its candidates on copies of each stage run as an nn.Sequential, which the blocks "
             f"of the {container_name(trunk)} trunk are not; set avgpipe's parallel_pipelines, micro_batches and advance_forward "
             "to numbers (e.g. avgpipe={'parallel_pipelines': 2, 'advance_forward': 1}, micro_batches=4).")
-    memory = memory_limit(options.auto_balance, strategy.root_device)
+    memory = memory_limit(options.auto_balance, context.root_device)
     memory = [memory] * stages if isinstance(memory, float) else memory
     values = AutoValues(options.avgpipe.parallel_pipelines, options.micro_batches, options.avgpipe.advance_forward)
 
     def work() -> Prediction:
-        with strategy.precision_plugin.train_step_context():
-            prediction = predict_candidates(trainer, module, options.module, counts, values, strategy.root_device, memory)
-        if strategy.tagged:
+        with context.precision_plugin.train_step_context():
+            prediction = predict_candidates(trainer, module, options.module, counts, values, context.root_device, memory)
+        if context.tagged:
             return prediction
         fifo = [c for c in prediction.ranked if keeps_one_fifo_order(stages, c.micro_batches, c.replicas, c.advance)]
         if not fifo:
@@ -180,27 +179,27 @@ def tune_avgpipe(strategy: PipeStrategy, trainer: Trainer, module: LightningModu
                                   "use gloo or parallel_pipelines=1.")
         return replace(prediction, ranked=fifo)
 
-    with strategy.watchdog.guard("rank 0's avgpipe tuner prediction"):
-        prediction = avgpipe_autotune.agreed(strategy.global_rank == 0, strategy.world_size, work)
-    with strategy.precision_plugin.train_step_context():
+    with context.watchdog.guard("rank 0's avgpipe tuner prediction"):
+        prediction = avgpipe_autotune.agreed(context.global_rank == 0, context.world_size, work)
+    with context.precision_plugin.train_step_context():
         choice = avgpipe_autotune.decide(
-            prediction, options.avgpipe.trials, lambda p: trial_stage(strategy, module, counts, p), strategy.global_rank == 0,
-            strategy.world_size, progress=rank_zero_info,
+            prediction, options.avgpipe.trials, lambda p: trial_stage(context, module, counts, p), context.global_rank == 0,
+            context.world_size, progress=rank_zero_info,
         )
     rank_zero_info(avgpipe_autotune.describe(choice))
     return choice.as_options()
 
 
-def trial_stage(strategy: PipeStrategy, module: LightningModule, counts: list[int], prediction: Prediction) -> TrialStage:
+def trial_stage(context: PipeContext, module: LightningModule, counts: list[int], prediction: Prediction) -> TrialStage:
     """This rank's stage, as avgpipe's trials run it (copies of its layers, the real transport)."""
-    topology, options = strategy.topology, strategy.options
+    topology, options = context.topology, context.options
     _, trunk = find_trunk(module, options.module)
     start, end = stage_bounds(counts)[topology.stage]
     return TrialStage(
-        trunk[start:end], topology.stage, topology.stages, topology.pipeline_ranks, strategy.transport(), strategy.watchdog,
+        trunk[start:end], topology.stage, topology.stages, topology.pipeline_ranks, context.transport, context.watchdog,
         optimizer_factory(prediction.optimizer), prediction.inputs if topology.stage == 0 else None,
-        strategy.root_device, options.avgpipe.alpha, topology.stage_group if strategy.num_pipelines > 1 else None,
-        strategy.num_pipelines,
+        context.root_device, options.avgpipe.alpha, topology.stage_group if context.num_pipelines > 1 else None,
+        context.num_pipelines,
     )
 
 

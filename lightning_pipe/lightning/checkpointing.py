@@ -204,7 +204,7 @@ def _cpu(value: Any) -> Any:
 def module_state(pipeline: StagePipeline) -> dict[str, Any]:
     """The unpartitioned module's state_dict, gathered on rank 0 (``{}`` elsewhere; collective). A rank's
     stand-ins (:attr:`StagePipeline.absent`) are left out: another stage holds those tensors."""
-    state = pipeline.strategy.lightning_module.state_dict()
+    state = pipeline.module.state_dict()
     parts = pipeline.gather_in_first_pipeline(_cpu({k: v for k, v in state.items() if k not in pipeline.absent}))
     return merge_state_dicts(parts, pipeline.key_order, pipeline.outside.owner()) if parts else {}
 
@@ -222,7 +222,7 @@ def optimizer_state(pipeline: StagePipeline, runtime: Runtime | None, optimizer:
     own = runtime.optimizer_parts() if runtime is not None else None
     if own is not None:  # an emulated pipeline holds every stage's optimizer share
         return merge_optimizer_states(_cpu(own), pipeline.param_order, {})
-    names = local_param_names(pipeline.strategy.lightning_module, runtime, optimizer)
+    names = local_param_names(pipeline.module, runtime, optimizer)
     parts = pipeline.gather_in_first_pipeline((_cpu(optimizer.state_dict()), names))
     return merge_optimizer_states(parts, pipeline.param_order, pipeline.outside.owner()) if parts else {}
 
@@ -271,7 +271,7 @@ def load_optimizer_state(
     pipeline: StagePipeline, runtime: Runtime | None, optimizer: torch.optim.Optimizer, state: Mapping[str, Any],
 ) -> None:
     """Load this rank's slice of a merged (or one-device) optimizer state into ``optimizer``."""
-    names = local_param_names(pipeline.strategy.lightning_module, runtime, optimizer)
+    names = local_param_names(pipeline.module, runtime, optimizer)
     local = slice_optimizer_state(state, names, pipeline.param_order)
     if pipeline.absent:  # a stand-in is never stepped: no state (it would be allocated at its full size)
         flat = [name for group in names for name in group]

@@ -33,7 +33,7 @@ from lightning_pipe.registry import build_schedule
 from lightning_pipe.schedules.ir import locate_virtual_stage, virtual_stage_of
 
 if TYPE_CHECKING:
-    from lightning_pipe.lightning.strategy import PipeStrategy
+    from lightning_pipe.lightning.context import PipeContext
 
 #: ``launch(micro_batches, stages)``: run the batch's micro-batches through the pipeline and return
 #: what the last virtual stage returned for each (empty elsewhere).
@@ -62,7 +62,8 @@ class StagePipeline:
     """This rank's stage(s) of the pipeline, ready to run batches.
 
     Args:
-        strategy: the strategy (its module, precision plugin, device and options).
+        context: this Trainer call's fixed facts (options, topology, watchdog, transport, device, precision).
+        module: the LightningModule that was cut (its hooks run the steps; its trainer holds the loop's state).
         partition: this rank's share of the trunk.
         outside: the parameters outside the trunk.
         counts: trunk layers per virtual stage.
@@ -76,10 +77,11 @@ class StagePipeline:
     """
 
     def __init__(
-        self, strategy: PipeStrategy, partition: PartitionedTrunk, outside: OutsideParameters, counts: list[int],
-        layers: list[Layer], key_order: list[str], param_order: list[str],
+        self, context: PipeContext, module: LightningModule, partition: PartitionedTrunk, outside: OutsideParameters,
+        counts: list[int], layers: list[Layer], key_order: list[str], param_order: list[str],
     ) -> None:
-        self.strategy = strategy
+        self.context = context
+        self.module = module
         self.partition = partition
         self.outside = outside
         self.counts = counts
@@ -92,25 +94,25 @@ class StagePipeline:
         self.seen_batch = False  # a short batch is an error only before the first one
 
     @classmethod
-    def cut(cls, strategy: PipeStrategy, module: LightningModule, counts: list[int]) -> StagePipeline:
+    def cut(cls, context: PipeContext, module: LightningModule, counts: list[int]) -> StagePipeline:
         """Keep this rank's trunk layers (every virtual stage when emulating) and stub out the rest."""
-        options, topology = strategy.options, strategy.topology
+        options, topology = context.options, context.topology
         name, trunk = find_trunk(module, options.module)
         local = [virtual_stage_of(topology.stage, chunk, topology.stages, options.spec.placement)
                  for chunk in range(options.chunks_per_stage)]
-        if strategy.emulating:  # this process holds every virtual stage
-            local = list(range(strategy.num_stages * options.chunks_per_stage))
+        if context.emulating:  # this process holds every virtual stage
+            local = list(range(context.num_stages * options.chunks_per_stage))
         layers = [Layer(type(layer).__name__, sum(p.numel() for p in layer.parameters())) for layer in trunk]  # before the cut
         key_order = list(module.state_dict().keys())
         param_order = [n for n, _ in module.named_parameters()]
         partition = PartitionedTrunk(trunk, name, stage_bounds(counts), local, options.checkpoint_activations)
         outside = OutsideParameters(module, name, topology)
-        pipeline = cls(strategy, partition, outside, list(counts), layers, key_order, param_order)
-        virtual = strategy.num_stages * options.chunks_per_stage
-        if not strategy.emulating and not runs_outside_code(local, virtual, partition.looped):
+        pipeline = cls(context, module, partition, outside, list(counts), layers, key_order, param_order)
+        virtual = context.num_stages * options.chunks_per_stage
+        if not context.emulating and not runs_outside_code(local, virtual, partition.looped):
             # a Sequential's middle stage: never reads the embedding, head, ... (docs/large-models.md)
             names = [k for k in key_order if not outside.in_trunk(k)]
-            pipeline.absent = set(replace_outside(module, names, strategy.root_device))
+            pipeline.absent = set(replace_outside(module, names, context.root_device))
         return pipeline
 
     def release_unused_outside(self, optimizers: Sequence[torch.optim.Optimizer]) -> list[str]:
@@ -119,10 +121,10 @@ class StagePipeline:
         head on the first stage, the embedding on the last; on a looped trunk, what each stage's step
         did not train). A parameter no stage trained stays (an evaluation may use it), as does one this
         rank trained. Return the names released (docs/large-models.md)."""
-        if self.strategy.emulating:  # one process holds every stage: every parameter is used here
+        if self.context.emulating:  # one process holds every stage: every parameter is used here
             return []
         users, stage = self.outside.users or {}, self.topology.stage
-        module = self.strategy.lightning_module
+        module = self.module
         named = [(n, p) for n, p in module.named_parameters()
                  if not self.outside.in_trunk(n) and not is_absent(p) and n in users and stage not in users[n]]
         if not named:
@@ -149,40 +151,46 @@ class StagePipeline:
             )
 
     # ------------------------------------------------------------------ the executor
+    def use(self, context: PipeContext) -> None:
+        """Run under a later Trainer call's context (its own watchdog and process groups; the options the
+        pipeline was cut with, the same layer counts and schedule)."""
+        self.context = context
+
     @property
     def topology(self) -> Topology:
-        return self.strategy.topology
+        return self.context.topology
 
     @property
     def watchdog(self) -> Watchdog:
-        return self.strategy.watchdog
+        return self.context.watchdog
 
     @property
     def virtual_stages(self) -> int:
-        return self.strategy.num_stages * self.strategy.options.chunks_per_stage
+        return self.context.virtual_stages
 
     def build_executor(self, recorder: ActionRecorder | None = None) -> Executor | LocalPipeline:
         """A fresh executor for this setup (``recorder`` times a traced fit's actions)."""
         names = [self.partition.describe_chunk(c) for c in range(len(self.partition.local))]
-        if self.strategy.emulating:
-            self.executor = LocalPipeline(self.strategy.num_stages, self.strategy.options.chunks_per_stage, self.watchdog, names,
-                                          shape_headers=self.strategy.options.shape_headers,
-                                          placement=self.strategy.options.spec.placement)
+        context = self.context
+        if context.emulating:
+            self.executor = LocalPipeline(context.num_stages, context.options.chunks_per_stage, self.watchdog, names,
+                                          shape_headers=context.options.shape_headers,
+                                          placement=context.options.spec.placement)
         else:
             self.executor = Executor(
                 self.topology.stage, self.topology.pipeline_ranks, [], self.transport(), self.watchdog, names=names,
-                recorder=recorder, shape_headers=self.strategy.options.shape_headers,
+                recorder=recorder, shape_headers=context.options.shape_headers,
             )  # chunk callables are bound per step: they close over the step's arguments
         return self.executor
 
     def transport(self) -> Transport | None:
         """This rank's point-to-point layer (``None`` for a one-process pipeline)."""
-        return self.strategy.transport()
+        return self.context.transport
 
     # ------------------------------------------------------------------ one batch
     def micro_batch_count(self, n: int, training: bool) -> int:
         """How many micro-batches a batch of ``n`` samples splits into."""
-        options = self.strategy.options
+        options = self.context.options
         micro_batches = int(options.micro_batches)
         if n >= micro_batches:
             return micro_batches
@@ -193,7 +201,7 @@ class StagePipeline:
             )
         # a short last batch: fewer, smaller micro-batches (an interleaved step needs a multiple of stages)
         if training and options.spec.synchronous:
-            stages = self.strategy.num_stages
+            stages = self.context.num_stages
             count = next((c for c in range(n, 0, -1) if options.spec.requirement(stages, c) is None), 0)
             if count == 0:
                 raise PipeConfigError(
@@ -212,7 +220,7 @@ class StagePipeline:
         window, an avgpipe round); a failure is reported to every other rank before it propagates.
         """
         assert self.executor is not None
-        module = self.strategy.lightning_module
+        module = self.module
         batch, rest = args[0], args[1:]
         micro_batches = split(batch)
         capture = LogCapture(module)
@@ -234,9 +242,9 @@ class StagePipeline:
               last_backward: Callable[[], Any] | None = None, chunk_last_backward: Callable[[], Any] | None = None) -> Ran:
         """One flushed step of the synchronous ``schedule`` (forwards only when not ``training``); ``last_backward``
         and ``chunk_last_backward`` as in :meth:`~lightning_pipe.engine.executor.Executor.run`."""
-        strategy = self.strategy
-        scaler = getattr(strategy.precision_plugin, "scaler", None) if training else None
-        accumulate = strategy.lightning_module.trainer.accumulate_grad_batches if training else 1
+        context = self.context
+        scaler = getattr(context.precision_plugin, "scaler", None) if training else None
+        accumulate = self.module.trainer.accumulate_grad_batches if training else 1
 
         def split(batch: Any) -> list[Any]:
             return split_micro_batches(batch, self.micro_batch_count(batch_size(batch), training))
@@ -244,7 +252,7 @@ class StagePipeline:
         def launch(micro_batches: list[Any], _: ModuleStages) -> list[Any]:
             n = sum(batch_size(mb) for mb in micro_batches)
             weights = [batch_size(mb) / n / accumulate for mb in micro_batches] if training else None
-            plan = build_schedule(schedule, strategy.num_stages, len(micro_batches), strategy.options.chunks_per_stage,
+            plan = build_schedule(schedule, context.num_stages, len(micro_batches), context.options.chunks_per_stage,
                                   not training)
             return self.executor.run(plan, micro_batches, weights, scale_loss=scaler.scale if scaler else None,
                                      last_backward=last_backward, chunk_last_backward=chunk_last_backward)
@@ -256,30 +264,30 @@ class StagePipeline:
         merged output and logs what it logged."""
         assert self.executor is not None
         with self.executor.current_weights():  # what a checkpoint saved now holds, under every schedule
-            ran = self.flush(hook, args, kwargs, False, self.strategy.options.spec.flushed)
+            ran = self.flush(hook, args, kwargs, False, self.context.options.spec.flushed)
         merged = detach_to_cpu(merge_outputs(ran.outputs, ran.sizes)) if ran.outputs else None
-        merged, records = self.from_last_stage((merged, combine(ran.capture.records, self.strategy.lightning_module)))
-        replay(self.strategy.lightning_module, records, owner=self.holds_last_stage, one_pipeline=self.strategy.num_pipelines == 1)
+        merged, records = self.from_last_stage((merged, combine(ran.capture.records, self.module)))
+        replay(self.module, records, owner=self.holds_last_stage, one_pipeline=self.context.num_pipelines == 1)
         return merged
 
     def replayed_loss(self, ran: Ran) -> Tensor:
         """The batch loss (micro-batch losses weighted by their sizes) on every rank of the pipeline,
         after replaying the last stage's ``self.log`` calls on each of them."""
-        module = self.strategy.lightning_module
+        module = self.module
         loss = 0.0
         if ran.outputs:  # one host synchronisation per step, not one per micro-batch
             losses = torch.stack([l.detach().reshape(()).double() for l in ran.outputs])
             weights = torch.tensor([s / ran.size for s in ran.sizes], dtype=torch.float64, device=losses.device)
             loss = float((losses * weights).sum())
         loss, records = self.from_last_stage((loss, combine(ran.capture.records, module)))
-        replay(module, records, owner=self.holds_last_stage, one_pipeline=self.strategy.num_pipelines == 1)
-        return torch.tensor(loss, device=self.strategy.root_device)
+        replay(module, records, owner=self.holds_last_stage, one_pipeline=self.context.num_pipelines == 1)
+        return torch.tensor(loss, device=self.context.root_device)
 
     @property
     def last_stage_device(self) -> int:
         """The device (stage index) holding the last virtual stage, which computes the loss: the last
         device, or device 0 under zbv's V placement."""
-        return locate_virtual_stage(self.virtual_stages - 1, self.strategy.num_stages, self.strategy.options.spec.placement)[0]
+        return locate_virtual_stage(self.virtual_stages - 1, self.context.num_stages, self.context.options.spec.placement)[0]
 
     @property
     def holds_last_stage(self) -> bool:
@@ -299,10 +307,10 @@ class StagePipeline:
         """Every stage's ``obj`` on global rank 0 (``None`` elsewhere); only pipeline 0 takes part."""
         topology = self.topology
         if topology.stages == 1:
-            return [obj] if self.strategy.global_rank == 0 else None
+            return [obj] if self.context.global_rank == 0 else None
         if topology.pipeline != 0:
             return None
-        parts = [None] * topology.stages if self.strategy.global_rank == 0 else None
+        parts = [None] * topology.stages if self.context.global_rank == 0 else None
         with self.watchdog.guard("every stage's part of the checkpoint"):  # through host memory (gloo), even on NCCL
             dist.gather_object(obj, parts, dst=0, group=topology.object_group)
         return parts
@@ -311,15 +319,15 @@ class StagePipeline:
     def describe(self, plan: Plan | None = None, measured: Sequence[float] | None = None) -> str:
         """A table of the pipeline: schedule, stages, layers and parameters per stage (and, with
         ``balance="auto"``, the predicted and measured times)."""
-        strategy, options = self.strategy, self.strategy.options
-        stages = strategy.num_stages
+        context, options = self.context, self.context.options
+        stages = context.num_stages
         chunked = options.chunks_per_stage > 1
         lines = [
-            f"{options.schedule}, {stages} stage(s) × {strategy.num_pipelines} pipeline(s), "
+            f"{options.schedule}, {stages} stage(s) × {context.num_pipelines} pipeline(s), "
             f"{options.micro_batches} micro-batches per batch"
             + (f", {options.avgpipe.parallel_pipelines} parallel pipelines per device" if options.spec.family == "averaging" else "")
             + (f", {options.chunks_per_stage} chunks per stage" if chunked else "")
-            + (", emulated in one process" if strategy.emulating else "")
+            + (", emulated in one process" if context.emulating else "")
             + (", balance='auto'" if plan is not None else "")
         ]
         header = ["stage", "layers", "parameters"] + (["predicted time", "predicted peak memory"] if plan else [])

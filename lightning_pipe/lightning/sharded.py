@@ -53,7 +53,7 @@ def owns(pipeline: StagePipeline) -> Callable[[str], bool]:
     """Whether this rank writes a name's entries: its trunk's, and those outside the trunk whose
     authoritative copy its stage holds (:meth:`OutsideParameters.owner`; unused ones and buffers: stage
     0). An emulated pipeline runs every stage, so it writes every name."""
-    if pipeline.strategy.emulating:
+    if pipeline.context.emulating:
         return lambda name: True
     outside, stage, absent = pipeline.outside, pipeline.topology.stage, pipeline.absent
     owner = outside.owner()
@@ -63,12 +63,12 @@ def owns(pipeline: StagePipeline) -> Callable[[str], bool]:
 def owned_keys(pipeline: StagePipeline) -> list[str]:
     """The state_dict keys whose authoritative copy this rank holds."""
     mine = owns(pipeline)
-    return [k for k in pipeline.strategy.lightning_module.state_dict() if mine(k)]
+    return [k for k in pipeline.module.state_dict() if mine(k)]
 
 
 def model_part(pipeline: StagePipeline) -> dict[str, Tensor]:
     """This rank's model entries (its own tensors, not copies)."""
-    state = pipeline.strategy.lightning_module.state_dict()
+    state = pipeline.module.state_dict()
     return {k: state[k] for k in owned_keys(pipeline)}
 
 
@@ -79,7 +79,7 @@ def optimizer_part(pipeline: StagePipeline, runtime: Runtime | None, optimizer: 
     their states are united by name."""
     parts = runtime.optimizer_parts() if runtime is not None else None
     if parts is None:
-        parts = [(optimizer.state_dict(), local_param_names(pipeline.strategy.lightning_module, runtime, optimizer))]
+        parts = [(optimizer.state_dict(), local_param_names(pipeline.module, runtime, optimizer))]
     mine = owns(pipeline)
     by_name: dict[str, Any] = {}
     names: list[dict[str, None]] = [{} for _ in parts[0][0]["param_groups"]]  # ordered sets: each name once
@@ -99,23 +99,24 @@ def policy_part(pipeline: StagePipeline, runtime: Runtime | None) -> tuple[str, 
     if state is None:
         return None
     key, value = state
-    names = {n for n, _ in pipeline.strategy.lightning_module.named_parameters()}
+    names = {n for n, _ in pipeline.module.named_parameters()}
     skeleton, entries = sharded_policy.split(value, names, owns(pipeline))
     return key, skeleton, entries
 
 
 # ------------------------------------------------------------------ save
 def save(pipeline: StagePipeline, checkpoint: dict[str, Any], path: str | os.PathLike[str],
-         policy: tuple[str, Any, dict[str, Any]] | None = None) -> None:
+         policy: tuple[str, Any, dict[str, Any]] | None, barrier: Callable[[str], None]) -> None:
     """Collective: write ``checkpoint`` (its ``state_dict`` and ``optimizer_states`` being this rank's
     parts, see the strategy's hooks) and this rank's part of the weight ``policy`` (:func:`policy_part`)
-    as a sharded directory at ``path``."""
-    strategy = pipeline.strategy
+    as a sharded directory at ``path``. ``barrier(name)``: every rank waits for the others (the strategy's,
+    which the watchdog bounds)."""
+    is_global_zero = pipeline.context.is_global_zero
     path = Path(path)
     partial = path.with_name(path.name + ".partial")
-    if strategy.is_global_zero:
+    if is_global_zero:
         shutil.rmtree(partial, ignore_errors=True)  # what a killed save left
-    strategy.barrier("sharded checkpoint: start")
+    barrier("sharded checkpoint: start")
     optimizers = checkpoint.pop("optimizer_states", [])
     tensors = {"model": checkpoint.pop("state_dict"), "optim": {str(i): o["state"] for i, o in enumerate(optimizers)}}
     if policy is not None:
@@ -123,7 +124,7 @@ def save(pipeline: StagePipeline, checkpoint: dict[str, Any], path: str | os.Pat
     dcp.save(tensors, checkpoint_id=partial)
     # the names and the policy's skeleton hold no tensors: gathering them costs nothing
     gathered = pipeline.gather_in_first_pipeline(([o["names"] for o in optimizers], None if policy is None else policy[1]))
-    if strategy.is_global_zero:
+    if is_global_zero:
         assert gathered is not None
         names = [stage_names for stage_names, _ in gathered]
         groups = [[[n for stage in names for n in stage[i][g]] for g in range(len(o["param_groups"]))]
@@ -133,14 +134,14 @@ def save(pipeline: StagePipeline, checkpoint: dict[str, Any], path: str | os.Pat
         if policy is not None:
             checkpoint[SHARDED_KEY]["policy"] = (policy[0], sharded_policy.merge_skeletons([s for _, s in gathered]))
         torch.save(checkpoint, partial / META)
-    strategy.barrier("sharded checkpoint: written")
-    if strategy.is_global_zero:  # the previous checkpoint stays whole until the new one is
+    barrier("sharded checkpoint: written")
+    if is_global_zero:  # the previous checkpoint stays whole until the new one is
         old = path.with_name(path.name + ".old")
         if path.exists():
             os.replace(path, old)
         os.replace(partial, path)
         shutil.rmtree(old, ignore_errors=True)
-    strategy.barrier("sharded checkpoint: in place")
+    barrier("sharded checkpoint: in place")
 
 
 # ------------------------------------------------------------------ load
@@ -149,7 +150,7 @@ def load(pipeline: StagePipeline, path: str | os.PathLike[str]) -> dict[str, Any
     module in place; the returned checkpoint holds Lightning's entries and this rank's optimizer states."""
     checkpoint = torch.load(Path(path) / META, map_location="cpu", weights_only=False)
     stored = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
-    model = {k: v for k, v in pipeline.strategy.lightning_module.state_dict().items()  # replicas outside the trunk too,
+    model = {k: v for k, v in pipeline.module.state_dict().items()  # replicas outside the trunk too,
              if k not in pipeline.absent}  # but not the stand-ins of a stage that never uses them
     missing = [k for k in model if f"model.{k}" not in stored]
     if missing:
@@ -157,7 +158,7 @@ def load(pipeline: StagePipeline, path: str | os.PathLike[str]) -> dict[str, Any
         raise CheckpointMismatchError(f"the sharded checkpoint {path} lacks {len(missing)} tensors this stage holds: {shown}; "
                                       "resume from a checkpoint of the same LightningModule.")
     optim: dict[str, dict[str, dict[str, Tensor]]] = {}
-    params = dict(pipeline.strategy.lightning_module.named_parameters())
+    params = dict(pipeline.module.named_parameters())
     for i in range(len(checkpoint.get("optimizer_groups", []))):
         optim[str(i)] = {}
         for name in model:
@@ -169,7 +170,7 @@ def load(pipeline: StagePipeline, path: str | os.PathLike[str]) -> dict[str, Any
     policy = checkpoint[SHARDED_KEY].get("policy")
     if policy is not None:  # the weight policy's entries of the parameters this rank holds
         prefix = sharded_policy.PREFIX + "."
-        names = {n for n, _ in pipeline.strategy.lightning_module.named_parameters()}
+        names = {n for n, _ in pipeline.module.named_parameters()}
         request[sharded_policy.PREFIX] = sharded_policy.request(
             policy[1], {k[len(prefix):]: m for k, m in stored.items() if k.startswith(prefix)}, names, _placeholder)
     try:
@@ -211,7 +212,7 @@ def _last_line(error: BaseException) -> str:
 def load_optimizer(pipeline: StagePipeline, runtime: Runtime | None, optimizer: torch.optim.Optimizer,
                    part: Mapping[str, Any]) -> None:
     """Load a sharded checkpoint's name-keyed optimizer state into this rank's ``optimizer``."""
-    names = local_param_names(pipeline.strategy.lightning_module, runtime, optimizer)
+    names = local_param_names(pipeline.module, runtime, optimizer)
     state, groups, index = {}, [], 0
     for group, group_names in zip(part["param_groups"], names):
         indices = []

@@ -34,7 +34,9 @@ from lightning_pipe.engine.recorder import Fanout, StepTimer
 from lightning_pipe.lightning import _compat
 
 if TYPE_CHECKING:
-    from lightning_pipe.lightning.strategy import PipeStrategy
+    from lightning.pytorch import LightningModule
+
+    from lightning_pipe.lightning.context import PipeContext
 
 
 def peak_memory_mib(device: torch.device) -> float:
@@ -46,17 +48,19 @@ def peak_memory_mib(device: torch.device) -> float:
 
 
 class StageMetrics:
-    """Measures and logs the per-stage metrics of the module docstring for one strategy.
+    """Measures and logs the per-stage metrics of the module docstring for one Trainer call.
 
     Args:
-        strategy: the strategy whose pipeline is measured.
+        context: the call's fixed facts (device, topology, watchdog, whether emulating).
+        module: the LightningModule that logs the values (its trainer says which steps Lightning logs).
         enabled: ``PipeStrategy(stage_metrics=...)``; ``False`` logs nothing.
     """
 
-    def __init__(self, strategy: PipeStrategy, enabled: bool = True) -> None:
-        self.strategy = strategy
+    def __init__(self, context: PipeContext, module: LightningModule, enabled: bool = True) -> None:
+        self.context = context
+        self.module = module
         self.enabled = enabled
-        self.timer = StepTimer(strategy.root_device)
+        self.timer = StepTimer(context.root_device)
         self.measuring = False
 
     def recorder(self, trace: Any | None) -> Any:
@@ -65,14 +69,14 @@ class StageMetrics:
 
     def begin(self) -> None:
         """Before a training step: measure it if Lightning will log it."""
-        trainer = self.strategy.lightning_module.trainer
+        trainer = self.module.trainer
         self.measuring = self.enabled and _compat.logs_this_step(trainer)
         if not self.measuring:
             return
         self.timer.reset()
-        self.timer.enabled = not self.strategy.emulating
-        if self.strategy.root_device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(self.strategy.root_device)
+        self.timer.enabled = not self.context.emulating
+        if self.context.root_device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.context.root_device)
 
     def end(self, diagnostics: Callable[[], list[dict[str, float]]], batch_size: int) -> None:
         """After the step: gather every stage's values in the pipeline and log them on every rank.
@@ -86,22 +90,22 @@ class StageMetrics:
         self.timer.enabled = False
         if not self.measuring:
             return
-        strategy = self.strategy
+        context = self.context
         stages = [dict(values) for values in diagnostics()] or [{}]
-        if not strategy.emulating:
+        if not context.emulating:
             times = self.timer.totals()
             stages[0].update(
                 compute_ms=times.compute * 1e3, wait_ms=times.wait * 1e3,
                 bubble=1.0 - times.compute / times.span if times.span > 0 else 0.0,
-                peak_memory_mib=peak_memory_mib(strategy.root_device),
+                peak_memory_mib=peak_memory_mib(context.root_device),
             )
-        topology = strategy.topology
+        topology = context.topology
         if topology.stages > 1:
             gathered: list[Any] = [None] * topology.stages
-            with strategy.watchdog.guard("every stage's metrics"):
+            with context.watchdog.guard("every stage's metrics"):
                 dist.all_gather_object(gathered, stages[0], group=topology.pipeline_group)
             stages = gathered
-        module = strategy.lightning_module
+        module = self.module
         for stage, values in enumerate(stages):
             for key, value in values.items():
                 module.log(f"pipe/stage{stage}/{key}", float(value), on_step=True, on_epoch=False, batch_size=batch_size)

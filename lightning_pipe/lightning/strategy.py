@@ -4,7 +4,8 @@ Only glue lives here; each hook delegates:
 
 * ``PipeStrategy(...)`` and ``connect``: check the options (:mod:`.options`, :mod:`.checks`) before
   any process starts;
-* ``setup_environment``: process groups per pipeline and per stage, the watchdog;
+* ``setup_environment``: process groups per pipeline and per stage, the watchdog, the transport; then the
+  :class:`~.context.PipeContext` that the helpers below get instead of the strategy;
 * ``setup``: choose the split (:mod:`.auto` for ``balance="auto"`` and avgpipe's tuner), cut the trunk
   and build the executor (:class:`~.pipeline.StagePipeline`), then the runtime of the schedule's
   family (:mod:`.runtimes`);
@@ -46,6 +47,7 @@ from lightning_pipe.engine.watchdog import FAILURE_GRACE
 from lightning_pipe.errors import CheckpointMismatchError, LightningPipeError, PipeConfigError
 from lightning_pipe.lightning import _compat, auto, checkpointing, checks, loss_scaling, preemption, sharded, startup
 from lightning_pipe.lightning import options as options_module
+from lightning_pipe.lightning.context import PipeContext
 from lightning_pipe.lightning.launcher import PipeLauncher
 from lightning_pipe.lightning.model_summary import freeze_model_summaries
 from lightning_pipe.lightning.options import PipeOptions
@@ -326,6 +328,7 @@ class PipeStrategy(DDPStrategy, metaclass=_NamesItsOptions):
         self._topology: Topology | None = None
         self._watchdog: Watchdog | None = None
         self._transport: Transport | None = None
+        self._context: PipeContext | None = None  # this Trainer call's fixed facts, for the helpers (setup_environment)
         self._pipeline: StagePipeline | None = None
         self._runtime: Runtime | None = None
         self._tracer: RunTracer | None = None
@@ -388,6 +391,13 @@ class PipeStrategy(DDPStrategy, metaclass=_NamesItsOptions):
     def watchdog(self) -> Watchdog:
         assert self._watchdog is not None, "the watchdog is created in setup_environment"
         return self._watchdog
+
+    @property
+    def context(self) -> PipeContext:
+        """This Trainer call's fixed facts (options, topology, watchdog, transport, device, precision), which the
+        pipeline, the runtimes, :mod:`.auto` and the stage metrics get instead of the strategy (:mod:`.context`)."""
+        assert self._context is not None, "the pipe context is made at the end of setup_environment"
+        return self._context
 
     @property
     def knows_peers(self) -> bool:
@@ -511,6 +521,13 @@ class PipeStrategy(DDPStrategy, metaclass=_NamesItsOptions):
             self._topology.create_groups(directional=not self.tagged, timeout=timedelta(seconds=self.options.startup_timeout))
             if self._transport is None:  # the executors built at the first setup keep theirs
                 self._transport = self._create_transport()
+        # the first point where the watchdog, the process groups and the transport all exist: one context per call
+        self._context = PipeContext(
+            options=self.options, topology=self._topology, watchdog=self._watchdog, transport=self._transport,
+            root_device=self.root_device, precision_plugin=self.precision_plugin, num_stages=self.num_stages,
+            num_pipelines=self.num_pipelines, emulating=self.emulating, global_rank=self.global_rank,
+            world_size=self.world_size, tagged=self.tagged,
+        )
 
     def _create_transport(self) -> Transport | None:
         """Collective: the point-to-point layer of this rank (see the ``transport`` option)."""
@@ -541,7 +558,7 @@ class PipeStrategy(DDPStrategy, metaclass=_NamesItsOptions):
             self._choose_split(trainer, module)
             if fitting and self.topology.stages > 1:
                 freeze_model_summaries(trainer, module, self.is_global_zero)  # while every layer is here
-            self._pipeline = StagePipeline.cut(self, module, self._counts)
+            self._pipeline = StagePipeline.cut(self.context, module, self._counts)
             if on_meta:  # only this rank's stage gets memory
                 materialize(module, self._construction or MetaConstruction(), getattr(module, INIT_HOOK, None))
             else:  # built whole in __init__: give the other stages' layers back
@@ -553,6 +570,7 @@ class PipeStrategy(DDPStrategy, metaclass=_NamesItsOptions):
                 f"{type(module).__name__}.configure_model built new layers on a later Trainer call, after the pipeline "
                 "was cut; make it return early once the model exists (if self.model is not None: return)."
             )
+        self._pipeline.use(self.context)  # a later call's watchdog and process groups
         self.model_to_device()
         if self.options.data_parallel == "fsdp" and self._sharded is None:  # before the optimizer: it keeps the shards
             partition = self._pipeline.partition
@@ -564,7 +582,7 @@ class PipeStrategy(DDPStrategy, metaclass=_NamesItsOptions):
             if isinstance(metric, Metric):
                 metric.process_group = self.topology.stage_group
         self._tracer = self._new_tracer() if fitting else None
-        self._metrics = StageMetrics(self, self.options.stage_metrics)
+        self._metrics = StageMetrics(self.context, module, self.options.stage_metrics)
         self._pipeline.build_executor(self._metrics.recorder(self._tracer.recorder if self._tracer is not None else None))
         if fitting:
             checks.check_sharded_checkpoints(self.options, bool(trainer.checkpoint_callbacks))
@@ -574,7 +592,7 @@ class PipeStrategy(DDPStrategy, metaclass=_NamesItsOptions):
             if self.options.quality_warning and self.is_global_zero:
                 checks.warn_quality(self.options.schedule, self.num_stages, self.optimizers[0])
             if self._runtime is None:
-                self._runtime = make_runtime(self, self._pipeline)
+                self._runtime = make_runtime(self._pipeline, self._sharded)
             self._runtime.attach(self._pipeline)
         self.setup_precision_plugin()
         scaler = loss_scaling.scaler_of(self.precision_plugin)
@@ -613,12 +631,18 @@ class PipeStrategy(DDPStrategy, metaclass=_NamesItsOptions):
             rank_zero_info(f"balance='auto' adopts the checkpoint's split {stored}")
             self._counts = list(stored)
         elif options.balance == "auto":
-            self._plan, self._measured = auto.balance(self, trainer, module)
+            self._plan, self._measured = auto.balance(self.context, trainer, module)
             self._counts = self._plan.balance
         self._avgpipe_tuned = options.tuned and options.spec.family == "averaging"
         if options.tuned:
-            values = auto.tune_avgpipe(self, trainer, module, list(self._counts))
-            self.options = options_module.adopt_tuned(options, values)
+            values = auto.tune_avgpipe(self.context, trainer, module, list(self._counts))
+            self._adopt_options(options_module.adopt_tuned(options, values))
+
+    def _adopt_options(self, options: PipeOptions) -> None:
+        """avgpipe's tuned values: the one replacement of the context, before the pipeline and the runtime exist
+        (:meth:`PipeContext.adopt` raises otherwise)."""
+        self._context = self.context.adopt(options, built=self._pipeline is not None or self._runtime is not None)
+        self.options = options
 
     def _new_tracer(self) -> RunTracer | None:
         """Every fit with ``trace_dir`` records its own steps."""
@@ -648,7 +672,7 @@ class PipeStrategy(DDPStrategy, metaclass=_NamesItsOptions):
             self._tracer.start_step()
         self._metrics.begin()
         try:
-            loss = self._runtime.training_step(args, kwargs)
+            loss = self._runtime.training_step(args, kwargs, self._metrics.measuring)
         finally:
             if self._tracer is not None:
                 self._tracer.end_step()
@@ -785,7 +809,7 @@ class PipeStrategy(DDPStrategy, metaclass=_NamesItsOptions):
         if distributed:
             assert self._pipeline is not None
             with self._guard("every rank's part of the sharded checkpoint"):
-                sharded.save(self._pipeline, checkpoint, filepath, sharded.policy_part(self._pipeline, self._runtime))
+                sharded.save(self._pipeline, checkpoint, filepath, sharded.policy_part(self._pipeline, self._runtime), self.barrier)
         elif self.is_global_zero:
             checkpointing.atomic_save(self.checkpoint_io, checkpoint, filepath, storage_options)
 

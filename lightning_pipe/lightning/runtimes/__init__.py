@@ -26,8 +26,8 @@ from lightning_pipe.lightning.runtimes.common import trainable, unwrapped
 from lightning_pipe.lightning.runtimes.flush import FlushRuntime
 
 if TYPE_CHECKING:
+    from lightning_pipe.engine.sharding import ShardedLayers
     from lightning_pipe.lightning.pipeline import StagePipeline
-    from lightning_pipe.lightning.strategy import PipeStrategy
 
 
 class Runtime(Protocol):
@@ -40,8 +40,9 @@ class Runtime(Protocol):
     def attach(self, pipeline: StagePipeline) -> None:
         """Use the pipeline's current executor (a new one is built at every setup)."""
 
-    def training_step(self, args: tuple, kwargs: dict) -> Tensor:
-        """Run one batch; return its loss on every rank, after replaying the last stage's logs."""
+    def training_step(self, args: tuple, kwargs: dict, measuring: bool) -> Tensor:
+        """Run one batch; return its loss on every rank, after replaying the last stage's logs. ``measuring``:
+        whether the per-stage metrics measure this step (one Lightning logs), where costly diagnostics are taken."""
 
     def backward(self) -> None:
         """Put back what ``training_step`` kept aside from Lightning's ``zero_grad``."""
@@ -71,14 +72,16 @@ class Runtime(Protocol):
         """The weight policies' values (staleness, ...) of every stage this process runs, for the per-stage metrics."""
 
 
-def make_runtime(strategy: PipeStrategy, pipeline: StagePipeline) -> Runtime:
-    """The runtime of the strategy's schedule family."""
-    family = strategy.options.spec.family
+def make_runtime(pipeline: StagePipeline, sharding: ShardedLayers | None = None) -> Runtime:
+    """The runtime of the schedule family of the pipeline's options (``sharding``: ``data_parallel="fsdp"``'s
+    trunk layers, which only the synchronous schedules take)."""
+    options = pipeline.context.options
+    family = options.spec.family
     if family == "synchronous":
-        return FlushRuntime(strategy, pipeline, strategy.options.schedule)
+        return FlushRuntime(pipeline, options.schedule, sharding)
     if family == "asynchronous":
-        return AsyncRuntime(strategy, pipeline)
-    return AvgPipeRuntime(strategy, pipeline)
+        return AsyncRuntime(pipeline)
+    return AvgPipeRuntime(pipeline)
 
 
 __all__ = [

@@ -26,7 +26,6 @@ from lightning_pipe.lightning.runtimes.flush import FlushRuntime
 
 if TYPE_CHECKING:
     from lightning_pipe.lightning.pipeline import StagePipeline
-    from lightning_pipe.lightning.strategy import PipeStrategy
 
 ASYNC_STATE_KEY = "pipe_async_state"  #: per stage: what resuming an asynchronous schedule exactly needs
 
@@ -54,19 +53,20 @@ class AsyncRuntime(BaseRuntime):
     from then on the policy steps the optimizer (and a step-interval lr scheduler) per mini-batch.
     """
 
-    def __init__(self, strategy: PipeStrategy, pipeline: StagePipeline) -> None:
-        super().__init__(strategy, pipeline)
-        options, row = strategy.options, strategy.options.spec
+    def __init__(self, pipeline: StagePipeline) -> None:
+        super().__init__(pipeline)
+        context = pipeline.context
+        options, row = context.options, context.options.spec
         assert row.policy is not None
         micro_batches = int(options.micro_batches)
-        if strategy.emulating:
+        if context.emulating:
             self.segments: AsyncSegments = EmulatedAsyncSegments(
-                options.schedule, row.policy, pipeline.executor, strategy.num_stages, micro_batches)  # type: ignore[arg-type]
+                options.schedule, row.policy, pipeline.executor, context.num_stages, micro_batches)  # type: ignore[arg-type]
         else:
-            topology = strategy.topology
+            topology = context.topology
             self.segments = AsyncSegments(options.schedule, row.policy, pipeline.executor, topology.stage, topology.stages,
                                           micro_batches)  # type: ignore[arg-type]
-        self.warmup = FlushRuntime(strategy, pipeline, row.flushed)
+        self.warmup = FlushRuntime(pipeline, row.flushed)
 
     def attach(self, pipeline: StagePipeline) -> None:
         super().attach(pipeline)
@@ -79,16 +79,17 @@ class AsyncRuntime(BaseRuntime):
         and steps; once asynchronous, a run stays so)."""
         if self.segments.policy is not None:
             return True
-        trainer, options = self.strategy.lightning_module.trainer, self.strategy.options
+        trainer, options = self.pipeline.module.trainer, self.context.options
         return trainer.current_epoch >= options.sync_warmup_epochs and trainer.global_step >= options.sync_warmup_steps
 
     @property
     def steps_inside(self) -> bool:
         return self.active
 
-    def training_step(self, args: tuple, kwargs: dict) -> Tensor:
+    def training_step(self, args: tuple, kwargs: dict, measuring: bool) -> Tensor:
         if not self.active:
-            return self.warmup.training_step(args, kwargs)
+            return self.warmup.training_step(args, kwargs, measuring)
+        context, module = self.context, self.pipeline.module
 
         def split(batch: Any) -> list[Any]:
             return split_micro_batches(batch, self.pipeline.micro_batch_count(batch_size(batch), True))
@@ -96,22 +97,21 @@ class AsyncRuntime(BaseRuntime):
         def launch(micro_batches: list[Any], stages: ModuleStages) -> list[Any]:
             if self.segments.policy is None:
                 self._start(stages, micro_batches[0])
-            measuring = self.strategy.measuring_step
-            every = self.strategy.options.grad_cosine_every
-            cosine = every > 0 and self.strategy.lightning_module.trainer.global_step % every == 0
+            every = context.options.grad_cosine_every
+            cosine = every > 0 and module.trainer.global_step % every == 0
             for policy in self.segments.policies:  # weight_lag costs a pass over the weights: logged steps only
                 policy.track_lag(measuring)
                 policy.request_cosine(cosine)  # grad_cosine recomputes one micro-batch: every K-th step only
             if cosine:  # the recompute runs the step again, whose self.log was recorded once already
-                executor, module = self.pipeline.executor, self.strategy.lightning_module
+                executor = self.pipeline.executor
                 for each in getattr(executor, "executors", [executor]):
                     each.recompute_context = lambda: silenced(module)
             sizes = [batch_size(mb) for mb in micro_batches]
-            scaler = getattr(self.strategy.precision_plugin, "scaler", None)
+            scaler = getattr(context.precision_plugin, "scaler", None)
             return self.segments.run_window(micro_batches, [s / sum(sizes) for s in sizes], scaler.scale if scaler else None)
 
         # an asynchronous window keeps accumulating into the gradients of unfinished mini-batches
-        with self.strategy.precision_plugin.train_step_context():
+        with context.precision_plugin.train_step_context():
             ran = self.pipeline.run("training_step", args, kwargs, True, split, launch)
         self.pipeline.seen_batch = True
         if self.segments.short is not None or self._ends_segment(args[1] if len(args) > 1 else kwargs.get("batch_idx", 0)):
@@ -130,20 +130,20 @@ class AsyncRuntime(BaseRuntime):
 
         An emulated pipeline first finds which stage uses each parameter outside the trunk, on
         ``micro_batch``, and gives every stage its own optimizer share and scheduler copy."""
-        strategy = self.strategy
-        module, trainer = strategy.lightning_module, strategy.lightning_module.trainer
-        optimizer = unwrapped(strategy.optimizers[0])
+        options = self.context.options
+        module = self.pipeline.module
+        trainer = module.trainer
+        optimizer = unwrapped(trainer.optimizers[0])
         step_schedulers = [c for c in trainer.lr_scheduler_configs if c.interval == "step"]
         if len(step_schedulers) > 1:
-            raise PipeConfigError(f"schedule={strategy.options.schedule!r} supports one step-interval lr scheduler, "
+            raise PipeConfigError(f"schedule={options.schedule!r} supports one step-interval lr scheduler, "
                                   f"got {len(step_schedulers)}.")
         for config in step_schedulers:
             config.interval = "pipeline stage step"  # hidden from Lightning: the policy steps it per STEP
         scheduler = step_schedulers[0].scheduler if step_schedulers else None
         clip = make_clip(trainer.gradient_clip_val, trainer.gradient_clip_algorithm)
-        options = strategy.options.asynchronous
         if not isinstance(self.segments, EmulatedAsyncSegments):
-            self.segments.start(module, optimizer, options, scheduler, clip, trainer.global_step)
+            self.segments.start(module, optimizer, options.asynchronous, scheduler, clip, trainer.global_step)
             return
         outside, partition = self.pipeline.outside, self.pipeline.partition
         probe = ModuleStages(stages.step, stages.partition, stages.virtual_stages, LogCapture(module), stages.output_to_loss)
@@ -151,8 +151,8 @@ class AsyncRuntime(BaseRuntime):
             with probe.capture:
                 names = stage_parameter_names(module, partition.bounds, partition.trunk, probe.chunk_callables(), micro_batch)
         except SharedParameterError as error:
-            raise SharedParameterError(str(error).replace("an asynchronous schedule", f"schedule={strategy.options.schedule!r}")) from None
-        self.segments.start_stages(module, optimizer, options, scheduler, clip, trainer.global_step, names)
+            raise SharedParameterError(str(error).replace("an asynchronous schedule", f"schedule={options.schedule!r}")) from None
+        self.segments.start_stages(module, optimizer, options.asynchronous, scheduler, clip, trainer.global_step, names)
         for config in trainer.lr_scheduler_configs:  # Lightning saves (and LearningRateMonitor reads) stage 0's
             if config.scheduler is scheduler:
                 config.scheduler = self.segments.schedulers[0]
@@ -160,7 +160,7 @@ class AsyncRuntime(BaseRuntime):
 
     def _ends_segment(self, batch_idx: int) -> bool:
         """Whether this batch is the last one before the epoch (or the run) ends."""
-        trainer = self.strategy.lightning_module.trainer
+        trainer = self.pipeline.module.trainer
         loop = trainer.fit_loop.epoch_loop
         last_of_epoch = loop.batch_progress.is_last_batch or batch_idx + 1 >= trainer.num_training_batches
         last_of_run = trainer.max_steps > 0 and trainer.global_step + 1 >= trainer.max_steps
@@ -175,11 +175,11 @@ class AsyncRuntime(BaseRuntime):
             self.pipeline.watchdog.report(error)
             raise
         outside = self.pipeline.outside
-        if not outside.known and not self.strategy.emulating:
+        if not outside.known and not self.context.emulating:
             with self.pipeline.watchdog.guard("which stages use the parameters outside the trunk"):
                 outside.learn(self.segments.policy.used_names)
             # every rank learned the same map, so every rank raises
-            reject_shared(outside.users, f"which step at different times under schedule={self.strategy.options.schedule!r}",
+            reject_shared(outside.users, f"which step at different times under schedule={self.context.options.schedule!r}",
                           SharedParameterError)
 
     def stage_diagnostics(self) -> list[dict[str, float]]:
@@ -207,7 +207,7 @@ class AsyncRuntime(BaseRuntime):
         if isinstance(state, list):  # lightning_pipe 0.1 saved one entry per stage, each keyed by name too
             state = merge_states(state, self.pipeline.outside.owner())
         if state is not None:
-            check_policy_kind(state, self.strategy.options.schedule)
+            check_policy_kind(state, self.context.options.schedule)
             self.segments.restore(state)
 
     def optimizer_parts(self) -> list[tuple[dict[str, Any], list[list[str]]]] | None:

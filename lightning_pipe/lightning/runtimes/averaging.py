@@ -19,7 +19,6 @@ from lightning_pipe.planning.avgpipe_autotune import options_record
 
 if TYPE_CHECKING:
     from lightning_pipe.lightning.pipeline import StagePipeline
-    from lightning_pipe.lightning.strategy import PipeStrategy
 
 AVGPIPE_STATE_KEY = "pipe_avgpipe_state"  #: per stage: replicas, their optimizer states, round count
 
@@ -29,35 +28,36 @@ class AvgPipeRuntime(BaseRuntime):
 
     steps_inside = True
 
-    def __init__(self, strategy: PipeStrategy, pipeline: StagePipeline) -> None:
-        super().__init__(strategy, pipeline)
-        if strategy.emulating:
+    def __init__(self, pipeline: StagePipeline) -> None:
+        super().__init__(pipeline)
+        context = pipeline.context
+        if context.emulating:
             raise PipeConfigError(
                 "schedule='avgpipe' runs one process per stage and cannot be emulated in one process; "
                 "set devices to the number of stages (or stages=None)."
             )
-        topology = strategy.topology
-        self.rounds = AvgPipeRounds(pipeline.executor, topology.stage, topology.stages, strategy.options.avgpipe,  # type: ignore[arg-type]
-                                    strategy.tagged)
+        topology = context.topology
+        self.rounds = AvgPipeRounds(pipeline.executor, topology.stage, topology.stages, context.options.avgpipe,  # type: ignore[arg-type]
+                                    context.tagged)
 
     def attach(self, pipeline: StagePipeline) -> None:
         super().attach(pipeline)
         self.rounds.executor = pipeline.executor  # type: ignore[assignment]
 
-    def training_step(self, args: tuple, kwargs: dict) -> Tensor:
+    def training_step(self, args: tuple, kwargs: dict, measuring: bool) -> Tensor:
         """One round: every replica's forwards, backwards, STEP and AVG; returns the mean loss."""
         if self.rounds.policy is None:
             self._start()
 
         def split(batch: Any) -> list[Any]:
-            return self.rounds.split(batch, int(self.strategy.options.micro_batches), first=not self.pipeline.seen_batch)[0]
+            return self.rounds.split(batch, int(self.context.options.micro_batches), first=not self.pipeline.seen_batch)[0]
 
         def launch(micro_batches: list[Any], _: ModuleStages) -> list[Any]:
             count = len(micro_batches) // self.rounds.options.parallel_pipelines  # per replica
             weights = self.rounds.loss_weights([batch_size(mb) for mb in micro_batches], count)
             return self.rounds.run_round(micro_batches, weights, count)
 
-        with self.strategy.precision_plugin.train_step_context():
+        with self.context.precision_plugin.train_step_context():
             ran = self.pipeline.run("training_step", args, kwargs, True, split, launch)
         self.pipeline.seen_batch = True
         outside = self.pipeline.outside
@@ -78,20 +78,20 @@ class AvgPipeRuntime(BaseRuntime):
 
     def _start(self) -> None:
         """Create the replicas and the center at the first round (after any checkpoint was restored)."""
-        strategy = self.strategy
-        trainer = strategy.lightning_module.trainer
-        if getattr(strategy.precision_plugin, "scaler", None) is not None:
+        context, module = self.context, self.pipeline.module
+        trainer = module.trainer
+        if getattr(context.precision_plugin, "scaler", None) is not None:
             raise PipeConfigError("schedule='avgpipe' steps inside the pipeline without fp16 loss scaling; "
                                   "use precision='bf16-mixed' or 32.")
-        data_parallel = strategy.num_pipelines > 1
+        data_parallel = context.num_pipelines > 1
         self.rounds.start(
-            strategy.lightning_module, unwrapped(strategy.optimizers[0]), int(strategy.options.micro_batches),
+            module, unwrapped(trainer.optimizers[0]), int(context.options.micro_batches),
             make_clip(trainer.gradient_clip_val, trainer.gradient_clip_algorithm),
-            strategy.topology.stage_group if data_parallel else None, strategy.num_pipelines,
+            context.topology.stage_group if data_parallel else None, context.num_pipelines,
         )
 
     def checkpoint_state(self, policy: bool = True) -> dict[str, Any]:
-        o = self.strategy.options
+        o = self.context.options
         state: dict[str, Any] = {  # what a resumed run with "auto" options adopts instead of tuning again
             AVGPIPE_CONFIG_KEY: options_record(int(o.avgpipe.parallel_pipelines), int(o.micro_batches), int(o.avgpipe.advance_forward)),
         }

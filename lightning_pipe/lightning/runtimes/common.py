@@ -10,13 +10,13 @@ from torch import Tensor
 from lightning_pipe.engine.stand_ins import is_absent
 
 if TYPE_CHECKING:
+    from lightning_pipe.lightning.context import PipeContext
     from lightning_pipe.lightning.pipeline import StagePipeline
-    from lightning_pipe.lightning.strategy import PipeStrategy
 
 
-def trainable(strategy: PipeStrategy) -> list[torch.nn.Parameter]:
-    """The parameters this rank trains (not the stand-ins of :mod:`lightning_pipe.engine.stand_ins`)."""
-    return [p for p in strategy.lightning_module.parameters() if p.requires_grad and not is_absent(p)]
+def trainable(module: torch.nn.Module) -> list[torch.nn.Parameter]:
+    """The parameters of ``module`` this rank trains (not the stand-ins of :mod:`lightning_pipe.engine.stand_ins`)."""
+    return [p for p in module.parameters() if p.requires_grad and not is_absent(p)]
 
 
 def unwrapped(optimizer: Any) -> torch.optim.Optimizer:
@@ -25,12 +25,19 @@ def unwrapped(optimizer: Any) -> torch.optim.Optimizer:
 
 
 class BaseRuntime:
-    """Defaults of the protocol: nothing in flight, nothing extra to save."""
+    """Defaults of the protocol: nothing in flight, nothing extra to save.
 
-    def __init__(self, strategy: PipeStrategy, pipeline: StagePipeline) -> None:
-        self.strategy = strategy
+    A runtime reads the fixed facts from its pipeline's :class:`~lightning_pipe.lightning.context.PipeContext`
+    (the current Trainer call's), and Lightning's changing state (the trainer, its optimizers) from the module
+    the pipeline cut."""
+
+    def __init__(self, pipeline: StagePipeline) -> None:
         self.pipeline = pipeline
         self._kept: list[Tensor | None] = []
+
+    @property
+    def context(self) -> PipeContext:
+        return self.pipeline.context
 
     def attach(self, pipeline: StagePipeline) -> None:
         self.pipeline = pipeline
@@ -53,18 +60,18 @@ class BaseRuntime:
 
     def stage_diagnostics(self) -> list[dict[str, float]]:
         # synchronous training: every backward sees the weights its forward saw, no extra copies
-        stages = self.strategy.num_stages if self.strategy.emulating else 1
+        stages = self.context.num_stages if self.context.emulating else 1
         return [{"staleness": 0.0, "weight_copies": 0.0} for _ in range(stages)]
 
     def _keep_aside(self) -> None:
         """Take the gradients the step produced out of Lightning's reach (its ``zero_grad`` comes next)."""
-        params = trainable(self.strategy)
+        params = trainable(self.pipeline.module)
         self._kept = [p.grad for p in params]
         for p in params:
             p.grad = None
 
     def _put_back(self) -> None:
-        for p, grad in zip(trainable(self.strategy), self._kept):
+        for p, grad in zip(trainable(self.pipeline.module), self._kept):
             if grad is not None:
                 p.grad = grad if p.grad is None else p.grad + grad
         self._kept = []

@@ -7,35 +7,36 @@ from typing import TYPE_CHECKING
 from torch import Tensor
 
 from lightning_pipe.engine.collectives import GradientReducer
-from lightning_pipe.engine.sharding import replicated
+from lightning_pipe.engine.sharding import ShardedLayers, replicated
 from lightning_pipe.lightning import _compat
 from lightning_pipe.lightning.runtimes.common import BaseRuntime, trainable, unwrapped
 
 if TYPE_CHECKING:
     from lightning_pipe.lightning.pipeline import StagePipeline
-    from lightning_pipe.lightning.strategy import PipeStrategy
 
 
 class FlushRuntime(BaseRuntime):
     """A synchronous schedule: every batch is one flushed step that equals one-device training.
 
     Args:
-        strategy: the strategy.
         pipeline: this rank's stages.
         schedule: the synchronous schedule to run (the registry's ``flushed`` one for an asynchronous schedule's warm-up).
+        sharding: with ``data_parallel="fsdp"``, this rank's trunk layers as FSDP2 units (``None`` with ``"ddp"``).
     """
 
     steps_inside = False
 
-    def __init__(self, strategy: PipeStrategy, pipeline: StagePipeline, schedule: str) -> None:
-        super().__init__(strategy, pipeline)
+    def __init__(self, pipeline: StagePipeline, schedule: str, sharding: ShardedLayers | None = None) -> None:
+        super().__init__(pipeline)
         self.schedule = schedule
+        self.sharding = sharding
         self._reducer: GradientReducer | None = None
         self._reducing = False  # this step's gradients are being averaged across pipelines
 
-    def training_step(self, args: tuple, kwargs: dict) -> Tensor:
-        params = trainable(self.strategy)
-        trainer = self.strategy.lightning_module.trainer
+    def training_step(self, args: tuple, kwargs: dict, measuring: bool) -> Tensor:
+        context, module = self.context, self.pipeline.module
+        params = trainable(module)
+        trainer = module.trainer
         # gradients of earlier batches of an accumulation window; at a window's first batch they are the
         # last step's, which Lightning's zero_grad drops before backward: drop them now, so that they do
         # not stay alive beside this step's (one gradient-sized buffer less at the peak)
@@ -47,12 +48,12 @@ class FlushRuntime(BaseRuntime):
         # to earlier batches' gradients, which only the sum at backward() completes
         last_backward = None
         whole = replicated(params)  # data_parallel="fsdp": the sharded trunk reduce-scatters in its chunks' last backward
-        if self.strategy.num_pipelines > 1 and all(g is None for g in earlier) and not _compat.should_accumulate(trainer):
+        if context.num_pipelines > 1 and all(g is None for g in earlier) and not _compat.should_accumulate(trainer):
             if self._reducer is None or [id(p) for p in self._reducer.params] != [id(p) for p in whole]:
-                self._reducer = GradientReducer(whole, self.strategy.topology.stage_group, self.strategy.num_pipelines)
+                self._reducer = GradientReducer(whole, context.topology.stage_group, context.num_pipelines)
             last_backward, self._reducing = self._reducer.armed, True
-        sharding = self.strategy.sharding
-        with self.strategy.precision_plugin.train_step_context():
+        sharding = self.sharding
+        with context.precision_plugin.train_step_context():
             ran = self.pipeline.flush("training_step", args, kwargs, True, self.schedule, last_backward,
                                       sharding.reducing if sharding is not None else None)
         self.pipeline.seen_batch = True
@@ -60,8 +61,8 @@ class FlushRuntime(BaseRuntime):
         if not self.pipeline.outside.known:
             with self.pipeline.watchdog.guard("which stages use the parameters outside the trunk"):
                 self.pipeline.outside.learn()
-            if self.strategy.options.release_unused_outside:
-                self.pipeline.release_unused_outside([unwrapped(o) for o in self.strategy.optimizers])
+            if context.options.release_unused_outside:
+                self.pipeline.release_unused_outside([unwrapped(o) for o in trainer.optimizers])
         self._keep_aside()
         for p, grad in zip(params, earlier):
             p.grad = grad
@@ -69,13 +70,13 @@ class FlushRuntime(BaseRuntime):
 
     def backward(self) -> None:
         self._put_back()
-        if _compat.should_accumulate(self.strategy.lightning_module.trainer):
+        if _compat.should_accumulate(self.pipeline.module.trainer):
             return
         reduced, self._reducing = self._reducing, False
         if reduced:  # each stage's share first; the sum over stages below commutes with the mean
             assert self._reducer is not None
             self._reducer.finish()
         self.pipeline.outside.sum_shared_gradients()
-        pipelines = self.strategy.num_pipelines
+        pipelines = self.context.num_pipelines
         if pipelines > 1 and not reduced:  # the same buckets on every replica, used or not (GradientReducer)
-            GradientReducer(replicated(trainable(self.strategy)), self.strategy.topology.stage_group, pipelines).finish()
+            GradientReducer(replicated(trainable(self.pipeline.module)), self.context.topology.stage_group, pipelines).finish()
