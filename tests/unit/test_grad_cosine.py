@@ -3,6 +3,8 @@ the gradient at the weights its STEP updates, stage-local, without any effect on
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from torch import nn
@@ -61,10 +63,11 @@ def _flat_cosine(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
 
 
 @pytest.mark.parametrize("name", STALE)
-def test_stage0_value_is_the_literal_cosine(name):
+def test_stage0_values_are_the_literal_cosine_and_descent_ratio(name):
     """Stage 0's grad_cosine equals the cosine, computed here by hand, between the gradient of its forward at the
     weights that forward ran at and the gradient at the weights its STEP updates (the live policies' masters), for
-    the same input and output gradient."""
+    the same input and output gradient; its descent_ratio equals <g_f, U(g_s)> / <g_f, U(g_f)> with each update U
+    made here by a second Adam loaded with the first one's state at that moment."""
     model, segments = _pipeline(name)
     policy, stage = segments.policies[0], model[0]
     calls: list[tuple[torch.Tensor, ...]] = []
@@ -77,6 +80,8 @@ def test_stage0_value_is_the_literal_cosine(name):
 
     def record(value):  # right after the recompute: the weights the coming STEP updates
         seen["applied"] = [t.detach().clone() for t in policy.applied_tensors()]
+        seen["optimizer"] = copy.deepcopy(policy.optimizer.state_dict())
+        seen["stepped"] = [p.detach().clone() for group in policy.optimizer.param_groups for p in group["params"]]
         type(policy).record_cosine(policy, value)
 
     policy.record_cosine = record
@@ -90,9 +95,25 @@ def test_stage0_value_is_the_literal_cosine(name):
         w, b = w.clone().requires_grad_(), b.clone().requires_grad_()
         return list(torch.autograd.grad(torch.tanh(x @ w.T + b), [w, b], seen["dy"]))
 
-    expected = _flat_cosine(gradient(weight, bias), gradient(applied["0.0.weight"], applied["0.0.bias"]))
+    stale, fresh = gradient(weight, bias), gradient(applied["0.0.weight"], applied["0.0.bias"])
+    expected = _flat_cosine(stale, fresh)
     assert expected < 1 - 1e-6  # stale enough to matter
     assert float(policy.grad_cosine) == pytest.approx(expected, abs=1e-6)
+
+    def update(g: list[torch.Tensor]) -> list[torch.Tensor]:  # Adam's step from the recorded state, on copies
+        copies = [t.clone().requires_grad_() for t in seen["stepped"]]
+        reference = torch.optim.Adam(copies, lr=0.1)
+        reference.load_state_dict(copy.deepcopy(seen["optimizer"]))  # a step changes the loaded tensors in place
+        copies[0].grad, copies[1].grad = 2 * g[0], 2 * g[1]  # stage 0's weight and bias; M = 2 micro-batches a step
+        reference.step()
+        return [(c - t).detach() for c, t in zip(copies[:2], seen["stepped"][:2])]
+
+    def first_order(u: list[torch.Tensor]) -> float:
+        return float(sum((f.double() * x.double()).sum() for f, x in zip(fresh, u)))
+
+    ratio = first_order(update(stale)) / first_order(update(fresh))
+    assert float(policy.descent_ratio) == pytest.approx(ratio, rel=1e-5)
+    assert abs(ratio - 1) > 1e-3  # the staleness changed the update
     if name == "pipedream":  # the last stage's forward and backward see the weights its STEP updates
         assert float(segments.policies[1].grad_cosine) == pytest.approx(1.0, abs=1e-6)
 
