@@ -431,7 +431,8 @@ def full_config(partial: dict[str, Any], data: Path | None = None) -> dict[str, 
         "eval_every": 25, "val_windows": 256, "val_batch_size": 64, "train_log_every": 1,
         "strategy_options": {},
     }
-    unknown = sorted(set(partial) - set(c) - {"blocks", "data", "log_every_n_steps"})  # the last: only when not 50
+    # the last two only when not their defaults (50; off), so that earlier records keep their identity
+    unknown = sorted(set(partial) - set(c) - {"blocks", "data", "log_every_n_steps", "descent_ratio"})
     if unknown:
         raise SystemExit(f"unknown config keys {unknown}; known: {sorted(c)}")
     c.update(partial)
@@ -495,6 +496,10 @@ def run_one(config: dict[str, Any], data: Path, result_path: str | None, threads
             momentum=c["momentum"], warmup_steps=c["warmup_steps"],
         )
         recorder = cls["Recorder"](c["train_log_every"])
+        if c.get("descent_ratio"):  # an experiment's switch, not a user option (docs/metrics.md)
+            from lightning_pipe.engine.policies.base import WeightPolicy
+
+            WeightPolicy.measure_descent = True
         strategy = PipeStrategy(schedule=c["schedule"], stages=c["stages"], micro_batches=c["micro_batches"],
                                 **c["strategy_options"])
         trainer = L.Trainer(
@@ -645,6 +650,7 @@ def plan(args: argparse.Namespace) -> tuple[list[dict[str, Any]], list[str]]:
                             "train_log_every": args.train_log_every,
                             "strategy_options": schedule_options(schedule, options), "data": data,
                             **({"log_every_n_steps": args.log_every_n_steps} if args.log_every_n_steps != 50 else {}),
+                            **({"descent_ratio": True} if args.descent_ratio else {}),
                         }))
     return configs, sorted(set(skipped))
 
@@ -998,6 +1004,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     pr.add_argument("--log-every-n-steps", type=int, default=50,
                     help="Trainer(log_every_n_steps=...): the steps the stage metrics (weight_lag, grad_cosine, "
                          "descent_ratio) are logged on (default 50, Lightning's)")
+    pr.add_argument("--descent-ratio", action="store_true",
+                    help="with grad_cosine_every in --strategy-options, also measure descent_ratio "
+                         "(lightning_pipe.engine.descent; docs/metrics.md): two trial optimizer steps per measurement")
     pr.add_argument("--strategy-options", default="",
                     help='extra PipeStrategy options as JSON, e.g. \'{"pipemare": {"lr_warmup_steps": 200}}\'; '
                          "a schedule's own group reaches only that schedule's runs")

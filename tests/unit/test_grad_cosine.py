@@ -12,6 +12,7 @@ from torch import nn
 from lightning_pipe.engine.grad_cosine import cosine
 from lightning_pipe.engine.local import LocalPipeline
 from lightning_pipe.engine.policies import AsyncOptions
+from lightning_pipe.engine.policies.base import WeightPolicy
 from lightning_pipe.registry import spec
 from tests.harness.lightning_run import train
 
@@ -63,13 +64,14 @@ def _flat_cosine(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
 
 
 @pytest.mark.parametrize("name", STALE)
-def test_stage0_values_are_the_literal_cosine_and_descent_ratio(name):
+def test_stage0_values_are_the_literal_cosine_and_descent_ratio(name, monkeypatch):
     """Stage 0's grad_cosine equals the cosine, computed here by hand, between the gradient of its forward at the
     weights that forward ran at and the gradient at the weights its STEP updates (the live policies' masters), for
     the same input and output gradient; its descent_ratio equals <g_f, U(g_s)> / <g_f, U(g_f)> with each update U
     made here by a second Adam loaded with the first one's state at that moment."""
     model, segments = _pipeline(name)
     policy, stage = segments.policies[0], model[0]
+    monkeypatch.setattr(WeightPolicy, "measure_descent", True)
     calls: list[tuple[torch.Tensor, ...]] = []
     seen: dict[str, object] = {}
 
@@ -119,12 +121,13 @@ def test_stage0_values_are_the_literal_cosine_and_descent_ratio(name):
 
 
 @pytest.mark.parametrize("name", STALE)
-def test_measuring_leaves_training_bit_identical(name):
+def test_measuring_leaves_training_bit_identical(name, monkeypatch):
     """With dropout (the recompute replays the forward's RNG state in a forked stream): the same weights and the
     same RNG stream after a run that measures in every window as after one that never does."""
     weights, streams = [], []
     for measure in (None, "all"):
         model, segments = _pipeline(name, dropout=0.3)
+        monkeypatch.setattr(WeightPolicy, "measure_descent", True)  # its trial steps too
         generator = torch.Generator().manual_seed(1)
         for w in range(6):
             for policy in segments.policies:
@@ -133,10 +136,17 @@ def test_measuring_leaves_training_bit_identical(name):
             segments.run_window(batches, [0.5, 0.5])
         segments.drain()
         assert all((p.grad_cosine is not None) == (measure is not None) for p in segments.policies)
+        assert all((p.descent_ratio is not None) == (measure is not None) for p in segments.policies)
         weights.append([p.detach().clone() for p in model.parameters()])
         streams.append(torch.get_rng_state())
     assert all(torch.equal(a, b) for a, b in zip(*weights))
     assert torch.equal(*streams)
+
+
+def test_descent_ratio_is_measured_only_when_switched_on():
+    model, segments = _pipeline("pipedream")
+    _windows(segments, 4, measure_at=2)
+    assert segments.policies[0].grad_cosine is not None and segments.policies[0].descent_ratio is None
 
 
 @pytest.mark.parametrize("schedule", ["pipedream", "pipemare"])

@@ -95,6 +95,10 @@ class WeightPolicy:
 
     #: measure ``weight_lag`` on logged steps (``False``: never; the throughput benchmark measures the difference)
     measure_weight_lag = True
+    #: with ``grad_cosine``, also measure ``descent_ratio`` (:mod:`lightning_pipe.engine.descent`): an experiment's
+    #: switch, off for users, as the 3-seed comparison in docs/metrics.md found it does not separate the optimizers
+    #: that keep quality (two trial optimizer steps per measurement); ``benchmarks/lm_quality.py --descent-ratio``
+    measure_descent = False
 
     @property
     def warmup(self) -> int:
@@ -171,7 +175,10 @@ class WeightPolicy:
     def record_descent(self, stale: Sequence[Tensor | None], fresh: Sequence[Tensor | None]) -> None:
         """Keep the measured micro-batch's ``descent_ratio``: how much of the descent of its fresh gradient
         ``fresh`` this stage's optimizer keeps when it updates from the stale one, ``stale`` (both in the order
-        of :attr:`params`; the step's ``M`` micro-batches sum to about ``M`` times one)."""
+        of :attr:`params`; the step's ``M`` micro-batches sum to about ``M`` times one). Only with
+        :attr:`measure_descent`."""
+        if not self.measure_descent:
+            return
         value = descent_ratio(self.optimizer, self._stepped_tensors(), stale, fresh, scale=self.micro_batches)
         if value is not None:
             self.descent_ratio = value.detach()
