@@ -380,6 +380,7 @@ def _lightning_classes() -> dict[str, Any]:
             self.step_seconds: list[float] = []
             self.lag_curve: list[list[Any]] = []  # [step, {"stage0": weight_lag, ...}] on the logged steps
             self.cosine_curve: list[list[Any]] = []  # the same for grad_cosine (strategy option grad_cosine_every)
+            self.descent_curve: list[list[Any]] = []  # the same for descent_ratio (measured with grad_cosine)
             self.val_seconds = 0.0
             self._t0 = self._v0 = 0.0
 
@@ -392,7 +393,8 @@ def _lightning_classes() -> dict[str, Any]:
             loss = trainer.callback_metrics.get("train_loss")
             if loss is not None and step % self.train_log_every == 0:
                 self.train_curve.append([step, round(float(loss), 5)])
-            for metric, curve in (("weight_lag", self.lag_curve), ("grad_cosine", self.cosine_curve)):
+            for metric, curve in (("weight_lag", self.lag_curve), ("grad_cosine", self.cosine_curve),
+                                  ("descent_ratio", self.descent_curve)):
                 values = {key.split("/")[1]: round(float(value), 6) for key, value in trainer.callback_metrics.items()
                           if key.endswith(f"/{metric}")}
                 if values and (not curve or curve[-1][1] != values):  # new values: a step the metrics measured
@@ -429,7 +431,8 @@ def full_config(partial: dict[str, Any], data: Path | None = None) -> dict[str, 
         "eval_every": 25, "val_windows": 256, "val_batch_size": 64, "train_log_every": 1,
         "strategy_options": {},
     }
-    unknown = sorted(set(partial) - set(c) - {"blocks", "data"})
+    # the last two only when not their defaults (50; off), so that earlier records keep their identity
+    unknown = sorted(set(partial) - set(c) - {"blocks", "data", "log_every_n_steps", "descent_ratio"})
     if unknown:
         raise SystemExit(f"unknown config keys {unknown}; known: {sorted(c)}")
     c.update(partial)
@@ -493,6 +496,10 @@ def run_one(config: dict[str, Any], data: Path, result_path: str | None, threads
             momentum=c["momentum"], warmup_steps=c["warmup_steps"],
         )
         recorder = cls["Recorder"](c["train_log_every"])
+        if c.get("descent_ratio"):  # an experiment's switch, not a user option (docs/metrics.md)
+            from lightning_pipe.engine.policies.base import WeightPolicy
+
+            WeightPolicy.measure_descent = True
         strategy = PipeStrategy(schedule=c["schedule"], stages=c["stages"], micro_batches=c["micro_batches"],
                                 **c["strategy_options"])
         trainer = L.Trainer(
@@ -501,6 +508,7 @@ def run_one(config: dict[str, Any], data: Path, result_path: str | None, threads
             limit_val_batches=math.ceil(c["val_windows"] / c["val_batch_size"]),
             logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
             use_distributed_sampler=False, num_sanity_val_steps=0, callbacks=[recorder],
+            log_every_n_steps=c.get("log_every_n_steps", 50),  # the stage metrics' rate
         )
         trainer.fit(model, datamodule=dm)
         if len(recorder.val_curve) != c["steps"] // c["eval_every"] or (recorder.val_curve and recorder.val_curve[-1][0] != c["steps"]):
@@ -514,6 +522,7 @@ def run_one(config: dict[str, Any], data: Path, result_path: str | None, threads
             "train_curve": recorder.train_curve,
             "weight_lag_curve": recorder.lag_curve,
             "grad_cosine_curve": recorder.cosine_curve,
+            "descent_ratio_curve": recorder.descent_curve,
             "seconds_per_step": round(statistics.median(times), 4) if times else None,
             "train_seconds": round(sum(recorder.step_seconds), 2),
             "val_seconds": round(recorder.val_seconds, 2),
@@ -640,6 +649,8 @@ def plan(args: argparse.Namespace) -> tuple[list[dict[str, Any]], list[str]]:
                             "val_windows": args.val_windows, "val_batch_size": args.val_batch_size,
                             "train_log_every": args.train_log_every,
                             "strategy_options": schedule_options(schedule, options), "data": data,
+                            **({"log_every_n_steps": args.log_every_n_steps} if args.log_every_n_steps != 50 else {}),
+                            **({"descent_ratio": True} if args.descent_ratio else {}),
                         }))
     return configs, sorted(set(skipped))
 
@@ -990,6 +1001,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     pr.add_argument("--val-windows", type=int, default=256)
     pr.add_argument("--val-batch-size", type=int, default=64)
     pr.add_argument("--train-log-every", type=int, default=1, help="record the training loss every N steps")
+    pr.add_argument("--log-every-n-steps", type=int, default=50,
+                    help="Trainer(log_every_n_steps=...): the steps the stage metrics (weight_lag, grad_cosine, "
+                         "descent_ratio) are logged on (default 50, Lightning's)")
+    pr.add_argument("--descent-ratio", action="store_true",
+                    help="with grad_cosine_every in --strategy-options, also measure descent_ratio "
+                         "(lightning_pipe.engine.descent; docs/metrics.md): two trial optimizer steps per measurement")
     pr.add_argument("--strategy-options", default="",
                     help='extra PipeStrategy options as JSON, e.g. \'{"pipemare": {"lr_warmup_steps": 200}}\'; '
                          "a schedule's own group reaches only that schedule's runs")

@@ -465,7 +465,9 @@ class Executor:
             self.policy.finished(mb)
         flight.output = None  # free the graph before anything else runs
         if flight.probe is not None and flight.probe.stale is not None:
-            self.policy.record_cosine(cosine(flight.probe.stale, self._applied_gradient(chunk, flight, grads)))
+            fresh = self._applied_gradient(chunk, flight, grads)
+            self.policy.record_cosine(cosine(flight.probe.stale, fresh))
+            self.policy.record_descent(flight.probe.stale, fresh)
         flight.probe = None
         if vs > 0:
             flight.input_grads = [t.grad if t.grad is not None else torch.zeros_like(t) for t in flight.inputs]

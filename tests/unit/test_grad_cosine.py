@@ -3,6 +3,8 @@ the gradient at the weights its STEP updates, stage-local, without any effect on
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from torch import nn
@@ -10,6 +12,7 @@ from torch import nn
 from lightning_pipe.engine.grad_cosine import cosine
 from lightning_pipe.engine.local import LocalPipeline
 from lightning_pipe.engine.policies import AsyncOptions
+from lightning_pipe.engine.policies.base import WeightPolicy
 from lightning_pipe.registry import spec
 from tests.harness.lightning_run import train
 
@@ -61,12 +64,14 @@ def _flat_cosine(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
 
 
 @pytest.mark.parametrize("name", STALE)
-def test_stage0_value_is_the_literal_cosine(name):
+def test_stage0_values_are_the_literal_cosine_and_descent_ratio(name, monkeypatch):
     """Stage 0's grad_cosine equals the cosine, computed here by hand, between the gradient of its forward at the
     weights that forward ran at and the gradient at the weights its STEP updates (the live policies' masters), for
-    the same input and output gradient."""
+    the same input and output gradient; its descent_ratio equals <g_f, U(g_s)> / <g_f, U(g_f)> with each update U
+    made here by a second Adam loaded with the first one's state at that moment."""
     model, segments = _pipeline(name)
     policy, stage = segments.policies[0], model[0]
+    monkeypatch.setattr(WeightPolicy, "measure_descent", True)
     calls: list[tuple[torch.Tensor, ...]] = []
     seen: dict[str, object] = {}
 
@@ -77,6 +82,8 @@ def test_stage0_value_is_the_literal_cosine(name):
 
     def record(value):  # right after the recompute: the weights the coming STEP updates
         seen["applied"] = [t.detach().clone() for t in policy.applied_tensors()]
+        seen["optimizer"] = copy.deepcopy(policy.optimizer.state_dict())
+        seen["stepped"] = [p.detach().clone() for group in policy.optimizer.param_groups for p in group["params"]]
         type(policy).record_cosine(policy, value)
 
     policy.record_cosine = record
@@ -90,20 +97,37 @@ def test_stage0_value_is_the_literal_cosine(name):
         w, b = w.clone().requires_grad_(), b.clone().requires_grad_()
         return list(torch.autograd.grad(torch.tanh(x @ w.T + b), [w, b], seen["dy"]))
 
-    expected = _flat_cosine(gradient(weight, bias), gradient(applied["0.0.weight"], applied["0.0.bias"]))
+    stale, fresh = gradient(weight, bias), gradient(applied["0.0.weight"], applied["0.0.bias"])
+    expected = _flat_cosine(stale, fresh)
     assert expected < 1 - 1e-6  # stale enough to matter
     assert float(policy.grad_cosine) == pytest.approx(expected, abs=1e-6)
+
+    def update(g: list[torch.Tensor]) -> list[torch.Tensor]:  # Adam's step from the recorded state, on copies
+        copies = [t.clone().requires_grad_() for t in seen["stepped"]]
+        reference = torch.optim.Adam(copies, lr=0.1)
+        reference.load_state_dict(copy.deepcopy(seen["optimizer"]))  # a step changes the loaded tensors in place
+        copies[0].grad, copies[1].grad = 2 * g[0], 2 * g[1]  # stage 0's weight and bias; M = 2 micro-batches a step
+        reference.step()
+        return [(c - t).detach() for c, t in zip(copies[:2], seen["stepped"][:2])]
+
+    def first_order(u: list[torch.Tensor]) -> float:
+        return float(sum((f.double() * x.double()).sum() for f, x in zip(fresh, u)))
+
+    ratio = first_order(update(stale)) / first_order(update(fresh))
+    assert float(policy.descent_ratio) == pytest.approx(ratio, rel=1e-5)
+    assert abs(ratio - 1) > 1e-3  # the staleness changed the update
     if name == "pipedream":  # the last stage's forward and backward see the weights its STEP updates
         assert float(segments.policies[1].grad_cosine) == pytest.approx(1.0, abs=1e-6)
 
 
 @pytest.mark.parametrize("name", STALE)
-def test_measuring_leaves_training_bit_identical(name):
+def test_measuring_leaves_training_bit_identical(name, monkeypatch):
     """With dropout (the recompute replays the forward's RNG state in a forked stream): the same weights and the
     same RNG stream after a run that measures in every window as after one that never does."""
     weights, streams = [], []
     for measure in (None, "all"):
         model, segments = _pipeline(name, dropout=0.3)
+        monkeypatch.setattr(WeightPolicy, "measure_descent", True)  # its trial steps too
         generator = torch.Generator().manual_seed(1)
         for w in range(6):
             for policy in segments.policies:
@@ -112,10 +136,17 @@ def test_measuring_leaves_training_bit_identical(name):
             segments.run_window(batches, [0.5, 0.5])
         segments.drain()
         assert all((p.grad_cosine is not None) == (measure is not None) for p in segments.policies)
+        assert all((p.descent_ratio is not None) == (measure is not None) for p in segments.policies)
         weights.append([p.detach().clone() for p in model.parameters()])
         streams.append(torch.get_rng_state())
     assert all(torch.equal(a, b) for a, b in zip(*weights))
     assert torch.equal(*streams)
+
+
+def test_descent_ratio_is_measured_only_when_switched_on():
+    model, segments = _pipeline("pipedream")
+    _windows(segments, 4, measure_at=2)
+    assert segments.policies[0].grad_cosine is not None and segments.policies[0].descent_ratio is None
 
 
 @pytest.mark.parametrize("schedule", ["pipedream", "pipemare"])

@@ -19,6 +19,7 @@ from typing import Any, ContextManager
 import torch
 from torch import Tensor, nn
 
+from lightning_pipe.engine.descent import descent_ratio
 from lightning_pipe.engine.policies.options import AsyncOptions
 from lightning_pipe.engine.stand_ins import is_absent
 
@@ -90,9 +91,14 @@ class WeightPolicy:
         self._lag_count = 0
         self.cosine_requested = False  # measure grad_cosine on the next forward's micro-batch
         self.grad_cosine: Tensor | None = None  # the latest measurement (0-d, read back only when logged)
+        self.descent_ratio: Tensor | None = None  # the same micro-batch's descent_ratio (lightning_pipe.engine.descent)
 
     #: measure ``weight_lag`` on logged steps (``False``: never; the throughput benchmark measures the difference)
     measure_weight_lag = True
+    #: with ``grad_cosine``, also measure ``descent_ratio`` (:mod:`lightning_pipe.engine.descent`): an experiment's
+    #: switch, off for users, as the 3-seed comparison in docs/metrics.md found it does not separate the optimizers
+    #: that keep quality (two trial optimizer steps per measurement); ``benchmarks/lm_quality.py --descent-ratio``
+    measure_descent = False
 
     @property
     def warmup(self) -> int:
@@ -166,6 +172,17 @@ class WeightPolicy:
         if value is not None:
             self.grad_cosine = value.detach()
 
+    def record_descent(self, stale: Sequence[Tensor | None], fresh: Sequence[Tensor | None]) -> None:
+        """Keep the measured micro-batch's ``descent_ratio``: how much of the descent of its fresh gradient
+        ``fresh`` this stage's optimizer keeps when it updates from the stale one, ``stale`` (both in the order
+        of :attr:`params`; the step's ``M`` micro-batches sum to about ``M`` times one). Only with
+        :attr:`measure_descent`."""
+        if not self.measure_descent:
+            return
+        value = descent_ratio(self.optimizer, self._stepped_tensors(), stale, fresh, scale=self.micro_batches)
+        if value is not None:
+            self.descent_ratio = value.detach()
+
     def _delay(self, g: int, tau: int) -> int:
         """How many STEPs older than the weights it updates the gradient of ``B(g)`` is (the
         ``staleness`` metric): the STEPs between its forward and its backward, ``tau``, by default."""
@@ -211,6 +228,8 @@ class WeightPolicy:
             values["weight_lag"] = float(self._lag_sum) / self._lag_count
         if self.grad_cosine is not None:
             values["grad_cosine"] = float(self.grad_cosine)
+        if self.descent_ratio is not None:
+            values["descent_ratio"] = float(self.descent_ratio)
         return values
 
     @property
