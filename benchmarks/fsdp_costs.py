@@ -88,12 +88,18 @@ def _run_fsdp2(rank: int, world: int, port: int, layers: int, width: int, repeat
         torch.manual_seed(0)
         return nn.Sequential(*[m for _ in range(layers) for m in (nn.Linear(width, width), nn.Tanh())])
 
-    plain, sharded = stage(), stage()
-    units = [m for m in sharded if isinstance(m, nn.Linear)]
-    for unit in units:
-        fully_shard(unit, mesh=mesh, reshard_after_forward=False)
+    def shard(how: str) -> tuple[nn.Module, list[Any]]:
+        model = stage()
+        linears = [m for m in model if isinstance(m, nn.Linear)]
+        if how == "per layer":  # data_parallel="fsdp", fsdp_unit="layer": each layer its own unit
+            return model, [fully_shard(m, mesh=mesh, reshard_after_forward=False) for m in linears]
+        if how == "per stage":  # fsdp_unit="stage": the stage (an nn.Sequential chunk) one unit
+            return model, [fully_shard(model, mesh=mesh, reshard_after_forward=False)]
+        return model, []
+
     timings: dict[str, tuple[float, float]] = {}
-    for name, model in (("plain", plain), ("fully_shard per layer", sharded)):
+    for name in ("plain", "per layer", "per stage"):
+        model, units = shard(name)
         optimizer = torch.optim.Adam(model.parameters(), foreach=False)
         passes, steps = [], []
         for i in range(repeats + 5):
@@ -101,9 +107,9 @@ def _run_fsdp2(rank: int, world: int, port: int, layers: int, width: int, repeat
             start = time.perf_counter()
             for mb in range(micro_batches):
                 last = mb == micro_batches - 1
-                for unit in units if model is sharded else ():
-                    unit.set_requires_gradient_sync(last)  # type: ignore[operator]
-                    unit.set_reshard_after_backward(last)  # type: ignore[operator]
+                for unit in units:
+                    unit.set_requires_gradient_sync(last)
+                    unit.set_reshard_after_backward(last)
                 model(x).sum().backward()
             middle = time.perf_counter()
             optimizer.step()
@@ -111,6 +117,7 @@ def _run_fsdp2(rank: int, world: int, port: int, layers: int, width: int, repeat
             if i >= 5:  # warm-up
                 passes.append(middle - start)
                 steps.append(time.perf_counter() - middle)
+        name = "plain" if name == "plain" else f"fully_shard {name}"
         timings[name] = (statistics.median(passes) * 1e3, statistics.median(steps) * 1e3)
     if rank == 0:
         results.put(timings)
@@ -138,7 +145,7 @@ def main() -> None:
     print(f"one stage on 2 processes, {args.micro_batches} micro-batches of 16, Adam (foreach=False); ms per step (rank 0, "
           f"median of {args.repeats})")
     for name, (passes, step) in results.get().items():
-        print(f"  {name:<22} forward+backward {passes:7.2f} ms   optimizer step {step:6.2f} ms")
+        print(f"  {name:<28} forward+backward {passes:7.2f} ms   optimizer step {step:6.2f} ms")
 
 
 if __name__ == "__main__":

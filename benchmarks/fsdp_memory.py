@@ -1,8 +1,8 @@
 """Per-rank memory of parameters, gradients and optimizer state, and step time: ``data_parallel="ddp"``
-against ``"fsdp"`` (both ``fsdp_reshard`` values) at 2 stages × 2 pipelines on CPU processes (gloo), 1f1b,
+against ``"fsdp"`` (``fsdp_reshard`` and ``fsdp_unit`` values, ``--configs``) at 2 stages × 2 pipelines on CPU processes (gloo), 1f1b,
 Adam (issue 33).
 
-    python benchmarks/fsdp_memory.py [--width 512] [--depth 8] [--batch 64] [--steps 12] [--rounds 1]
+    python benchmarks/fsdp_memory.py [--width 512] [--depth 8] [--batch 64] [--steps 12] [--rounds 1] [--configs ...]
 
 Each configuration is one Lightning job of 4 processes (this script again, with ``--run``). Every rank
 counts, at its last optimizer step, the bytes of the storages behind its parameters, their gradients and
@@ -47,7 +47,10 @@ def storage_bytes(tensors) -> int:
 
 
 CONFIGS = {"ddp": {"data_parallel": "ddp"}, "fsdp step": {"data_parallel": "fsdp", "fsdp_reshard": "step"},
-           "fsdp micro_batch": {"data_parallel": "fsdp", "fsdp_reshard": "micro_batch"}}
+           "fsdp micro_batch": {"data_parallel": "fsdp", "fsdp_reshard": "micro_batch"},
+           "fsdp stage": {"data_parallel": "fsdp", "fsdp_reshard": "step", "fsdp_unit": "stage"},
+           "fsdp stage micro_batch": {"data_parallel": "fsdp", "fsdp_reshard": "micro_batch", "fsdp_unit": "stage"}}
+DEFAULT_CONFIGS = ("ddp", "fsdp step", "fsdp micro_batch", "fsdp stage")
 
 
 def run(config: str, width: int, depth: int, batch: int, steps: int, out: str) -> None:
@@ -114,16 +117,22 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=64, help="samples per pipeline per step (4 micro-batches)")
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--rounds", type=int, default=1, help="run the configurations in turn this many times")
+    parser.add_argument("--configs", default=",".join(DEFAULT_CONFIGS),
+                        help=f"comma-separated, from {', '.join(CONFIGS)} (ddp always runs; default: %(default)s)")
     parser.add_argument("--run", choices=tuple(CONFIGS), help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.run:
         run(args.run, args.width, args.depth, args.batch, args.steps, args.out)
         return
+    configs = ["ddp"] + [c for c in args.configs.split(",") if c and c != "ddp"]
+    unknown = [c for c in configs if c not in CONFIGS]
+    if unknown:
+        parser.error(f"--configs: {', '.join(unknown)} not known; choose from {', '.join(CONFIGS)}")
     results: dict[str, list[dict]] = {}
-    step_times: dict[str, list[float]] = {config: [] for config in CONFIGS}
+    step_times: dict[str, list[float]] = {config: [] for config in configs}
     for _ in range(args.rounds):
-        for config in CONFIGS:
+        for config in configs:
             with tempfile.TemporaryDirectory() as out:
                 command = [sys.executable, os.path.abspath(__file__), "--width", str(args.width), "--depth", str(args.depth),
                            "--batch", str(args.batch), "--steps", str(args.steps), "--run", config, "--out", out]
@@ -134,14 +143,14 @@ def main() -> None:
     print(f"2 stages x 2 pipelines, 1f1b, M=4, Adam, trunk {args.depth} x Linear({args.width}, {args.width}), "
           f"{args.batch} samples per pipeline per step, CPU (gloo)")
     print("parameters + gradients + optimizer state per rank at its optimizer step, MiB (ratio to ddp)")
-    print(f"{'rank':>4} {'stage':>5}" + "".join(f"  {config:>22}" for config in CONFIGS))
+    print(f"{'rank':>4} {'stage':>5}" + "".join(f"  {config:>22}" for config in configs))
     for rank in range(STAGES * PIPELINES):
-        total = {c: sum(results[c][rank][k] for k in ("parameters", "gradients", "optimizer")) for c in CONFIGS}
-        cells = [f"{total[c] / mib:8.2f} ({total[c] / total['ddp']:.3f})" for c in CONFIGS]
+        total = {c: sum(results[c][rank][k] for k in ("parameters", "gradients", "optimizer")) for c in configs}
+        cells = [f"{total[c] / mib:8.2f} ({total[c] / total['ddp']:.3f})" for c in configs]
         print(f"{rank:>4} {rank % STAGES:>5}" + "".join(f"  {cell:>22}" for cell in cells))
-    times = {c: statistics.median(step_times[c]) for c in CONFIGS}
+    times = {c: statistics.median(step_times[c]) for c in configs}
     print(f"step time, rank 0, after 2 warm-up steps, median of {args.rounds} round(s): " + ", ".join(
-        f"{c} {times[c] * 1e3:.1f} ms ({times['ddp'] / times[c]:.2f}x ddp's throughput)" for c in CONFIGS))
+        f"{c} {times[c] * 1e3:.1f} ms ({times['ddp'] / times[c]:.2f}x ddp's throughput)" for c in configs))
 
 
 if __name__ == "__main__":

@@ -3,7 +3,10 @@
 With ``PipeStrategy(pipelines=N, data_parallel="fsdp")`` the N ranks holding the same stage (the
 topology's stage group) each keep ``1/N`` of every trunk layer's parameters, gradients and optimizer
 state. Each trunk layer is its own ``torch.distributed.fsdp.fully_shard`` unit on a one-dimensional
-``DeviceMesh`` ("dp") built from the stage group. A layer is gathered (all-gathered) for its first
+``DeviceMesh`` ("dp") built from the stage group (``unit="layer"``), or each chunk of the stage is one unit
+(``unit="stage"``: ``fully_shard`` on the ``nn.Sequential`` that runs the chunk's layers, so the chunk's
+parameters are gathered and reduce-scattered in one message each, and FSDP2's hooks run once per chunk call
+instead of once per layer). A layer is gathered (all-gathered) for its first
 forward of the step and, with ``reshard="step"``, kept whole until its last backward of the step, as
 ``torch.distributed.pipelining`` and torchtitan do for pipelines (one all-gather per layer per step);
 with ``reshard="micro_batch"`` it is freed after every forward and every backward and gathered again
@@ -55,7 +58,7 @@ def stage_mesh(group: Any, device: torch.device) -> DeviceMesh:
 
 
 class ShardedLayers:
-    """This rank's trunk layers, each an FSDP2 unit sharded over the stage group.
+    """This rank's trunk layers as FSDP2 units (each layer, or each chunk) sharded over the stage group.
 
     Args:
         layers: the trunk layers this rank holds (every chunk's, in any order); layers without
@@ -66,21 +69,30 @@ class ShardedLayers:
             layer's last backward (one all-gather per layer per step; the stage's parameters are whole
             during the step). ``"micro_batch"``: after every forward and every backward (``2 ×``
             micro-batches all-gathers per layer per step; one layer whole at a time).
+        unit: what one FSDP2 unit is. ``"layer"``: each layer of ``layers``. ``"stage"``: each module of
+            ``chunks`` (one per chunk of the stage, each calling its layers in one call, as an ``nn.Sequential``
+            does); one all-gather and one reduce-scatter per chunk instead of per layer.
+        chunks: with ``unit="stage"``, the modules the chunks' forwards call (their layers are ``layers``).
     """
 
     def __init__(self, layers: Sequence[nn.Module], group: Any, device: torch.device,
-                 reshard: Literal["step", "micro_batch"] = "step") -> None:
+                 reshard: Literal["step", "micro_batch"] = "step", unit: Literal["layer", "stage"] = "layer",
+                 chunks: Sequence[nn.Module] | None = None) -> None:
         if reshard not in ("step", "micro_batch"):
             raise ValueError(f"reshard={reshard!r}: use 'step' or 'micro_batch'.")
+        if unit not in ("layer", "stage"):
+            raise ValueError(f"unit={unit!r}: use 'layer' or 'stage'.")
+        if unit == "stage" and chunks is None:
+            raise ValueError("unit='stage' shards the modules that run each chunk's layers as one call: pass chunks.")
         self.mesh = stage_mesh(group, device)
         self.per_step = reshard == "step"
         self.units: list[FSDPModule] = []
-        for layer in layers:
-            if any(p.requires_grad for p in layer.parameters()):
-                # each layer is its own root, whose gathered parameters FSDP2 keeps after forward by default:
+        for module in (chunks if unit == "stage" else layers):  # type: ignore[union-attr]
+            if any(p.requires_grad for p in module.parameters()):
+                # each unit is its own root, whose gathered parameters FSDP2 keeps after forward by default:
                 # say which is meant
-                fully_shard(layer, mesh=self.mesh, reshard_after_forward=not self.per_step)
-                self.units.append(layer)  # type: ignore[arg-type]
+                fully_shard(module, mesh=self.mesh, reshard_after_forward=not self.per_step)
+                self.units.append(module)  # type: ignore[arg-type]
         self.accumulate()
 
     def accumulate(self) -> None:

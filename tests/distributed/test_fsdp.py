@@ -25,6 +25,8 @@ def assert_state_equal(reference: dict, records: list, pipelines: list[list[int]
 @pytest.mark.parametrize("schedule,extra", [
     ("gpipe", {}), ("1f1b", {}), ("interleaved_1f1b", {"chunks_per_stage": 2}),
     ("1f1b", {"fsdp_reshard": "micro_batch"}), ("interleaved_1f1b", {"chunks_per_stage": 2, "fsdp_reshard": "micro_batch"}),
+    ("1f1b", {"fsdp_unit": "stage"}),
+    ("interleaved_1f1b", {"chunks_per_stage": 2, "fsdp_unit": "stage", "fsdp_reshard": "micro_batch"}),
 ])
 def test_two_sharded_pipelines_equal_one_device_at_double_batch(schedule, extra):
     """2 stages × 2 pipelines, Adam (its state sharded too; its multi-tensor update, CUDA's default, which the
@@ -68,10 +70,11 @@ def test_one_shard_equals_ddp():
     assert_state_equal(reference, runs["fsdp"], [[0, 1]])
 
 
-def test_accumulation_clipping_and_recomputation_equal_one_device():
+@pytest.mark.parametrize("unit", ["layer", "stage"])
+def test_accumulation_clipping_and_recomputation_equal_one_device(unit):
     """accumulate_grad_batches=2 (each batch reduce-scatters, the shards add up), gradient_clip_val (the global norm
-    counts every shard once) and checkpoint_activations (the recomputed forward gathers the layer again), SGD with
-    momentum: equal to one device at twice the batch."""
+    counts every shard once) and checkpoint_activations (the recomputed forward runs inside FSDP2's hooks: of each
+    layer, or of the stage as one unit), SGD with momentum: equal to one device at twice the batch."""
     trainer = {"accumulate_grad_batches": 2, "gradient_clip_val": 0.05}
     reference = train({"max_steps": STEPS, "batch_size": 16, "trainer": trainer})
     unclipped = train({"max_steps": STEPS, "batch_size": 16, "trainer": {"accumulate_grad_batches": 2}})
@@ -79,7 +82,7 @@ def test_accumulation_clipping_and_recomputation_equal_one_device():
     code, output, records = launch({
         "devices": 4, "max_steps": STEPS, "batch_size": 8, "stages": 2, "pipelines_in_sampler": 2, "trainer": trainer,
         "strategy": {"schedule": "1f1b", "micro_batches": 4, "pipelines": 2, "data_parallel": "fsdp",
-                     "checkpoint_activations": True},
+                     "checkpoint_activations": True, "fsdp_unit": unit},
     }, timeout=300)
     assert code == 0, output[-3000:]
     assert_state_equal(reference, records, [[0, 1], [2, 3]])
@@ -111,10 +114,10 @@ def test_sharded_checkpoint_resumes(tmp_path):
 
 
 
-def _interleaved_sharded_step(rank: int, world: int, reshard: str) -> dict:
+def _interleaved_sharded_step(rank: int, world: int, reshard: str, unit: str) -> dict:
     """One device holding two chunks (interleaved_1f1b, 1 stage × 2 chunks, 4 micro-batches), its four Linear
-    layers sharded over ``world`` data-parallel copies: how many reduce-scatters one step makes, and the
-    gradients they leave (gathered whole)."""
+    layers sharded over ``world`` data-parallel copies (each layer a unit, or each chunk): how many
+    reduce-scatters one step makes, and the gradients they leave (gathered whole)."""
     import torch.distributed as dist
     from torch import nn
 
@@ -124,9 +127,10 @@ def _interleaved_sharded_step(rank: int, world: int, reshard: str) -> dict:
 
     torch.manual_seed(0)
     layers = [nn.Linear(4, 4) for _ in range(4)]
-    sharded = ShardedLayers(layers, dist.group.WORLD, torch.device("cpu"), reshard)
-    chunks = [SequentialStage(nn.Sequential(*layers[:2]), input_fn=lambda mb: mb),
-              SequentialStage(nn.Sequential(*layers[2:]), loss_fn=lambda out, mb: out.pow(2).sum())]
+    containers = [nn.Sequential(*layers[:2]), nn.Sequential(*layers[2:])]
+    sharded = ShardedLayers(layers, dist.group.WORLD, torch.device("cpu"), reshard, unit, containers)
+    chunks = [SequentialStage(containers[0], input_fn=lambda mb: mb),
+              SequentialStage(containers[1], loss_fn=lambda out, mb: out.pow(2).sum())]
     executor = Executor(0, [rank], chunks)
     batch = torch.randn(world, 8, 4, generator=torch.Generator().manual_seed(1))
     calls = {"reduce_scatter_single": 0, "all_gather_single": 0}  # FSDP2's collectives (_fsdp_collectives.py)
@@ -149,18 +153,20 @@ def _interleaved_sharded_step(rank: int, world: int, reshard: str) -> dict:
     return {**calls, "batch": batch, "grads": [p.grad.full_tensor() for layer in layers for p in layer.parameters()]}
 
 
-@pytest.mark.parametrize("reshard,gathers", [("step", 4), ("micro_batch", 4 * 4 * 2)])
-def test_each_unit_reduce_scatters_once_per_step(reshard, gathers):
+@pytest.mark.parametrize("reshard,unit,units,gathers", [
+    ("step", "layer", 4, 4), ("micro_batch", "layer", 4, 4 * 4 * 2), ("step", "stage", 2, 2),
+])
+def test_each_unit_reduce_scatters_once_per_step(reshard, unit, units, gathers):
     """interleaved_1f1b on one device with 2 chunks, 4 micro-batches, 2 copies of 4 sharded layers: one
-    reduce-scatter per layer in the step (in its chunk's last backward); one all-gather per layer per step
-    (reshard="step") or one per forward and per backward ("micro_batch"); the gradients equal the mean over
-    both copies' micro-batches."""
+    reduce-scatter per unit (a layer, or a chunk of two) in the step (in its chunk's last backward); one
+    all-gather per unit per step (reshard="step") or one per forward and per backward ("micro_batch"); the
+    gradients equal the mean over both copies' micro-batches."""
     from torch import nn
 
     from tests.harness.distributed import run_workers, values
 
-    results = values(run_workers(_interleaved_sharded_step, 2, reshard, timeout=120))
-    assert [r["reduce_scatter_single"] for r in results] == [4, 4]
+    results = values(run_workers(_interleaved_sharded_step, 2, reshard, unit, timeout=120))
+    assert [r["reduce_scatter_single"] for r in results] == [units, units]
     assert [r["all_gather_single"] for r in results] == [gathers, gathers]
     torch.manual_seed(0)
     layers = nn.Sequential(*[nn.Linear(4, 4) for _ in range(4)])
