@@ -40,7 +40,7 @@ from typing_extensions import override
 from lightning_pipe.engine import Topology, Transport, Watchdog, batch_size, ending, shm
 from lightning_pipe.engine.policies import AvgPipeOptions, DoubleBufferOptions, PipeDreamOptions, PipeMareOptions, XPipeOptions
 from lightning_pipe.engine.policies.options import Averaging, Prediction
-from lightning_pipe.engine.sharding import ShardedLayers, single_tensor_updates_where_mixed
+from lightning_pipe.engine.sharding import ShardedLayers, pipeline_mesh, single_tensor_updates_where_mixed
 from lightning_pipe.engine.stand_ins import move_stand_ins
 from lightning_pipe.engine.watchdog import FAILURE_GRACE
 from lightning_pipe.errors import CheckpointMismatchError, LightningPipeError, PipeConfigError
@@ -569,7 +569,10 @@ class PipeStrategy(DDPStrategy, metaclass=_NamesItsOptions):
                     f"fsdp_unit='stage' shards each chunk as one module call, and {partition.name} is an nn.ModuleList "
                     "whose blocks the step calls one by one; use fsdp_unit='layer', or make the trunk an nn.Sequential."
                 )
-            self._sharded = ShardedLayers(layers, self.topology.stage_group, self.root_device, self.options.fsdp_reshard,
+            topology = self.topology
+            mesh = pipeline_mesh(topology.stage_group, topology.pipeline_group, topology.pipelines, topology.stages,
+                                 topology.rank, self.root_device)
+            self._sharded = ShardedLayers(layers, mesh, self.root_device, self.options.fsdp_reshard,
                                           self.options.fsdp_unit, partition.chunks)
         for metric in module.modules():
             # every stage of a pipeline holds a replica of the last stage's metric state (see

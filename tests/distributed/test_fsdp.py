@@ -174,3 +174,41 @@ def test_each_unit_reduce_scatters_once_per_step(reshard, unit, units, gathers):
     (layers(batch.reshape(-1, 4)).pow(2).sum() / (4 * 2)).backward()  # 4 micro-batches, 2 copies: their mean
     for got, want in zip(results[0]["grads"], [p.grad for p in layers.parameters()]):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def _pipeline_mesh(rank: int, world: int) -> dict:
+    """The ("dp", "pp") mesh made from a 2 × 2 topology's groups, beside the one ``init_device_mesh`` makes."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from lightning_pipe.engine.sharding import pipeline_mesh
+    from lightning_pipe.engine.topology import Topology
+
+    topology = Topology(2, 2, rank)
+    topology.create_groups()
+    cpu = torch.device("cpu")
+    mesh = pipeline_mesh(topology.stage_group, topology.pipeline_group, 2, 2, rank, cpu)
+    reference = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "pp"))
+    try:
+        pipeline_mesh(topology.pipeline_group, topology.stage_group, 2, 2, rank, cpu)  # the groups swapped
+        error = None
+    except RuntimeError as e:
+        error = str(e)
+    ranks = {name: (dist.get_process_group_ranks(mesh[name].get_group()),
+                    dist.get_process_group_ranks(reference[name].get_group())) for name in ("dp", "pp")}
+    return {"layout": (mesh.mesh.tolist(), reference.mesh.tolist()), "ranks": ranks, "error": error,
+            "reuses": mesh["dp"].get_group() is topology.stage_group and mesh["pp"].get_group() is topology.pipeline_group}
+
+
+def test_the_mesh_is_init_device_meshs_made_from_the_topology_groups():
+    """2 stages × 2 pipelines on gloo: the mesh "fsdp" shards over has init_device_mesh's layout and dimensions,
+    its "dp" and "pp" are the topology's stage and pipeline groups (no new group), and groups that do not match
+    the layout are refused naming both."""
+    from tests.harness.distributed import run_workers, values
+
+    for rank, result in enumerate(values(run_workers(_pipeline_mesh, 4, timeout=120))):
+        assert result["layout"] == ([[0, 1], [2, 3]], [[0, 1], [2, 3]])
+        for mine, reference in result["ranks"].values():
+            assert mine == reference
+        assert result["reuses"]
+        assert "the topology and the mesh number ranks differently" in result["error"], result["error"]
