@@ -49,7 +49,11 @@ def storage_bytes(tensors) -> int:
 CONFIGS = {"ddp": {"data_parallel": "ddp"}, "fsdp step": {"data_parallel": "fsdp", "fsdp_reshard": "step"},
            "fsdp micro_batch": {"data_parallel": "fsdp", "fsdp_reshard": "micro_batch"},
            "fsdp stage": {"data_parallel": "fsdp", "fsdp_reshard": "step", "fsdp_unit": "stage"},
-           "fsdp stage micro_batch": {"data_parallel": "fsdp", "fsdp_reshard": "micro_batch", "fsdp_unit": "stage"}}
+           "fsdp stage micro_batch": {"data_parallel": "fsdp", "fsdp_reshard": "micro_batch", "fsdp_unit": "stage"},
+           # the same without starting the step's all-gathers at its start (ShardedLayers.prefetch): each unit
+           # gathers at its first forward
+           "fsdp step no-prefetch": {"data_parallel": "fsdp", "fsdp_reshard": "step"},
+           "fsdp stage no-prefetch": {"data_parallel": "fsdp", "fsdp_reshard": "step", "fsdp_unit": "stage"}}
 DEFAULT_CONFIGS = ("ddp", "fsdp step", "fsdp micro_batch", "fsdp stage")
 
 
@@ -81,6 +85,10 @@ def run(config: str, width: int, depth: int, batch: int, steps: int, out: str) -
         def __init__(self) -> None:
             self.record: dict[str, float] = {}
             self.times: list[float] = []
+
+        def on_train_start(self, trainer, module):
+            if config.endswith("no-prefetch"):
+                trainer.strategy.sharding.prefetching = False
 
         def on_train_batch_start(self, trainer, module, batch, batch_idx):
             self.started = time.perf_counter()
@@ -139,6 +147,7 @@ def main() -> None:
                 subprocess.run(command, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=900)
                 results[config] = [json.load(open(os.path.join(out, f"rank{r}.json"))) for r in range(STAGES * PIPELINES)]
                 step_times[config].append(results[config][0]["step_time"])
+                print(f"round {len(step_times[config])}: {config} {step_times[config][-1] * 1e3:.1f} ms per step", flush=True)
     mib = 2**20
     print(f"2 stages x 2 pipelines, 1f1b, M=4, Adam, trunk {args.depth} x Linear({args.width}, {args.width}), "
           f"{args.batch} samples per pipeline per step, CPU (gloo)")

@@ -115,6 +115,8 @@ class ShardedLayers:
         else:
             self.mesh = stage_mesh(group, device)
         self.per_step = reshard == "step"
+        #: reshard="step": start the units' all-gathers when a training step starts (:meth:`prefetch`)
+        self.prefetching = True
         self.units: list[FSDPModule] = []
         for module in (chunks if unit == "stage" else layers):  # type: ignore[union-attr]
             if any(p.requires_grad for p in module.parameters()):
@@ -123,6 +125,15 @@ class ShardedLayers:
                 fully_shard(module, mesh=self.mesh, reshard_after_forward=not self.per_step)
                 self.units.append(module)  # type: ignore[arg-type]
         self.accumulate()
+
+    def prefetch(self) -> None:
+        """At the start of a training step (``reshard="step"``, while :attr:`prefetching`): start every unit's
+        all-gather now, without waiting for it, so that it runs while this rank waits for its first
+        activation; a unit's first forward waits for its own. The step keeps every unit gathered anyway, so
+        this holds nothing longer than the step does."""
+        if self.per_step and self.prefetching:
+            for unit in self.units:
+                unit.unshard(async_op=True)
 
     def accumulate(self) -> None:
         """From now on a backward adds to the units' unsharded gradients without communicating (and, resharding

@@ -52,6 +52,8 @@ class FlushRuntime(BaseRuntime):
                 self._reducer = GradientReducer(whole, self.strategy.topology.stage_group, self.strategy.num_pipelines)
             last_backward, self._reducing = self._reducer.armed, True
         sharding = self.strategy.sharding
+        if sharding is not None:
+            sharding.prefetch()
         with self.strategy.precision_plugin.train_step_context():
             ran = self.pipeline.flush("training_step", args, kwargs, True, self.schedule, last_backward,
                                       sharding.reducing if sharding is not None else None)
