@@ -88,6 +88,23 @@ def test_accumulation_clipping_and_recomputation_equal_one_device(unit):
     assert_state_equal(reference, records, [[0, 1], [2, 3]])
 
 
+def test_bf16_mixed_equals_ddp():
+    """Lightning's precision plugin composes with sharded stages: "bf16-mixed" (autocast around each stage's step;
+    FSDP2 gathers the fp32 parameters, no MixedPrecisionPolicy) trains the stage-unit "fsdp" pipelines exactly as
+    "ddp" does at the same precision."""
+    runs = {}
+    for extra in ({"data_parallel": "ddp"}, {"data_parallel": "fsdp", "fsdp_unit": "stage"}):
+        code, output, records = launch({
+            "devices": 4, "max_steps": 3, "batch_size": 8, "stages": 2, "pipelines_in_sampler": 2,
+            "model": {"optimizer": "adam"}, "trainer": {"precision": "bf16-mixed"},
+            "strategy": {"schedule": "1f1b", "micro_batches": 4, "pipelines": 2, **extra},
+        }, timeout=300)
+        assert code == 0, output[-3000:]
+        runs[extra["data_parallel"]] = merged_state(records[:2])
+    for key, value in runs["ddp"].items():
+        torch.testing.assert_close(runs["fsdp"][key], value, rtol=1e-5, atol=1e-6, msg=key)
+
+
 def test_sharded_checkpoint_resumes(tmp_path):
     """A sharded (DCP) checkpoint of 2 sharded pipelines after one epoch (trunk weights and Adam state written as
     DTensor shards) resumes: the second epoch ends equal to one device trained two epochs at twice the batch, in
@@ -111,6 +128,26 @@ def test_sharded_checkpoint_resumes(tmp_path):
     assert state.keys() == reference["state"].keys()
     for key, value in reference["state"].items():
         torch.testing.assert_close(state[key], value, rtol=1e-5, atol=1e-6, msg=key)
+
+
+
+@pytest.mark.parametrize("first,second", [("ddp", "fsdp"), ("fsdp", "ddp")])
+def test_a_checkpoint_resumes_under_the_other_data_parallel(tmp_path, first, second):
+    """A sharded (DCP) checkpoint written after one epoch with one data_parallel resumes under the other (whole
+    tensors read into DTensor shards, or shards into whole tensors, the Adam state too): the second epoch ends
+    equal to one device trained two epochs at twice the batch, as an uninterrupted run does."""
+    common = {"batch_size": 8, "devices": 4, "stages": 2, "pipelines_in_sampler": 2, "model": {"optimizer": "adam"}}
+    pipe = {"schedule": "1f1b", "micro_batches": 4, "pipelines": 2, "save_distributed_checkpoint": True}
+    saved = tmp_path / "epoch1.ckpt"
+    code, output, _ = launch({**common, "epochs": 1, "strategy": {**pipe, "data_parallel": first}, "ckpt_out": str(saved)},
+                             timeout=300)
+    assert code == 0, output[-3000:]
+    code, output, records = launch({**common, "epochs": 2, "strategy": {**pipe, "data_parallel": second},
+                                    "ckpt_path": str(saved)}, timeout=300)
+    assert code == 0, output[-3000:]
+    reference = train({"epochs": 2, "batch_size": 16, "model": {"optimizer": "adam"}})
+    assert [len(r["returned"]) for r in records] == [len(reference["returned"]) // 2] * 4  # it did restore
+    assert_state_equal(reference, records, [[0, 1], [2, 3]])
 
 
 
