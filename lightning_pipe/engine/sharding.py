@@ -2,16 +2,16 @@
 
 With ``PipeStrategy(pipelines=N, data_parallel="fsdp")`` the N ranks holding the same stage (the
 topology's stage group) each keep ``1/N`` of every trunk layer's parameters, gradients and optimizer
-state. Each trunk layer is its own ``torch.distributed.fsdp.fully_shard`` unit on a one-dimensional
-``DeviceMesh``: the "dp" dimension of the ("dp", "pp") mesh over the world, made from the topology's
-stage and pipeline groups (:func:`pipeline_mesh`) (``unit="layer"``), or each chunk of the stage is one unit
-(``unit="stage"``: ``fully_shard`` on the ``nn.Sequential`` that runs the chunk's layers, so the chunk's
-parameters are gathered and reduce-scattered in one message each, and FSDP2's hooks run once per chunk call
-instead of once per layer). A layer is gathered (all-gathered) for its first
-forward of the step and, with ``reshard="step"``, kept whole until its last backward of the step, as
-``torch.distributed.pipelining`` and torchtitan do for pipelines (one all-gather per layer per step);
-with ``reshard="micro_batch"`` it is freed after every forward and every backward and gathered again
-for the next (``2 × micro_batches`` all-gathers, one layer whole at a time).
+state. The units are ``torch.distributed.fsdp.fully_shard`` units on the "dp" dimension of the ("dp", "pp")
+``DeviceMesh`` over the world, made from the topology's stage and pipeline groups (:func:`pipeline_mesh`):
+with ``unit="layer"`` each trunk layer is its own unit; with ``unit="stage"`` each chunk of the stage is one
+(``fully_shard`` on the ``nn.Sequential`` that runs the chunk's layers), so the chunk's parameters are
+gathered and reduce-scattered in one message each and FSDP2's hooks run once per chunk call. A unit is
+gathered (all-gathered) once per step and, with ``reshard="step"``, kept whole until its last backward of the
+step, as ``torch.distributed.pipelining`` and torchtitan do for pipelines (one all-gather per unit per step,
+started when the training step starts: :meth:`ShardedLayers.prefetch`); with ``reshard="micro_batch"`` it is
+freed after every forward and every backward and gathered again for the next (``2 × micro_batches``
+all-gathers, one unit whole at a time).
 
 Gradients are reduce-scattered once per step, not once per micro-batch: every unit runs with
 ``set_requires_gradient_sync(False)`` (FSDP2 sums the micro-batches' gradients unsharded) except
