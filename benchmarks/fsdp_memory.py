@@ -7,7 +7,9 @@ Adam (issue 33).
 Each configuration is one Lightning job of 4 processes (this script again, with ``--run``). Every rank
 counts, at its last optimizer step, the bytes of the storages behind its parameters, their gradients and
 the optimizer's state (a sharded tensor: this rank's shard; a stand-in: its one element), each storage
-once. Step time is rank 0's wall time per training step after the first two steps; with ``--rounds R`` the
+once. Step time is rank 0's wall time per training step after the first two steps (and the CPU time all ranks
+spend per step, every thread counted: on a machine with fewer cores than processes, shared with other jobs,
+it varies far less than the wall time); with ``--rounds R`` the
 configurations run in turn R times and the median is shown (a shared machine's load drifts). What the table does
 not count: FSDP2's buffers within a step (the layers gathered whole: one at a time with
 ``fsdp_reshard="micro_batch"``, the whole stage with ``"step"``; and the unsharded gradients it sums the
@@ -85,16 +87,18 @@ def run(config: str, width: int, depth: int, batch: int, steps: int, out: str) -
         def __init__(self) -> None:
             self.record: dict[str, float] = {}
             self.times: list[float] = []
+            self.cpu: list[float] = []
 
         def on_train_start(self, trainer, module):
             if config.endswith("no-prefetch"):
                 trainer.strategy.sharding.prefetching = False
 
         def on_train_batch_start(self, trainer, module, batch, batch_idx):
-            self.started = time.perf_counter()
+            self.started, self.started_cpu = time.perf_counter(), time.process_time()
 
         def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
             self.times.append(time.perf_counter() - self.started)
+            self.cpu.append(time.process_time() - self.started_cpu)
             optimizer = trainer.optimizers[0]
             self.record["optimizer"] = storage_bytes(
                 t for state in optimizer.state.values() for t in state.values() if isinstance(t, torch.Tensor))
@@ -114,8 +118,9 @@ def run(config: str, width: int, depth: int, batch: int, steps: int, out: str) -
     sampler = DistributedSampler(data, num_replicas=PIPELINES, rank=trainer.global_rank // STAGES, shuffle=False)
     trainer.fit(Model(), DataLoader(data, batch_size=batch, sampler=sampler))
     step_time = sum(measure.times[2:]) / max(len(measure.times) - 2, 1)
+    cpu_time = sum(measure.cpu[2:]) / max(len(measure.cpu) - 2, 1)
     with open(os.path.join(out, f"rank{trainer.global_rank}.json"), "w") as f:
-        json.dump({**measure.record, "step_time": step_time}, f)
+        json.dump({**measure.record, "step_time": step_time, "cpu_time": cpu_time}, f)
 
 
 def main() -> None:
@@ -139,6 +144,7 @@ def main() -> None:
         parser.error(f"--configs: {', '.join(unknown)} not known; choose from {', '.join(CONFIGS)}")
     results: dict[str, list[dict]] = {}
     step_times: dict[str, list[float]] = {config: [] for config in configs}
+    cpu_times: dict[str, list[float]] = {config: [] for config in configs}  # all ranks' CPU time per step
     for _ in range(args.rounds):
         for config in configs:
             with tempfile.TemporaryDirectory() as out:
@@ -147,7 +153,9 @@ def main() -> None:
                 subprocess.run(command, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=900)
                 results[config] = [json.load(open(os.path.join(out, f"rank{r}.json"))) for r in range(STAGES * PIPELINES)]
                 step_times[config].append(results[config][0]["step_time"])
-                print(f"round {len(step_times[config])}: {config} {step_times[config][-1] * 1e3:.1f} ms per step", flush=True)
+                cpu_times[config].append(sum(r["cpu_time"] for r in results[config]))
+                print(f"round {len(step_times[config])}: {config} {step_times[config][-1] * 1e3:.1f} ms per step, "
+                      f"all ranks' CPU time {cpu_times[config][-1] * 1e3:.1f} ms per step", flush=True)
     mib = 2**20
     print(f"2 stages x 2 pipelines, 1f1b, M=4, Adam, trunk {args.depth} x Linear({args.width}, {args.width}), "
           f"{args.batch} samples per pipeline per step, CPU (gloo)")
@@ -160,6 +168,9 @@ def main() -> None:
     times = {c: statistics.median(step_times[c]) for c in configs}
     print(f"step time, rank 0, after 2 warm-up steps, median of {args.rounds} round(s): " + ", ".join(
         f"{c} {times[c] * 1e3:.1f} ms ({times['ddp'] / times[c]:.2f}x ddp's throughput)" for c in configs))
+    cpu = {c: statistics.median(cpu_times[c]) for c in configs}
+    print(f"CPU time per step, all 4 ranks together (every thread: compute, FSDP2's hooks, gloo), median of {args.rounds} "
+          "round(s): " + ", ".join(f"{c} {cpu[c] * 1e3:.1f} ms ({cpu[c] / cpu['ddp']:.2f}x ddp)" for c in configs))
 
 
 if __name__ == "__main__":
