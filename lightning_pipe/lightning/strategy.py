@@ -233,7 +233,8 @@ class PipeStrategy(DDPStrategy, metaclass=_NamesItsOptions):
             that names it (docs/large-models.md).
         data_parallel: how the ``pipelines`` copies of a stage share it. ``"ddp"`` (the default): every
             pipeline holds its whole stage and gradients are all-reduced across pipelines. ``"fsdp"``: each
-            trunk layer is an FSDP2 unit sharded across the pipelines' copies of its stage, so parameters,
+            trunk layer (or chunk: ``fsdp_unit``) is an FSDP2 unit sharded over the ``"dp"`` dimension of a
+            ``("dp", "pp")`` device mesh, across the pipelines' copies of its stage, so parameters,
             gradients and optimizer state take about ``1/pipelines`` of the memory per rank; gradients are
             reduce-scattered once per step; parameters outside the trunk stay replicated. Schedules
             ``"gpipe"``, ``"1f1b"``, ``"interleaved_1f1b"``; needs one process per stage and pipeline (no
