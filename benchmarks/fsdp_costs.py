@@ -9,9 +9,14 @@ moves its trunk's gradients or shards the way ``data_parallel="ddp"`` and ``"fsd
 - ``fsdp per stage``: one all-gather and one reduce-scatter of the whole stage (the stage as one unit).
 
 It times nothing but the messages, so set against ``benchmarks/fsdp_memory.py``'s step times it says how
-much of ``"fsdp"``'s extra step time the communication explains. Run::
+much of ``"fsdp"``'s extra step time the communication explains.
 
-    python benchmarks/fsdp_collectives.py --layers 4 --width 512 --repeats 30
+**FSDP2's work** (2 processes): one stage's forward and backward over the micro-batches, plain and under
+``fully_shard`` (each layer a unit, the stage one unit), with the main thread's CPU time beside the wall time:
+FSDP2's own host work is the CPU time it adds; the rest of the wall time it adds is waiting (for its
+messages, and for the partner process to be scheduled on a shared machine). Run::
+
+    python benchmarks/fsdp_costs.py --layers 4 --width 512 --repeats 30
 """
 
 from __future__ import annotations
@@ -88,30 +93,38 @@ def _run_fsdp2(rank: int, world: int, port: int, layers: int, width: int, repeat
         torch.manual_seed(0)
         return nn.Sequential(*[m for _ in range(layers) for m in (nn.Linear(width, width), nn.Tanh())])
 
-    plain, sharded = stage(), stage()
-    units = [m for m in sharded if isinstance(m, nn.Linear)]
-    for unit in units:
-        fully_shard(unit, mesh=mesh, reshard_after_forward=False)
-    timings: dict[str, tuple[float, float]] = {}
-    for name, model in (("plain", plain), ("fully_shard per layer", sharded)):
+    def shard(how: str) -> tuple[nn.Module, list[Any]]:
+        model = stage()
+        linears = [m for m in model if isinstance(m, nn.Linear)]
+        if how == "per layer":  # data_parallel="fsdp", fsdp_unit="layer": each layer its own unit
+            return model, [fully_shard(m, mesh=mesh, reshard_after_forward=False) for m in linears]
+        if how == "per stage":  # fsdp_unit="stage": the stage (an nn.Sequential chunk) one unit
+            return model, [fully_shard(model, mesh=mesh, reshard_after_forward=False)]
+        return model, []
+
+    timings: dict[str, tuple[float, float, float]] = {}
+    for name in ("plain", "per layer", "per stage"):
+        model, units = shard(name)
         optimizer = torch.optim.Adam(model.parameters(), foreach=False)
-        passes, steps = [], []
+        passes, steps, cpu = [], [], []
         for i in range(repeats + 5):
             x = torch.randn(16, width)
-            start = time.perf_counter()
+            start, start_cpu = time.perf_counter(), time.thread_time()
             for mb in range(micro_batches):
                 last = mb == micro_batches - 1
-                for unit in units if model is sharded else ():
-                    unit.set_requires_gradient_sync(last)  # type: ignore[operator]
-                    unit.set_reshard_after_backward(last)  # type: ignore[operator]
+                for unit in units:
+                    unit.set_requires_gradient_sync(last)
+                    unit.set_reshard_after_backward(last)
                 model(x).sum().backward()
-            middle = time.perf_counter()
+            middle, middle_cpu = time.perf_counter(), time.thread_time()
             optimizer.step()
             optimizer.zero_grad()
             if i >= 5:  # warm-up
                 passes.append(middle - start)
+                cpu.append(middle_cpu - start_cpu)
                 steps.append(time.perf_counter() - middle)
-        timings[name] = (statistics.median(passes) * 1e3, statistics.median(steps) * 1e3)
+        name = "plain" if name == "plain" else f"fully_shard {name}"
+        timings[name] = (statistics.median(passes) * 1e3, statistics.median(cpu) * 1e3, statistics.median(steps) * 1e3)
     if rank == 0:
         results.put(timings)
     dist.destroy_process_group()
@@ -137,8 +150,9 @@ def main() -> None:
                        nprocs=2, start_method="spawn")
     print(f"one stage on 2 processes, {args.micro_batches} micro-batches of 16, Adam (foreach=False); ms per step (rank 0, "
           f"median of {args.repeats})")
-    for name, (passes, step) in results.get().items():
-        print(f"  {name:<22} forward+backward {passes:7.2f} ms   optimizer step {step:6.2f} ms")
+    for name, (passes, cpu, step) in results.get().items():
+        print(f"  {name:<28} forward+backward {passes:7.2f} ms (main thread's CPU time {cpu:6.2f} ms)   "
+              f"optimizer step {step:6.2f} ms")
 
 
 if __name__ == "__main__":

@@ -2,12 +2,16 @@
 
 With ``PipeStrategy(pipelines=N, data_parallel="fsdp")`` the N ranks holding the same stage (the
 topology's stage group) each keep ``1/N`` of every trunk layer's parameters, gradients and optimizer
-state. Each trunk layer is its own ``torch.distributed.fsdp.fully_shard`` unit on a one-dimensional
-``DeviceMesh`` ("dp") built from the stage group. A layer is gathered (all-gathered) for its first
-forward of the step and, with ``reshard="step"``, kept whole until its last backward of the step, as
-``torch.distributed.pipelining`` and torchtitan do for pipelines (one all-gather per layer per step);
-with ``reshard="micro_batch"`` it is freed after every forward and every backward and gathered again
-for the next (``2 × micro_batches`` all-gathers, one layer whole at a time).
+state. The units are ``torch.distributed.fsdp.fully_shard`` units on the "dp" dimension of the ("dp", "pp")
+``DeviceMesh`` over the world, made from the topology's stage and pipeline groups (:func:`pipeline_mesh`):
+with ``unit="layer"`` each trunk layer is its own unit; with ``unit="stage"`` each chunk of the stage is one
+(``fully_shard`` on the ``nn.Sequential`` that runs the chunk's layers), so the chunk's parameters are
+gathered and reduce-scattered in one message each and FSDP2's hooks run once per chunk call. A unit is
+gathered (all-gathered) once per step and, with ``reshard="step"``, kept whole until its last backward of the
+step, as ``torch.distributed.pipelining`` and torchtitan do for pipelines (one all-gather per unit per step,
+started when the training step starts: :meth:`ShardedLayers.prefetch`); with ``reshard="micro_batch"`` it is
+freed after every forward and every backward and gathered again for the next (``2 × micro_batches``
+all-gathers, one unit whole at a time).
 
 Gradients are reduce-scattered once per step, not once per micro-batch: every unit runs with
 ``set_requires_gradient_sync(False)`` (FSDP2 sums the micro-batches' gradients unsharded) except
@@ -30,6 +34,7 @@ from contextlib import contextmanager
 from typing import Any, Literal
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
@@ -48,40 +53,87 @@ def replicated(params: Sequence[Tensor]) -> list[Tensor]:
 
 def stage_mesh(group: Any, device: torch.device) -> DeviceMesh:
     """A one-dimensional mesh named ``"dp"`` over the ranks of ``group`` (the stage group: the same stage
-    of every pipeline). Built from the existing group, not from ``init_device_mesh``: the pipeline's
-    point-to-point channel groups (engine/topology.py, engine/p2p.py) must stay the ones the validator
-    proved deadlock-free, and a new world-sized mesh would create its groups in another order."""
+    of every pipeline), for a stage sharded outside a pipeline's :class:`~lightning_pipe.engine.topology.Topology`
+    (the engine used on its own, tests)."""
     return DeviceMesh.from_group(group, device.type, mesh_dim_names=("dp",))
 
 
+def pipeline_mesh(stage_group: Any, pipeline_group: Any, pipelines: int, stages: int, rank: int,
+                  device: torch.device) -> DeviceMesh:
+    """The world as the two-dimensional mesh ``init_device_mesh(device.type, (pipelines, stages),
+    mesh_dim_names=("dp", "pp"))`` describes (rank ``= pipeline × stages + stage``), made from the topology's
+    existing groups instead of new ones: ``"dp"`` is the stage group (what FSDP2 shards over), ``"pp"`` the
+    pipeline group. No group is created, so no rank can create groups in another order, the groups keep the
+    strategy's timeout, and a second Trainer call takes the same groups back (docs/architecture.md).
+
+    Raises:
+        RuntimeError: a group's ranks are not the mesh's row or column holding ``rank`` (the topology numbers
+            ranks differently from the mesh).
+    """
+    layout = torch.arange(pipelines * stages).view(pipelines, stages)
+    for name, group, want in (("dp", stage_group, layout[:, rank % stages]), ("pp", pipeline_group, layout[rank // stages])):
+        got = dist.get_process_group_ranks(group)
+        if got != want.tolist():
+            raise RuntimeError(
+                f"rank {rank}'s {'stage' if name == 'dp' else 'pipeline'} group holds ranks {got}, but the "
+                f"({pipelines}, {stages}) mesh's {name!r} dimension through rank {rank} is {want.tolist()} "
+                "(rank = pipeline × stages + stage): the topology and the mesh number ranks differently."
+            )
+    return DeviceMesh.from_group([stage_group, pipeline_group], device.type, mesh=layout, mesh_dim_names=("dp", "pp"))
+
+
 class ShardedLayers:
-    """This rank's trunk layers, each an FSDP2 unit sharded over the stage group.
+    """This rank's trunk layers as FSDP2 units (each layer, or each chunk) sharded over the stage group.
 
     Args:
         layers: the trunk layers this rank holds (every chunk's, in any order); layers without
             parameters (an activation) are left as they are.
-        group: the stage group (the ranks holding the same stage, one per pipeline).
+        group: the stage group (the ranks holding the same stage, one per pipeline), or a mesh with a
+            ``"dp"`` dimension (:func:`pipeline_mesh`), whose ``"dp"`` the units are sharded over.
         device: this rank's device (the mesh's device type).
         reshard: when a layer's gathered copy is freed. ``"step"``: at the end of the step, in the
             layer's last backward (one all-gather per layer per step; the stage's parameters are whole
             during the step). ``"micro_batch"``: after every forward and every backward (``2 ×``
             micro-batches all-gathers per layer per step; one layer whole at a time).
+        unit: what one FSDP2 unit is. ``"layer"``: each layer of ``layers``. ``"stage"``: each module of
+            ``chunks`` (one per chunk of the stage, each calling its layers in one call, as an ``nn.Sequential``
+            does); one all-gather and one reduce-scatter per chunk instead of per layer.
+        chunks: with ``unit="stage"``, the modules the chunks' forwards call (their layers are ``layers``).
     """
 
-    def __init__(self, layers: Sequence[nn.Module], group: Any, device: torch.device,
-                 reshard: Literal["step", "micro_batch"] = "step") -> None:
+    def __init__(self, layers: Sequence[nn.Module], group: Any | DeviceMesh, device: torch.device,
+                 reshard: Literal["step", "micro_batch"] = "step", unit: Literal["layer", "stage"] = "layer",
+                 chunks: Sequence[nn.Module] | None = None) -> None:
         if reshard not in ("step", "micro_batch"):
             raise ValueError(f"reshard={reshard!r}: use 'step' or 'micro_batch'.")
-        self.mesh = stage_mesh(group, device)
+        if unit not in ("layer", "stage"):
+            raise ValueError(f"unit={unit!r}: use 'layer' or 'stage'.")
+        if unit == "stage" and chunks is None:
+            raise ValueError("unit='stage' shards the modules that run each chunk's layers as one call: pass chunks.")
+        if isinstance(group, DeviceMesh):
+            self.mesh = group["dp"] if group.ndim > 1 else group
+        else:
+            self.mesh = stage_mesh(group, device)
         self.per_step = reshard == "step"
+        #: reshard="step": start the units' all-gathers when a training step starts (:meth:`prefetch`)
+        self.prefetching = True
         self.units: list[FSDPModule] = []
-        for layer in layers:
-            if any(p.requires_grad for p in layer.parameters()):
-                # each layer is its own root, whose gathered parameters FSDP2 keeps after forward by default:
+        for module in (chunks if unit == "stage" else layers):  # type: ignore[union-attr]
+            if any(p.requires_grad for p in module.parameters()):
+                # each unit is its own root, whose gathered parameters FSDP2 keeps after forward by default:
                 # say which is meant
-                fully_shard(layer, mesh=self.mesh, reshard_after_forward=not self.per_step)
-                self.units.append(layer)  # type: ignore[arg-type]
+                fully_shard(module, mesh=self.mesh, reshard_after_forward=not self.per_step)
+                self.units.append(module)  # type: ignore[arg-type]
         self.accumulate()
+
+    def prefetch(self) -> None:
+        """At the start of a training step (``reshard="step"``, while :attr:`prefetching`): start every unit's
+        all-gather now, without waiting for it, so that it runs while this rank waits for its first
+        activation; a unit's first forward waits for its own. The step keeps every unit gathered anyway, so
+        this holds nothing longer than the step does."""
+        if self.per_step and self.prefetching:
+            for unit in self.units:
+                unit.unshard(async_op=True)
 
     def accumulate(self) -> None:
         """From now on a backward adds to the units' unsharded gradients without communicating (and, resharding

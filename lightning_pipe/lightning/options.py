@@ -87,6 +87,7 @@ class PipeOptions:
     release_unused_outside: bool = True
     data_parallel: Literal["ddp", "fsdp"] = "ddp"
     fsdp_reshard: Literal["step", "micro_batch"] = "step"
+    fsdp_unit: Literal["layer", "stage"] = "layer"
 
     @property
     def spec(self) -> ScheduleSpec:
@@ -264,10 +265,16 @@ def _check_data_parallel(o: PipeOptions) -> None:
     if o.fsdp_reshard not in ("step", "micro_batch"):
         raise PipeConfigError(f"fsdp_reshard={o.fsdp_reshard!r} is not known; use 'step' (gather each sharded layer once "
                               "per step) or 'micro_batch' (gather it for every forward and backward, least memory).")
+    if o.fsdp_unit not in ("layer", "stage"):
+        raise PipeConfigError(f"fsdp_unit={o.fsdp_unit!r} is not known; use 'layer' (each trunk layer its own FSDP2 "
+                              "unit) or 'stage' (each chunk of a stage one unit: fewer, larger collectives).")
     if o.data_parallel != "fsdp":
         if o.fsdp_reshard != "step":
             raise PipeConfigError(f"fsdp_reshard={o.fsdp_reshard!r} applies to sharded stages; set data_parallel='fsdp', "
                                   "or leave fsdp_reshard at 'step'.")
+        if o.fsdp_unit != "layer":
+            raise PipeConfigError(f"fsdp_unit={o.fsdp_unit!r} applies to sharded stages; set data_parallel='fsdp', "
+                                  "or leave fsdp_unit at 'layer'.")
         return
     works = ", ".join(map(repr, FSDP_SCHEDULES))
     if not o.spec.synchronous:

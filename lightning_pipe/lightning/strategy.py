@@ -41,7 +41,7 @@ from typing_extensions import override
 from lightning_pipe.engine import Topology, Transport, Watchdog, batch_size, ending, shm
 from lightning_pipe.engine.policies import AvgPipeOptions, DoubleBufferOptions, PipeDreamOptions, PipeMareOptions, XPipeOptions
 from lightning_pipe.engine.policies.options import Averaging, Prediction
-from lightning_pipe.engine.sharding import ShardedLayers, single_tensor_updates_where_mixed
+from lightning_pipe.engine.sharding import ShardedLayers, pipeline_mesh, single_tensor_updates_where_mixed
 from lightning_pipe.engine.stand_ins import move_stand_ins
 from lightning_pipe.engine.watchdog import FAILURE_GRACE
 from lightning_pipe.errors import CheckpointMismatchError, LightningPipeError, PipeConfigError
@@ -235,7 +235,8 @@ class PipeStrategy(DDPStrategy, metaclass=_NamesItsOptions):
             that names it (docs/large-models.md).
         data_parallel: how the ``pipelines`` copies of a stage share it. ``"ddp"`` (the default): every
             pipeline holds its whole stage and gradients are all-reduced across pipelines. ``"fsdp"``: each
-            trunk layer is an FSDP2 unit sharded across the pipelines' copies of its stage, so parameters,
+            trunk layer (or chunk: ``fsdp_unit``) is an FSDP2 unit sharded over the ``"dp"`` dimension of a
+            ``("dp", "pp")`` device mesh, across the pipelines' copies of its stage, so parameters,
             gradients and optimizer state take about ``1/pipelines`` of the memory per rank; gradients are
             reduce-scattered once per step; parameters outside the trunk stay replicated. Schedules
             ``"gpipe"``, ``"1f1b"``, ``"interleaved_1f1b"``; needs one process per stage and pipeline (no
@@ -246,6 +247,12 @@ class PipeStrategy(DDPStrategy, metaclass=_NamesItsOptions):
             optimizer, sharded). ``"micro_batch"``: freed after every micro-batch's forward and backward and
             gathered again for the next, ``2 × micro_batches`` all-gathers per layer per step, for the least
             memory within the step (one layer whole at a time).
+        fsdp_unit: with ``data_parallel="fsdp"``, what one FSDP2 unit is. ``"layer"`` (the default): each
+            trunk layer, gathered and reduce-scattered on its own. ``"stage"``: each chunk of the stage (the
+            whole stage, except with ``interleaved_1f1b``), gathered in one all-gather and reduce-scattered in
+            one reduce-scatter, with FSDP2's hooks once per chunk call; with ``fsdp_reshard="micro_batch"`` the
+            whole chunk is then gathered for every forward and backward. Needs an ``nn.Sequential`` trunk
+            (docs/parallelism.md).
     """
 
     strategy_name = "pipe"
@@ -304,6 +311,7 @@ class PipeStrategy(DDPStrategy, metaclass=_NamesItsOptions):
         release_unused_outside: bool = True,
         data_parallel: Literal["ddp", "fsdp"] = "ddp",
         fsdp_reshard: Literal["step", "micro_batch"] = "step",
+        fsdp_unit: Literal["layer", "stage"] = "layer",
     ) -> None:
         given = locals()  # every option by its name: a new option is a parameter here and a field of PipeOptions
         self.options: PipeOptions = options_module.resolve(
@@ -575,7 +583,16 @@ class PipeStrategy(DDPStrategy, metaclass=_NamesItsOptions):
         if self.options.data_parallel == "fsdp" and self._sharded is None:  # before the optimizer: it keeps the shards
             partition = self._pipeline.partition
             layers = [partition.trunk._modules[str(i)] for i in sorted(partition.owned)]
-            self._sharded = ShardedLayers(layers, self.topology.stage_group, self.root_device, self.options.fsdp_reshard)
+            if self.options.fsdp_unit == "stage" and partition.looped:
+                raise PipeConfigError(
+                    f"fsdp_unit='stage' shards each chunk as one module call, and {partition.name} is an nn.ModuleList "
+                    "whose blocks the step calls one by one; use fsdp_unit='layer', or make the trunk an nn.Sequential."
+                )
+            topology = self.topology
+            mesh = pipeline_mesh(topology.stage_group, topology.pipeline_group, topology.pipelines, topology.stages,
+                                 topology.rank, self.root_device)
+            self._sharded = ShardedLayers(layers, mesh, self.root_device, self.options.fsdp_reshard,
+                                          self.options.fsdp_unit, partition.chunks)
         for metric in module.modules():
             # every stage of a pipeline holds a replica of the last stage's metric state (see
             # log_replay), so metrics must only sync across pipelines, never across stages

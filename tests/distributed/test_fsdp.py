@@ -25,6 +25,8 @@ def assert_state_equal(reference: dict, records: list, pipelines: list[list[int]
 @pytest.mark.parametrize("schedule,extra", [
     ("gpipe", {}), ("1f1b", {}), ("interleaved_1f1b", {"chunks_per_stage": 2}),
     ("1f1b", {"fsdp_reshard": "micro_batch"}), ("interleaved_1f1b", {"chunks_per_stage": 2, "fsdp_reshard": "micro_batch"}),
+    ("1f1b", {"fsdp_unit": "stage"}),
+    ("interleaved_1f1b", {"chunks_per_stage": 2, "fsdp_unit": "stage", "fsdp_reshard": "micro_batch"}),
 ])
 def test_two_sharded_pipelines_equal_one_device_at_double_batch(schedule, extra):
     """2 stages × 2 pipelines, Adam (its state sharded too; its multi-tensor update, CUDA's default, which the
@@ -68,10 +70,11 @@ def test_one_shard_equals_ddp():
     assert_state_equal(reference, runs["fsdp"], [[0, 1]])
 
 
-def test_accumulation_clipping_and_recomputation_equal_one_device():
+@pytest.mark.parametrize("unit", ["layer", "stage"])
+def test_accumulation_clipping_and_recomputation_equal_one_device(unit):
     """accumulate_grad_batches=2 (each batch reduce-scatters, the shards add up), gradient_clip_val (the global norm
-    counts every shard once) and checkpoint_activations (the recomputed forward gathers the layer again), SGD with
-    momentum: equal to one device at twice the batch."""
+    counts every shard once) and checkpoint_activations (the recomputed forward runs inside FSDP2's hooks: of each
+    layer, or of the stage as one unit), SGD with momentum: equal to one device at twice the batch."""
     trainer = {"accumulate_grad_batches": 2, "gradient_clip_val": 0.05}
     reference = train({"max_steps": STEPS, "batch_size": 16, "trainer": trainer})
     unclipped = train({"max_steps": STEPS, "batch_size": 16, "trainer": {"accumulate_grad_batches": 2}})
@@ -79,10 +82,27 @@ def test_accumulation_clipping_and_recomputation_equal_one_device():
     code, output, records = launch({
         "devices": 4, "max_steps": STEPS, "batch_size": 8, "stages": 2, "pipelines_in_sampler": 2, "trainer": trainer,
         "strategy": {"schedule": "1f1b", "micro_batches": 4, "pipelines": 2, "data_parallel": "fsdp",
-                     "checkpoint_activations": True},
+                     "checkpoint_activations": True, "fsdp_unit": unit},
     }, timeout=300)
     assert code == 0, output[-3000:]
     assert_state_equal(reference, records, [[0, 1], [2, 3]])
+
+
+def test_bf16_mixed_equals_ddp():
+    """Lightning's precision plugin composes with sharded stages: "bf16-mixed" (autocast around each stage's step;
+    FSDP2 gathers the fp32 parameters, no MixedPrecisionPolicy) trains the stage-unit "fsdp" pipelines exactly as
+    "ddp" does at the same precision."""
+    runs = {}
+    for extra in ({"data_parallel": "ddp"}, {"data_parallel": "fsdp", "fsdp_unit": "stage"}):
+        code, output, records = launch({
+            "devices": 4, "max_steps": 3, "batch_size": 8, "stages": 2, "pipelines_in_sampler": 2,
+            "model": {"optimizer": "adam"}, "trainer": {"precision": "bf16-mixed"},
+            "strategy": {"schedule": "1f1b", "micro_batches": 4, "pipelines": 2, **extra},
+        }, timeout=300)
+        assert code == 0, output[-3000:]
+        runs[extra["data_parallel"]] = merged_state(records[:2])
+    for key, value in runs["ddp"].items():
+        torch.testing.assert_close(runs["fsdp"][key], value, rtol=1e-5, atol=1e-6, msg=key)
 
 
 def test_sharded_checkpoint_resumes(tmp_path):
@@ -111,10 +131,30 @@ def test_sharded_checkpoint_resumes(tmp_path):
 
 
 
-def _interleaved_sharded_step(rank: int, world: int, reshard: str) -> dict:
+@pytest.mark.parametrize("first,second", [("ddp", "fsdp"), ("fsdp", "ddp")])
+def test_a_checkpoint_resumes_under_the_other_data_parallel(tmp_path, first, second):
+    """A sharded (DCP) checkpoint written after one epoch with one data_parallel resumes under the other (whole
+    tensors read into DTensor shards, or shards into whole tensors, the Adam state too): the second epoch ends
+    equal to one device trained two epochs at twice the batch, as an uninterrupted run does."""
+    common = {"batch_size": 8, "devices": 4, "stages": 2, "pipelines_in_sampler": 2, "model": {"optimizer": "adam"}}
+    pipe = {"schedule": "1f1b", "micro_batches": 4, "pipelines": 2, "save_distributed_checkpoint": True}
+    saved = tmp_path / "epoch1.ckpt"
+    code, output, _ = launch({**common, "epochs": 1, "strategy": {**pipe, "data_parallel": first}, "ckpt_out": str(saved)},
+                             timeout=300)
+    assert code == 0, output[-3000:]
+    code, output, records = launch({**common, "epochs": 2, "strategy": {**pipe, "data_parallel": second},
+                                    "ckpt_path": str(saved)}, timeout=300)
+    assert code == 0, output[-3000:]
+    reference = train({"epochs": 2, "batch_size": 16, "model": {"optimizer": "adam"}})
+    assert [len(r["returned"]) for r in records] == [len(reference["returned"]) // 2] * 4  # it did restore
+    assert_state_equal(reference, records, [[0, 1], [2, 3]])
+
+
+
+def _interleaved_sharded_step(rank: int, world: int, reshard: str, unit: str) -> dict:
     """One device holding two chunks (interleaved_1f1b, 1 stage × 2 chunks, 4 micro-batches), its four Linear
-    layers sharded over ``world`` data-parallel copies: how many reduce-scatters one step makes, and the
-    gradients they leave (gathered whole)."""
+    layers sharded over ``world`` data-parallel copies (each layer a unit, or each chunk): how many
+    reduce-scatters one step makes, and the gradients they leave (gathered whole)."""
     import torch.distributed as dist
     from torch import nn
 
@@ -124,9 +164,10 @@ def _interleaved_sharded_step(rank: int, world: int, reshard: str) -> dict:
 
     torch.manual_seed(0)
     layers = [nn.Linear(4, 4) for _ in range(4)]
-    sharded = ShardedLayers(layers, dist.group.WORLD, torch.device("cpu"), reshard)
-    chunks = [SequentialStage(nn.Sequential(*layers[:2]), input_fn=lambda mb: mb),
-              SequentialStage(nn.Sequential(*layers[2:]), loss_fn=lambda out, mb: out.pow(2).sum())]
+    containers = [nn.Sequential(*layers[:2]), nn.Sequential(*layers[2:])]
+    sharded = ShardedLayers(layers, dist.group.WORLD, torch.device("cpu"), reshard, unit, containers)
+    chunks = [SequentialStage(containers[0], input_fn=lambda mb: mb),
+              SequentialStage(containers[1], loss_fn=lambda out, mb: out.pow(2).sum())]
     executor = Executor(0, [rank], chunks)
     batch = torch.randn(world, 8, 4, generator=torch.Generator().manual_seed(1))
     calls = {"reduce_scatter_single": 0, "all_gather_single": 0}  # FSDP2's collectives (_fsdp_collectives.py)
@@ -149,18 +190,20 @@ def _interleaved_sharded_step(rank: int, world: int, reshard: str) -> dict:
     return {**calls, "batch": batch, "grads": [p.grad.full_tensor() for layer in layers for p in layer.parameters()]}
 
 
-@pytest.mark.parametrize("reshard,gathers", [("step", 4), ("micro_batch", 4 * 4 * 2)])
-def test_each_unit_reduce_scatters_once_per_step(reshard, gathers):
+@pytest.mark.parametrize("reshard,unit,units,gathers", [
+    ("step", "layer", 4, 4), ("micro_batch", "layer", 4, 4 * 4 * 2), ("step", "stage", 2, 2),
+])
+def test_each_unit_reduce_scatters_once_per_step(reshard, unit, units, gathers):
     """interleaved_1f1b on one device with 2 chunks, 4 micro-batches, 2 copies of 4 sharded layers: one
-    reduce-scatter per layer in the step (in its chunk's last backward); one all-gather per layer per step
-    (reshard="step") or one per forward and per backward ("micro_batch"); the gradients equal the mean over
-    both copies' micro-batches."""
+    reduce-scatter per unit (a layer, or a chunk of two) in the step (in its chunk's last backward); one
+    all-gather per unit per step (reshard="step") or one per forward and per backward ("micro_batch"); the
+    gradients equal the mean over both copies' micro-batches."""
     from torch import nn
 
     from tests.harness.distributed import run_workers, values
 
-    results = values(run_workers(_interleaved_sharded_step, 2, reshard, timeout=120))
-    assert [r["reduce_scatter_single"] for r in results] == [4, 4]
+    results = values(run_workers(_interleaved_sharded_step, 2, reshard, unit, timeout=120))
+    assert [r["reduce_scatter_single"] for r in results] == [units, units]
     assert [r["all_gather_single"] for r in results] == [gathers, gathers]
     torch.manual_seed(0)
     layers = nn.Sequential(*[nn.Linear(4, 4) for _ in range(4)])
@@ -168,3 +211,41 @@ def test_each_unit_reduce_scatters_once_per_step(reshard, gathers):
     (layers(batch.reshape(-1, 4)).pow(2).sum() / (4 * 2)).backward()  # 4 micro-batches, 2 copies: their mean
     for got, want in zip(results[0]["grads"], [p.grad for p in layers.parameters()]):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def _pipeline_mesh(rank: int, world: int) -> dict:
+    """The ("dp", "pp") mesh made from a 2 × 2 topology's groups, beside the one ``init_device_mesh`` makes."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from lightning_pipe.engine.sharding import pipeline_mesh
+    from lightning_pipe.engine.topology import Topology
+
+    topology = Topology(2, 2, rank)
+    topology.create_groups()
+    cpu = torch.device("cpu")
+    mesh = pipeline_mesh(topology.stage_group, topology.pipeline_group, 2, 2, rank, cpu)
+    reference = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "pp"))
+    try:
+        pipeline_mesh(topology.pipeline_group, topology.stage_group, 2, 2, rank, cpu)  # the groups swapped
+        error = None
+    except RuntimeError as e:
+        error = str(e)
+    ranks = {name: (dist.get_process_group_ranks(mesh[name].get_group()),
+                    dist.get_process_group_ranks(reference[name].get_group())) for name in ("dp", "pp")}
+    return {"layout": (mesh.mesh.tolist(), reference.mesh.tolist()), "ranks": ranks, "error": error,
+            "reuses": mesh["dp"].get_group() is topology.stage_group and mesh["pp"].get_group() is topology.pipeline_group}
+
+
+def test_the_mesh_is_init_device_meshs_made_from_the_topology_groups():
+    """2 stages × 2 pipelines on gloo: the mesh "fsdp" shards over has init_device_mesh's layout and dimensions,
+    its "dp" and "pp" are the topology's stage and pipeline groups (no new group), and groups that do not match
+    the layout are refused naming both."""
+    from tests.harness.distributed import run_workers, values
+
+    for rank, result in enumerate(values(run_workers(_pipeline_mesh, 4, timeout=120))):
+        assert result["layout"] == ([[0, 1], [2, 3]], [[0, 1], [2, 3]])
+        for mine, reference in result["ranks"].values():
+            assert mine == reference
+        assert result["reuses"]
+        assert "the topology and the mesh number ranks differently" in result["error"], result["error"]

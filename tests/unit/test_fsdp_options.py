@@ -56,3 +56,13 @@ def test_fsdp_reshard_is_checked():
         resolve({"data_parallel": "fsdp", "fsdp_reshard": "layer"})
     with pytest.raises(PipeConfigError, match="applies to sharded stages; set data_parallel='fsdp'"):
         resolve({"fsdp_reshard": "micro_batch"})
+
+
+def test_fsdp_unit_is_checked():
+    assert resolve({"data_parallel": "fsdp", "fsdp_unit": "stage"}).fsdp_unit == "stage"
+    assert resolve({"data_parallel": "fsdp"}).fsdp_unit == "layer"  # the default
+    assert PipeStrategy(pipelines=2, data_parallel="fsdp", fsdp_unit="stage").options.fsdp_unit == "stage"
+    with pytest.raises(PipeConfigError, match="fsdp_unit='chunk' is not known; use 'layer'.*or 'stage'"):
+        resolve({"data_parallel": "fsdp", "fsdp_unit": "chunk"})
+    with pytest.raises(PipeConfigError, match="fsdp_unit='stage' applies to sharded stages; set data_parallel='fsdp'"):
+        resolve({"fsdp_unit": "stage"})

@@ -53,6 +53,8 @@ class FlushRuntime(BaseRuntime):
                 self._reducer = GradientReducer(whole, context.topology.stage_group, context.num_pipelines)
             last_backward, self._reducing = self._reducer.armed, True
         sharding = self.sharding
+        if sharding is not None:
+            sharding.prefetch()
         with context.precision_plugin.train_step_context():
             ran = self.pipeline.flush("training_step", args, kwargs, True, self.schedule, last_backward,
                                       sharding.reducing if sharding is not None else None)
