@@ -557,6 +557,10 @@ class PipeStrategy(DDPStrategy, metaclass=_NamesItsOptions):
         module = self.lightning_module
         self.precision_plugin.convert_module(module)
         fitting = trainer.state.fn == TrainerFn.FITTING
+        if self._pipeline is not None and self._pipeline.module is not module:
+            # a later Trainer call with another LightningModule (trainer.test(Model.load_from_checkpoint(...))): the
+            # pipeline's stage is the earlier module's layers, so this one is cut anew, under the same split
+            self._pipeline = self._runtime = self._sharded = None
         if self._pipeline is None:
             if self._counts is None or checks.builds_in_configure_model(module):  # configure_model has run now
                 self._counts = checks.check_model(self.options, self.num_stages, self.num_pipelines, module, built=True)

@@ -98,3 +98,26 @@ def test_avgpipes_tuner_replaces_the_context_once_before_the_cut(monkeypatch):
     assert strategy._pipeline.context is context and strategy._runtime.context is context
     with pytest.raises(RuntimeError):  # after the pipeline exists (and a second time)
         strategy._adopt_options(strategy.options)
+
+
+def test_a_later_call_with_another_module_cuts_and_runs_that_module():
+    """``trainer.validate(Model.load_from_checkpoint(...))`` after a fit: the strategy's pipeline was cut from the fitted
+    module, so the new instance is cut anew and its own weights are evaluated (one device's value), then trained."""
+    import copy
+
+    strategy = PipeStrategy(schedule="1f1b", stages=2, micro_batches=2)
+    trainer = _trainer(strategy)
+    trainer.fit(TrunkModel(), DataLoader(make_data(32), batch_size=8))
+    other = TrunkModel()
+    with torch.no_grad():
+        for p in other.parameters():
+            p.mul_(1.5)
+    loader = DataLoader(make_data(16, seed=1), batch_size=8)
+    one_device = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False, enable_model_summary=False,
+                           limit_val_batches=1)  # as _trainer
+    expected = one_device.validate(copy.deepcopy(other), loader, verbose=False)[0]["val_loss"]
+    assert trainer.validate(other, loader, verbose=False)[0]["val_loss"] == pytest.approx(expected, abs=1e-6)
+    before = [p.detach().clone() for p in other.parameters()]
+    trainer.fit_loop.epoch_loop.max_steps = 4  # two more steps, on the other module
+    trainer.fit(other, DataLoader(make_data(32), batch_size=8))
+    assert all(not torch.equal(a, p) for a, p in zip(before, other.parameters()))
