@@ -43,10 +43,10 @@ def stepping_copies(optimizer: torch.optim.Optimizer, tensors: Sequence[Tensor])
     for group in optimizer.param_groups:
         group["params"] = [copies[id(p)] if id(p) in copies else placeholder.setdefault(id(p), p.new_empty(0))
                            for p in group["params"]]
-    for p in (p for params in originals for p in params):
-        if id(p) in copies and p in optimizer.state:
-            optimizer.state[copies[id(p)]] = {key: value.clone() if isinstance(value, Tensor) else copy.deepcopy(value)
-                                              for key, value in optimizer.state[p].items()}
+    for t in tensors:
+        if t in optimizer.state:
+            optimizer.state[copies[id(t)]] = {key: value.clone() if isinstance(value, Tensor) else copy.deepcopy(value)
+                                              for key, value in optimizer.state[t].items()}
     try:
         yield [copies[id(t)] for t in tensors]
     finally:

@@ -100,7 +100,7 @@ def balance(context: PipeContext, trainer: Trainer, module: LightningModule) -> 
                 options.chunks_per_stage, options.auto_balance, context.root_device, options.checkpoint_activations, module)
 
     with context.watchdog.guard("rank 0's balance='auto' plan"):
-        auto = auto_balance.agreed(context.global_rank == 0, context.world_size, work)
+        auto = auto_balance.agreed(context.is_global_zero, context.world_size, work)
     warning = auto_balance.noise_warning(auto.profile, options.auto_balance, auto.plan.balance)
     if warning is not None:
         rank_zero_warn(warning)
@@ -180,10 +180,10 @@ def tune_avgpipe(context: PipeContext, trainer: Trainer, module: LightningModule
         return replace(prediction, ranked=fifo)
 
     with context.watchdog.guard("rank 0's avgpipe tuner prediction"):
-        prediction = avgpipe_autotune.agreed(context.global_rank == 0, context.world_size, work)
+        prediction = avgpipe_autotune.agreed(context.is_global_zero, context.world_size, work)
     with context.precision_plugin.train_step_context():
         choice = avgpipe_autotune.decide(
-            prediction, options.avgpipe.trials, lambda p: trial_stage(context, module, counts, p), context.global_rank == 0,
+            prediction, options.avgpipe.trials, lambda p: trial_stage(context, module, counts, p), context.is_global_zero,
             context.world_size, progress=rank_zero_info,
         )
     rank_zero_info(avgpipe_autotune.describe(choice))

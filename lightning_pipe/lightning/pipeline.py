@@ -307,10 +307,10 @@ class StagePipeline:
         """Every stage's ``obj`` on global rank 0 (``None`` elsewhere); only pipeline 0 takes part."""
         topology = self.topology
         if topology.stages == 1:
-            return [obj] if self.context.global_rank == 0 else None
+            return [obj] if self.context.is_global_zero else None
         if topology.pipeline != 0:
             return None
-        parts = [None] * topology.stages if self.context.global_rank == 0 else None
+        parts = [None] * topology.stages if self.context.is_global_zero else None
         with self.watchdog.guard("every stage's part of the checkpoint"):  # through host memory (gloo), even on NCCL
             dist.gather_object(obj, parts, dst=0, group=topology.object_group)
         return parts

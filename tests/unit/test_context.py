@@ -4,6 +4,7 @@ and its runtime were built with it."""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 
 import lightning as L
@@ -103,8 +104,6 @@ def test_avgpipes_tuner_replaces_the_context_once_before_the_cut(monkeypatch):
 def test_a_later_call_with_another_module_cuts_and_runs_that_module():
     """``trainer.validate(Model.load_from_checkpoint(...))`` after a fit: the strategy's pipeline was cut from the fitted
     module, so the new instance is cut anew and its own weights are evaluated (one device's value), then trained."""
-    import copy
-
     strategy = PipeStrategy(schedule="1f1b", stages=2, micro_batches=2)
     trainer = _trainer(strategy)
     trainer.fit(TrunkModel(), DataLoader(make_data(32), batch_size=8))
