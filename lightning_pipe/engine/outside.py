@@ -69,6 +69,35 @@ class OutsideParameters:
             for name in names:
                 self.users.setdefault(name, []).append(stage)
 
+    def modules(self) -> dict[str, nn.Module]:
+        """The modules outside the trunk that hold parameters (the LightningModule itself and the trunk excluded),
+        by name."""
+        trunk = self.prefix[:-1]
+        return {name: m for name, m in self.module.named_modules()
+                if name and name != trunk and not self.in_trunk(name + ".") and any(True for _ in m.parameters())}
+
+    def only_this_stage_trains(self, called: set[str]) -> list[str]:
+        """The modules outside the trunk that ``data_parallel="fsdp"`` shards from the second step on, outermost
+        first and none inside another: each one the first step called (so FSDP2's hooks gather it), every parameter
+        under it trained by this stage alone, tied to no other module, and not a scalar. ``called``: the names of
+        the modules the first step called (:func:`~lightning_pipe.engine.sharding.calls_recorded`)."""
+        users, stage = self.users or {}, self.topology.stage
+        appearances: dict[int, int] = {}
+        for _, p in self.module.named_parameters(remove_duplicate=False):
+            appearances[id(p)] = appearances.get(id(p), 0) + 1
+
+        def shardable(name: str, module: nn.Module) -> bool:
+            return name in called and all(
+                users.get(f"{name}.{n}") == [stage] and appearances[id(p)] == 1 and p.ndim > 0
+                for n, p in module.named_parameters()
+            )
+
+        picked: list[str] = []
+        for name, module in sorted(self.modules().items(), key=lambda item: item[0].count(".")):
+            if not any(name.startswith(outer + ".") for outer in picked) and shardable(name, module):
+                picked.append(name)
+        return picked
+
     def owner(self) -> dict[str, int]:
         """The stage whose copy of each used parameter is authoritative (unused ones: stage 0)."""
         return {name: stages[0] for name, stages in (self.users or {}).items()}

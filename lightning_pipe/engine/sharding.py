@@ -21,15 +21,20 @@ belongs to exactly one chunk, so every unit's last backward of the step runs ins
 reduce-scatters the sum into the sharded parameters' ``.grad`` (a ``DTensor``), averaged over the
 stage group like the ``"ddp"`` all-reduce.
 
-Parameters outside the trunk stay replicated on every copy of the stage and are averaged by
-:class:`~lightning_pipe.engine.collectives.GradientReducer` as with ``"ddp"``: they are read by the
-user's own step code (an embedding, a head, a tied weight used as ``F.linear(h, self.pre.weight.t())``),
-which FSDP2's module hooks would not see. Middle stages hold them as one-element stand-ins anyway.
+Parameters outside the trunk (an embedding, a head) are read by the user's own step code. For the first
+step they stay replicated on every copy of the stage and are averaged by
+:class:`~lightning_pipe.engine.collectives.GradientReducer` as with ``"ddp"``; that step shows which stage
+trains each of them and which modules the step called (:func:`calls_recorded`). From the second step on,
+every module outside the trunk that the step called and whose own parameters only this stage trains, tied to
+no other module, is an FSDP2 unit too (:meth:`ShardedLayers.add`), and its optimizer state moves onto the
+shards (:func:`shard_optimizer_state`). A parameter read directly rather than through its module's call (a
+tied weight used as ``F.linear(h, self.pre.weight.t())``) stays replicated: FSDP2's module hooks would not
+gather it. Middle stages hold these parameters as one-element stand-ins anyway.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, Literal
 
@@ -38,7 +43,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 
 def is_sharded(tensor: Tensor | None) -> bool:
@@ -118,12 +123,16 @@ class ShardedLayers:
         #: reshard="step": start the units' all-gathers when a training step starts (:meth:`prefetch`)
         self.prefetching = True
         self.units: list[FSDPModule] = []
-        for module in (chunks if unit == "stage" else layers):  # type: ignore[union-attr]
-            if any(p.requires_grad for p in module.parameters()):
-                # each unit is its own root, whose gathered parameters FSDP2 keeps after forward by default:
-                # say which is meant
-                fully_shard(module, mesh=self.mesh, reshard_after_forward=not self.per_step)
-                self.units.append(module)  # type: ignore[arg-type]
+        self.add([m for m in (chunks if unit == "stage" else layers) if any(p.requires_grad for p in m.parameters())])  # type: ignore[union-attr]
+
+    def add(self, modules: Iterable[nn.Module]) -> None:
+        """Make each of ``modules`` a unit, sharded and gathered like the others (the trunk's layers at
+        construction; modules outside the trunk from the second step on)."""
+        for module in modules:
+            # each unit is its own root, whose gathered parameters FSDP2 keeps after forward by default:
+            # say which is meant
+            fully_shard(module, mesh=self.mesh, reshard_after_forward=not self.per_step)
+            self.units.append(module)  # type: ignore[arg-type]
         self.accumulate()
 
     def prefetch(self) -> None:
@@ -163,6 +172,40 @@ class ShardedLayers:
     def parameter_bytes(self) -> int:
         """Bytes of this rank's shards of the units' parameters."""
         return sum(local(p).numel() * p.element_size() for unit in self.units for p in unit.parameters())  # type: ignore[attr-defined]
+
+
+@contextmanager
+def calls_recorded(modules: dict[str, nn.Module]) -> Iterator[set[str]]:
+    """Within the block, collect the names of the ``modules`` that are called (through ``nn.Module.__call__``,
+    where FSDP2's hooks run), into the set the block receives."""
+    called: set[str] = set()
+    handles = [module.register_forward_pre_hook(lambda *_, name=name: called.add(name)) for name, module in modules.items()]
+    try:
+        yield called
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def shard_optimizer_state(optimizers: Iterable[torch.optim.Optimizer], replaced: dict[Tensor, Tensor],
+                          mesh: DeviceMesh) -> None:
+    """After :meth:`ShardedLayers.add` replaced whole parameters by sharded ones (``replaced``: old -> new), make
+    the optimizers step the new ones: each param group holds the new parameter in the old one's place, and
+    each state tensor shaped like the parameter keeps only this rank's shard, as FSDP2 splits the parameter
+    (``Shard(0)``; every copy of the stage holds the same state, so no message is sent). Scalars such as
+    Adam's ``step`` stay as they are."""
+    for optimizer in optimizers:
+        for group in optimizer.param_groups:
+            group["params"] = [replaced.get(p, p) for p in group["params"]]
+        for old, new in replaced.items():
+            if old not in optimizer.state:
+                continue
+            state = optimizer.state.pop(old)
+            optimizer.state[new] = {
+                key: distribute_tensor(value, mesh, [Shard(0)], src_data_rank=None)
+                if isinstance(value, Tensor) and value.shape == old.shape and value.ndim > 0 else value
+                for key, value in state.items()
+            }
 
 
 def single_tensor_updates_where_mixed(optimizer: torch.optim.Optimizer) -> int:

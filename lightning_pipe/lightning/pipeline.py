@@ -21,6 +21,7 @@ from lightning_pipe.engine import Executor, Topology, Transport, Watchdog, batch
 from lightning_pipe.engine.local import LocalPipeline
 from lightning_pipe.engine.outside import OutsideParameters
 from lightning_pipe.engine.recorder import ActionRecorder
+from lightning_pipe.engine.sharding import ShardedLayers, shard_optimizer_state
 from lightning_pipe.engine.stand_ins import is_absent, release, replace_outside, runs_outside_code
 from lightning_pipe.errors import PipeConfigError
 from lightning_pipe.lightning.log_replay import LogCapture, combine, replay
@@ -137,6 +138,23 @@ class StagePipeline:
         self.released += named
         release_memory()
         return released
+
+    def shard_outside(self, sharding: ShardedLayers, called: set[str], optimizers: Sequence[torch.optim.Optimizer]) -> list[str]:
+        """``data_parallel="fsdp"``, once the first step showed who trains what: make the modules outside the trunk
+        that only this stage trains, and that step called, FSDP2 units like the trunk's layers
+        (:meth:`OutsideParameters.only_this_stage_trains`; ``called``: the modules it called), and move their
+        optimizer state onto the shards. Every copy of the stage picks the same modules. Return their names."""
+        names = self.outside.only_this_stage_trains(called)
+        if not names:
+            return []
+        modules = [self.module.get_submodule(name) for name in names]
+        whole = [list(module.parameters()) for module in modules]
+        sharding.add(modules)  # FSDP2 puts a sharded parameter in each one's place, in the same order
+        replaced = {old: new for module, olds in zip(modules, whole) for old, new in zip(olds, module.parameters())}
+        shard_optimizer_state(optimizers, replaced, sharding.mesh)
+        del whole, replaced
+        release_memory()
+        return names
 
     def check_released(self) -> None:
         """Stop if a released parameter got a gradient: this rank's step uses it after all (not in the

@@ -238,7 +238,8 @@ class PipeStrategy(DDPStrategy, metaclass=_NamesItsOptions):
             trunk layer (or chunk: ``fsdp_unit``) is an FSDP2 unit sharded over the ``"dp"`` dimension of a
             ``("dp", "pp")`` device mesh, across the pipelines' copies of its stage, so parameters,
             gradients and optimizer state take about ``1/pipelines`` of the memory per rank; gradients are
-            reduce-scattered once per step; parameters outside the trunk stay replicated. Schedules
+            reduce-scattered once per step; from the second step on, the modules outside the trunk that only
+            this stage trains are sharded too (a tied or directly read weight stays replicated). Schedules
             ``"gpipe"``, ``"1f1b"``, ``"interleaved_1f1b"``; needs one process per stage and pipeline (no
             emulation) and ``save_distributed_checkpoint=True`` to write checkpoints (docs/parallelism.md).
         fsdp_reshard: with ``data_parallel="fsdp"``, when a sharded layer's gathered copy is freed. ``"step"``

@@ -12,6 +12,7 @@ from tests.harness.lightning_run import train
 
 STEPS = 4
 TRUNK = [f"model.{2 * i}.{kind}" for i in range(6) for kind in ("weight", "bias")]  # TrunkModel's Linear layers
+OUTSIDE = {0: ["pre.weight", "pre.bias"], 1: ["head.weight", "head.bias"]}  # by stage: the layer only it trains
 
 
 def assert_state_equal(reference: dict, records: list, pipelines: list[list[int]]) -> None:
@@ -41,9 +42,26 @@ def test_two_sharded_pipelines_equal_one_device_at_double_batch(schedule, extra)
     }, timeout=300)
     assert code == 0, output[-3000:]
     assert_state_equal(reference, records, [[0, 1], [2, 3]])
-    for record in records:  # each rank's own trunk layers are sharded, the layers outside the trunk are not
+    for rank, record in enumerate(records):  # each rank's own trunk layers, and from the second step on the layer
+        sharded = set(record["sharded"])     # outside the trunk that its stage alone trains
+        assert sharded & set(TRUNK) and sharded - set(TRUNK) == set(OUTSIDE[rank % 2])
+    assert sorted(set(records[0]["sharded"] + records[1]["sharded"]) & set(TRUNK)) == sorted(TRUNK)
+
+
+def test_a_tied_weight_stays_whole_and_training_equals_one_device():
+    """tie=True: the input layer's weight is read directly after the trunk on the last stage (an LM head tied to
+    its embedding). Both stages train it, so neither shards the input layer, and the head, which no stage trains,
+    stays whole too; training still equals one device at twice the batch."""
+    model = {"optimizer": "adam", "tie": True}
+    reference = train({"max_steps": STEPS, "batch_size": 16, "model": model})
+    code, output, records = launch({
+        "devices": 4, "max_steps": STEPS, "batch_size": 8, "stages": 2, "pipelines_in_sampler": 2, "model": model,
+        "strategy": {"schedule": "1f1b", "micro_batches": 4, "pipelines": 2, "data_parallel": "fsdp"},
+    }, timeout=300)
+    assert code == 0, output[-3000:]
+    assert_state_equal(reference, records, [[0, 1], [2, 3]])
+    for record in records:
         assert record["sharded"] and set(record["sharded"]) <= set(TRUNK)
-    assert sorted(set(records[0]["sharded"] + records[1]["sharded"])) == sorted(TRUNK)
 
 
 def test_one_shard_equals_ddp():

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from contextlib import nullcontext
+from typing import TYPE_CHECKING, Any
 
 from torch import Tensor
 
 from lightning_pipe.engine.collectives import GradientReducer
-from lightning_pipe.engine.sharding import ShardedLayers, replicated
+from lightning_pipe.engine.sharding import ShardedLayers, calls_recorded, replicated, single_tensor_updates_where_mixed
 from lightning_pipe.lightning import _compat
 from lightning_pipe.lightning.runtimes.common import BaseRuntime, trainable, unwrapped
 
@@ -32,15 +33,18 @@ class FlushRuntime(BaseRuntime):
         self.sharding = sharding
         self._reducer: GradientReducer | None = None
         self._reducing = False  # this step's gradients are being averaged across pipelines
+        self._called: set[str] | None = None  # data_parallel="fsdp": the modules outside the trunk the first step called
 
     def training_step(self, args: tuple, kwargs: dict, measuring: bool) -> Tensor:
         context, module = self.context, self.pipeline.module
-        params = trainable(module)
         trainer = module.trainer
         # gradients of earlier batches of an accumulation window; at a window's first batch they are the
         # last step's, which Lightning's zero_grad drops before backward: drop them now, so that they do
         # not stay alive beside this step's (one gradient-sized buffer less at the peak)
         first_of_window = trainer.fit_loop.epoch_loop.batch_idx % trainer.accumulate_grad_batches == 0
+        if self._called is not None and first_of_window:  # data_parallel="fsdp": the step after the first
+            self._shard_outside(trainer)
+        params = trainable(module)
         earlier = [None if first_of_window else p.grad for p in params]
         for p in params:
             p.grad = None  # the step starts from empty gradients
@@ -55,9 +59,13 @@ class FlushRuntime(BaseRuntime):
         sharding = self.sharding
         if sharding is not None:
             sharding.prefetch()
-        with context.precision_plugin.train_step_context():
-            ran = self.pipeline.flush("training_step", args, kwargs, True, self.schedule, last_backward,
-                                      sharding.reducing if sharding is not None else None)
+        recording = sharding is not None and not self.pipeline.outside.known
+        with (calls_recorded(self.pipeline.outside.modules()) if recording else nullcontext(None)) as called:
+            with context.precision_plugin.train_step_context():
+                ran = self.pipeline.flush("training_step", args, kwargs, True, self.schedule, last_backward,
+                                          sharding.reducing if sharding is not None else None)
+        if called is not None:
+            self._called = called
         self.pipeline.seen_batch = True
         self.pipeline.check_released()
         if not self.pipeline.outside.known:
@@ -69,6 +77,16 @@ class FlushRuntime(BaseRuntime):
         for p, grad in zip(params, earlier):
             p.grad = grad
         return self.pipeline.replayed_loss(ran)
+
+    def _shard_outside(self, trainer: Any) -> None:
+        """Shard the modules outside the trunk that only this stage trains (:meth:`StagePipeline.shard_outside`),
+        between two optimizer steps: the first step called them with their parameters whole."""
+        assert self.sharding is not None and self._called is not None
+        optimizers = [unwrapped(o) for o in trainer.optimizers]
+        if self.pipeline.shard_outside(self.sharding, self._called, optimizers):
+            for optimizer in optimizers:  # a group may now mix shards and whole parameters
+                single_tensor_updates_where_mixed(optimizer)
+        self._called = None
 
     def backward(self) -> None:
         self._put_back()
