@@ -108,7 +108,7 @@ class ShardedLayers:
 
     def __init__(self, layers: Sequence[nn.Module], group: Any | DeviceMesh, device: torch.device,
                  reshard: Literal["step", "micro_batch"] = "step", unit: Literal["layer", "stage"] = "layer",
-                 chunks: Sequence[nn.Module] | None = None) -> None:
+                 chunks: Sequence[nn.Module] | None = None, *, deferred: bool = False) -> None:
         if reshard not in ("step", "micro_batch"):
             raise ValueError(f"reshard={reshard!r}: use 'step' or 'micro_batch'.")
         if unit not in ("layer", "stage"):
@@ -123,7 +123,30 @@ class ShardedLayers:
         #: reshard="step": start the units' all-gathers when a training step starts (:meth:`prefetch`)
         self.prefetching = True
         self.units: list[FSDPModule] = []
-        self.add([m for m in (chunks if unit == "stage" else layers) if any(p.requires_grad for p in m.parameters())])  # type: ignore[union-attr]
+        candidates = [m for m in (chunks if unit == "stage" else layers) if any(p.requires_grad for p in m.parameters())]  # type: ignore[union-attr]
+        #: ``deferred``: the units still on the meta device, each sharded once it is initialised (:meth:`shard_initialised`)
+        self.pending: list[nn.Module] = candidates if deferred else []
+        self._chunk_units = unit == "stage"
+        if not deferred:
+            self.add(candidates)
+
+    def shard_initialised(self, module: nn.Module) -> list[nn.Module]:
+        """While the stage is materialized from the meta device (``deferred``), ``module`` was just initialised
+        (:func:`~lightning_pipe.partition.materialize.materialize`): shard the waiting unit it completes (the
+        layer itself; with chunk units, the chunk whose layer it is) once the unit holds no meta tensor, so that
+        the rank holds one unit whole at a time instead of its whole stage. Return the units sharded."""
+        ready = [u for u in self.pending
+                 if (u is module or (self._chunk_units and any(c is module for c in u.children())))
+                 and not any(t.is_meta for t in (*u.parameters(), *u.buffers()))]
+        for unit in ready:
+            self.pending.remove(unit)
+        self.add(ready)
+        return ready
+
+    def shard_pending(self) -> None:
+        """Shard the units :meth:`shard_initialised` did not (once the stage is materialized)."""
+        pending, self.pending = self.pending, []
+        self.add(pending)
 
     def add(self, modules: Iterable[nn.Module]) -> None:
         """Make each of ``modules`` a unit, sharded and gathered like the others (the trunk's layers at

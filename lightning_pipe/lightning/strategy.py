@@ -573,7 +573,12 @@ class PipeStrategy(DDPStrategy, metaclass=_NamesItsOptions):
                 freeze_model_summaries(trainer, module, self.is_global_zero)  # while every layer is here
             self._pipeline = StagePipeline.cut(self.context, module, self._counts)
             if on_meta:  # only this rank's stage gets memory
-                materialize(module, self._construction or MetaConstruction(), getattr(module, INIT_HOOK, None))
+                sharding = self._new_sharding(deferred=True) if self.options.data_parallel == "fsdp" else None
+                materialize(module, self._construction or MetaConstruction(), getattr(module, INIT_HOOK, None),
+                            sharding.shard_initialised if sharding is not None else None)
+                if sharding is not None:  # a layer at a time: the rank never holds its whole stage unsharded
+                    sharding.shard_pending()
+                    self._sharded = sharding
             else:  # built whole in __init__: give the other stages' layers back
                 release_memory()
             self._construction = None
@@ -586,18 +591,7 @@ class PipeStrategy(DDPStrategy, metaclass=_NamesItsOptions):
         self._pipeline.use(self.context)  # a later call's watchdog and process groups
         self.model_to_device()
         if self.options.data_parallel == "fsdp" and self._sharded is None:  # before the optimizer: it keeps the shards
-            partition = self._pipeline.partition
-            layers = [partition.trunk._modules[str(i)] for i in sorted(partition.owned)]
-            if self.options.fsdp_unit == "stage" and partition.looped:
-                raise PipeConfigError(
-                    f"fsdp_unit='stage' shards each chunk as one module call, and {partition.name} is an nn.ModuleList "
-                    "whose blocks the step calls one by one; use fsdp_unit='layer', or make the trunk an nn.Sequential."
-                )
-            topology = self.topology
-            mesh = pipeline_mesh(topology.stage_group, topology.pipeline_group, topology.pipelines, topology.stages,
-                                 topology.rank, self.root_device)
-            self._sharded = ShardedLayers(layers, mesh, self.root_device, self.options.fsdp_reshard,
-                                          self.options.fsdp_unit, partition.chunks)
+            self._sharded = self._new_sharding(deferred=False)
         for metric in module.modules():
             # every stage of a pipeline holds a replica of the last stage's metric state (see
             # log_replay), so metrics must only sync across pipelines, never across stages
@@ -636,6 +630,23 @@ class PipeStrategy(DDPStrategy, metaclass=_NamesItsOptions):
                 for callback in trainer.checkpoint_callbacks:
                     if getattr(callback, "dirpath", None):
                         checkpointing.remove_stale_partials(callback.dirpath)
+
+    def _new_sharding(self, deferred: bool) -> ShardedLayers:
+        """``data_parallel="fsdp"``: this rank's trunk layers as FSDP2 units over the ("dp", "pp") mesh; ``deferred``:
+        each sharded as it is materialized from the meta device (:meth:`ShardedLayers.shard_initialised`)."""
+        assert self._pipeline is not None
+        partition = self._pipeline.partition
+        layers = [partition.trunk._modules[str(i)] for i in sorted(partition.owned)]
+        if self.options.fsdp_unit == "stage" and partition.looped:
+            raise PipeConfigError(
+                f"fsdp_unit='stage' shards each chunk as one module call, and {partition.name} is an nn.ModuleList "
+                "whose blocks the step calls one by one; use fsdp_unit='layer', or make the trunk an nn.Sequential."
+            )
+        topology = self.topology
+        mesh = pipeline_mesh(topology.stage_group, topology.pipeline_group, topology.pipelines, topology.stages,
+                             topology.rank, self.root_device)
+        return ShardedLayers(layers, mesh, self.root_device, self.options.fsdp_reshard, self.options.fsdp_unit,
+                             partition.chunks, deferred=deferred)
 
     def _update_mixed_groups_per_tensor(self) -> None:
         """``data_parallel="fsdp"``: a param group holding the trunk's shards and whole parameters from outside

@@ -22,7 +22,7 @@ import ctypes
 import gc
 import sys
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -115,7 +115,8 @@ def has_meta_tensors(module: nn.Module) -> bool:
     return any(t.is_meta for t in _tensors(module, recurse=True))
 
 
-def materialize(root: nn.Module, construction: MetaConstruction, initialiser: Initialiser | None = None) -> None:
+def materialize(root: nn.Module, construction: MetaConstruction, initialiser: Initialiser | None = None,
+                initialised: Callable[[nn.Module], Iterable[nn.Module]] | None = None) -> None:
     """Give every meta tensor still reachable from ``root`` (the cut module) real CPU memory, with
     the values building the whole module on one CPU would have given it; restore the CPU random
     state one-device construction would leave.
@@ -124,29 +125,40 @@ def materialize(root: nn.Module, construction: MetaConstruction, initialiser: In
         root: the module after the cut: its meta tensors are the ones this rank keeps.
         construction: the record of how the module was built.
         initialiser: called with each module in place of ``module.reset_parameters()``.
+        initialised: called with each module of the construction once it is done (its initialiser ran, after
+            every module built inside it); returns the modules it replaced the tensors of, whose whole
+            tensors are dropped at once (``data_parallel="fsdp"`` shards each trunk layer as soon as it is
+            initialised: :meth:`~lightning_pipe.engine.sharding.ShardedLayers.shard_initialised`).
     """
     kept = {id(t) for t in _tensors(root, recurse=True) if t.is_meta}
     real: dict[int, Tensor] = {}  # id of a kept meta tensor -> its real tensor
     uninitialised = []
     if construction.rng_state is not None:
         torch.set_rng_state(construction.rng_state)
-    for entry in construction.order(root):
+    order = construction.order(root)
+    entries = {id(entry.module): entry for entry in order}
+    for entry in order:
         module = entry.module
         initialise = _initialiser(module, initialiser)
         if initialise is None:  # a stand-in's module counts too: every rank must stop, not only the users
             if any(id(t) in kept for t in _entry_tensors(entry)) or any(is_absent(t) for t in _tensors(module, recurse=False)):
                 uninitialised.append(module)
-            continue
-        current = (dict(module._parameters), dict(module._buffers))
-        module._parameters.update({n: _real(t, real, kept) for n, t in entry.parameters.items()})  # type: ignore[misc]
-        module._buffers.update({n: _real(t, real, kept) for n, t in entry.buffers.items()})  # type: ignore[misc]
-        with torch.no_grad():
-            initialise(module)
-        # back to what the module holds now (a tied weight stays tied), kept tensors already real so
-        # that a parent's initialiser (nn.MultiheadAttention's) reaches its children's values
-        for store, now in ((module._parameters, current[0]), (module._buffers, current[1])):
-            store.clear()
-            store.update({n: real.get(id(t), t) if t is not None else t for n, t in now.items()})
+        else:
+            current = (dict(module._parameters), dict(module._buffers))
+            module._parameters.update({n: _real(t, real, kept) for n, t in entry.parameters.items()})  # type: ignore[misc]
+            module._buffers.update({n: _real(t, real, kept) for n, t in entry.buffers.items()})  # type: ignore[misc]
+            with torch.no_grad():
+                initialise(module)
+            # back to what the module holds now (a tied weight stays tied), kept tensors already real so
+            # that a parent's initialiser (nn.MultiheadAttention's) reaches its children's values
+            for store, now in ((module._parameters, current[0]), (module._buffers, current[1])):
+                store.clear()
+                store.update({n: real.get(id(t), t) if t is not None else t for n, t in now.items()})
+        if initialised is not None and not uninitialised:
+            for replaced in initialised(module):
+                for inner in replaced.modules():
+                    for t in _entry_tensors(entries[id(inner)]) if id(inner) in entries else ():
+                        real.pop(id(t), None)
     if uninitialised:
         names = {id(m): n or "the LightningModule itself" for n, m in root.named_modules()}
         listing = ", ".join(f"{names.get(id(m), '?')} ({type(m).__name__})" for m in uninitialised[:8])

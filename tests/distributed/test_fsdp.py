@@ -267,3 +267,71 @@ def test_the_mesh_is_init_device_meshs_made_from_the_topology_groups():
             assert mine == reference
         assert result["reuses"]
         assert "the topology and the mesh number ranks differently" in result["error"], result["error"]
+
+
+@pytest.mark.parametrize("unit", ["layer", "stage"])
+def test_configure_model_on_the_meta_device_equals_one_device(unit):
+    """Layers built in configure_model (meta device): each rank materializes its stage a unit at a time, sharding
+    each as soon as it is initialised, and training equals one device at twice the batch."""
+    model = {"optimizer": "adam", "configure": True}
+    reference = train({"max_steps": STEPS, "batch_size": 16, "model": model})
+    code, output, records = launch({
+        "devices": 4, "max_steps": STEPS, "batch_size": 8, "stages": 2, "pipelines_in_sampler": 2, "model": model,
+        "strategy": {"schedule": "1f1b", "micro_batches": 4, "pipelines": 2, "data_parallel": "fsdp", "fsdp_unit": unit},
+    }, timeout=300)
+    assert code == 0, output[-3000:]
+    assert_state_equal(reference, records, [[0, 1], [2, 3]])
+
+
+def _materialized_a_layer_at_a_time(rank: int, world: int) -> dict:
+    """Four Linear layers built on the meta device, materialized with a deferred ShardedLayers: how many whole
+    (unsharded) parameters exist each time a layer is sharded, and the layers' values gathered whole."""
+    import torch.distributed as dist
+    from torch import nn
+
+    from lightning_pipe.engine.sharding import ShardedLayers, is_sharded
+    from lightning_pipe.partition.materialize import MetaConstruction, materialize
+
+    class Stage(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.layers = nn.Sequential(*[nn.Linear(8, 8) for _ in range(4)])
+
+    with MetaConstruction() as construction:
+        stage = Stage()
+    layers = list(stage.layers)
+    sharding = ShardedLayers(layers, dist.group.WORLD, torch.device("cpu"), deferred=True)
+    whole_when_initialised = []  # whole layer weights alive as each module is done, before it is sharded
+
+    def initialised(module):
+        import gc
+
+        gc.collect()
+        whole_when_initialised.append(sum(1 for obj in gc.get_objects() if isinstance(obj, nn.Parameter)
+                                          and obj.shape == (8, 8) and not obj.is_meta and not is_sharded(obj)))
+        return sharding.shard_initialised(module)
+
+    materialize(stage, construction, None, initialised)
+    sharding.shard_pending()
+    return {"whole": whole_when_initialised, "pending": len(sharding.pending), "units": len(sharding.units),
+            "weights": [layer.weight.full_tensor() for layer in layers]}
+
+
+def test_a_meta_stage_is_sharded_a_layer_at_a_time():
+    """No rank holds more than one layer whole while its stage is materialized (not the whole stage), and the
+    shards hold exactly the weights building the layers on one CPU gives."""
+    from torch import nn
+
+    from tests.harness.distributed import run_workers, values
+
+    results = values(run_workers(_materialized_a_layer_at_a_time, 2, timeout=120))
+    torch.manual_seed(0)
+    reference = [nn.Linear(8, 8) for _ in range(4)]
+    for result in results:
+        assert result["units"] == 4 and result["pending"] == 0
+        # as each Linear is done, its own weight is the only whole one: the layers before it were sharded and
+        # their whole weights freed
+        assert result["whole"] == [1, 1, 1, 1]
+        for got, want in zip(result["weights"], reference):
+            torch.testing.assert_close(got, want.weight, rtol=0, atol=0)
