@@ -55,7 +55,10 @@ CONFIGS = {"ddp": {"data_parallel": "ddp"}, "fsdp step": {"data_parallel": "fsdp
            # the same without starting the step's all-gathers at its start (ShardedLayers.prefetch): each unit
            # gathers at its first forward
            "fsdp step no-prefetch": {"data_parallel": "fsdp", "fsdp_reshard": "step"},
-           "fsdp stage no-prefetch": {"data_parallel": "fsdp", "fsdp_reshard": "step", "fsdp_unit": "stage"}}
+           "fsdp stage no-prefetch": {"data_parallel": "fsdp", "fsdp_reshard": "step", "fsdp_unit": "stage"},
+           # the same with FSDP2's hooks on every forward (ShardedLayers.early_forward off)
+           "fsdp step hooked": {"data_parallel": "fsdp", "fsdp_reshard": "step"},
+           "fsdp stage hooked": {"data_parallel": "fsdp", "fsdp_reshard": "step", "fsdp_unit": "stage"}}
 DEFAULT_CONFIGS = ("ddp", "fsdp step", "fsdp micro_batch", "fsdp stage")
 
 
@@ -92,6 +95,8 @@ def run(config: str, width: int, depth: int, batch: int, steps: int, out: str) -
         def on_train_start(self, trainer, module):
             if config.endswith("no-prefetch"):
                 trainer.strategy.sharding.prefetching = False
+            if config.endswith("hooked"):
+                trainer.strategy.sharding.quiet_early_forwards = False
 
         def on_train_batch_start(self, trainer, module, batch, batch_idx):
             self.started, self.started_cpu = time.perf_counter(), time.process_time()

@@ -109,6 +109,7 @@ class ScheduleRunner(Protocol):
         carry_over: bool = False,
         last_backward: Callable[[], ContextManager[Any]] | None = None,
         chunk_last_backward: Callable[[], ContextManager[Any]] | None = None,
+        chunk_early_forward: Callable[[], ContextManager[Any]] | None = None,
     ) -> list[Any]:
         """Run the schedule's actions; what the last virtual stage returned for each micro-batch forwarded."""
         ...
@@ -192,6 +193,7 @@ class Executor:
         carry_over: bool = False,
         last_backward: Callable[[], ContextManager[Any]] | None = None,
         chunk_last_backward: Callable[[], ContextManager[Any]] | None = None,
+        chunk_early_forward: Callable[[], ContextManager[Any]] | None = None,
     ) -> list[Any]:
         """Run this device's actions for one step (or one window of an asynchronous segment).
 
@@ -214,6 +216,9 @@ class Executor:
                 are final (e.g. :meth:`~lightning_pipe.engine.collectives.GradientReducer.armed`).
             chunk_last_backward: wraps the last backward of each chunk of this device, after which the
                 gradients of that chunk's own layers are final (FSDP2's reduce-scatter, :mod:`~.sharding`).
+            chunk_early_forward: wraps every forward of a chunk but the one whose backward is the chunk's
+                last: forwards whose backward only adds to gradients that a later one completes (FSDP2 units
+                kept gathered for the step run them without FSDP2's hooks, :mod:`~.sharding`).
 
         Returns:
             What the last virtual stage returned for every micro-batch forwarded in this run (in
@@ -221,7 +226,7 @@ class Executor:
             a forward-only schedule); an empty list elsewhere.
         """
         self.begin(schedule, micro_batches, loss_weights, scale_loss, first_micro_batch, carry_over, last_backward,
-                   chunk_last_backward)
+                   chunk_last_backward, chunk_early_forward)
         try:
             for index in range(len(schedule.actions[self.device_index])):
                 self.execute(index, step)
@@ -254,6 +259,7 @@ class Executor:
         carry_over: bool = False,
         last_backward: Callable[[], ContextManager[Any]] | None = None,
         chunk_last_backward: Callable[[], ContextManager[Any]] | None = None,
+        chunk_early_forward: Callable[[], ContextManager[Any]] | None = None,
     ) -> None:
         """Prepare a run (arguments as in :meth:`run`)."""
         if not carry_over and len(micro_batches) != schedule.micro_batches * schedule.replicas:
@@ -272,8 +278,14 @@ class Executor:
         backwards = [i for i, a in enumerate(schedule.actions[self.device_index])
                      if a.kind in (Kind.BACKWARD, Kind.BACKWARD_WEIGHT)]
         self._last_backward = (backwards[-1], last_backward) if backwards and last_backward is not None else None
-        last_of_chunk = {schedule.actions[self.device_index][i].chunk: i for i in backwards}
+        actions = schedule.actions[self.device_index]
+        last_of_chunk = {actions[i].chunk: i for i in backwards}
         self._chunk_last_backward = (set(last_of_chunk.values()), chunk_last_backward) if chunk_last_backward else None
+        self._chunk_early_forward = None
+        if chunk_early_forward is not None:
+            completing = {(actions[i].chunk, actions[i].micro_batch) for i in last_of_chunk.values()}
+            early = {i for i, a in enumerate(actions) if a.kind is Kind.FORWARD and (a.chunk, a.micro_batch) not in completing}
+            self._chunk_early_forward = (early, chunk_early_forward)
         self._received: dict[tuple[Kind, int, int], _PendingReceive] = {}
         self._header_decisions: dict[tuple[Kind, int, int, int], bool] = {}  # receives that could not be posted yet
         self._taken: set[tuple[Kind, int, int, int]] = set()  # receives their compute consumed this run
@@ -292,7 +304,8 @@ class Executor:
         action = actions[index]
         last = self._last_backward is not None and index == self._last_backward[0]
         chunk_last = self._chunk_last_backward is not None and index in self._chunk_last_backward[0]
-        if not (last or chunk_last):
+        early = self._chunk_early_forward is not None and index in self._chunk_early_forward[0]
+        if not (last or chunk_last or early):
             self._execute(actions, index, action, step)
             return
         with ExitStack() as wrapped:
@@ -300,6 +313,8 @@ class Executor:
                 wrapped.enter_context(self._last_backward[1]())  # type: ignore[index]
             if chunk_last:
                 wrapped.enter_context(self._chunk_last_backward[1]())  # type: ignore[index]
+            if early:
+                wrapped.enter_context(self._chunk_early_forward[1]())  # type: ignore[index]
             self._execute(actions, index, action, step)
 
     def _execute(self, actions: Sequence[Action], index: int, action: Action, step: Callable[[], None] | None) -> None:

@@ -207,11 +207,13 @@ class LocalPipeline:
         carry_over: bool = False,
         last_backward: Callable[[], ContextManager[Any]] | None = None,
         chunk_last_backward: Callable[[], ContextManager[Any]] | None = None,
+        chunk_early_forward: Callable[[], ContextManager[Any]] | None = None,
     ) -> list[Any]:
         """Run every device's actions (arguments and result as :meth:`Executor.run`; ``step`` is
         called at every device's STEP when it has no weight policy). ``last_backward`` is not used:
         in one process nothing could overlap it, so a gradient reducer does all its work after the run;
-        nor is ``chunk_last_backward`` (an emulated pipeline has no data-parallel copies to shard across)."""
+        nor are ``chunk_last_backward`` and ``chunk_early_forward`` (an emulated pipeline has no data-parallel copies
+        to shard across)."""
         if (schedule.stages, schedule.chunks, schedule.placement) != (self.stages, self.chunks_per_stage, self.placement):
             raise ValueError(
                 f"this pipeline emulates {self.stages} stages × {self.chunks_per_stage} chunks placed {self.placement!r}; "

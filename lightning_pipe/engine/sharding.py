@@ -46,6 +46,20 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 
+def _quiet_state() -> Any:
+    """FSDP2's training state in which a unit's forward hooks do nothing but make sure it is gathered (the state of
+    a forward recomputed by activation checkpointing in backward), or ``None`` where this PyTorch has none."""
+    try:
+        from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
+    except ImportError:
+        return None
+    return getattr(TrainingState, "PRE_BACKWARD", None) if hasattr(FSDPModule, "_get_fsdp_state") else None
+
+
+#: see :meth:`ShardedLayers.early_forward`
+_QUIET = _quiet_state()
+
+
 def is_sharded(tensor: Tensor | None) -> bool:
     """Whether ``tensor`` is a sharded parameter (a ``DTensor``; FSDP2 turns a unit's parameters into them)."""
     return isinstance(tensor, DTensor)
@@ -122,6 +136,8 @@ class ShardedLayers:
         self.per_step = reshard == "step"
         #: reshard="step": start the units' all-gathers when a training step starts (:meth:`prefetch`)
         self.prefetching = True
+        #: reshard="step": run the forwards whose backward is not their chunk's last without FSDP2's hooks (:meth:`early_forward`)
+        self.quiet_early_forwards = True
         self.units: list[FSDPModule] = []
         candidates = [m for m in (chunks if unit == "stage" else layers) if any(p.requires_grad for p in m.parameters())]  # type: ignore[union-attr]
         #: ``deferred``: the units still on the meta device, each sharded once it is initialised (:meth:`shard_initialised`)
@@ -174,6 +190,30 @@ class ShardedLayers:
             unit.set_requires_gradient_sync(False)
             if self.per_step:
                 unit.set_reshard_after_backward(False)
+
+    @contextmanager
+    def early_forward(self) -> Iterator[None]:
+        """Around a forward whose backward is not its chunk's last (the executor's ``chunk_early_forward``): with
+        ``reshard="step"`` the units stay gathered for the whole step, so this forward runs them as plain modules,
+        without FSDP2's hooks (gathering, casting, registering its backward hooks: host work per unit and call
+        that only the forward whose backward reduce-scatters needs). Its backward adds to the gathered
+        parameters' ``.grad``, where FSDP2 sums the micro-batches anyway, and the chunk's last backward, run with
+        the hooks, reduce-scatters that sum. FSDP2's own path for a forward recomputed in backward is what skips
+        the hooks (:data:`_QUIET`); with ``reshard="micro_batch"``, or a PyTorch without that path, the hooks run."""
+        if not (self.per_step and self.quiet_early_forwards and _QUIET is not None):
+            yield
+            return
+        states = []
+        for unit in self.units:
+            unit.unshard()  # this step's all-gather (prefetched, or now) and FSDP2's one-time setup; then a no-op
+            state = unit._get_fsdp_state()
+            states.append((state, state._training_state))
+            state._training_state = _QUIET
+        try:
+            yield
+        finally:
+            for state, before in states:
+                state._training_state = before
 
     @contextmanager
     def reducing(self) -> Iterator[None]:

@@ -257,9 +257,10 @@ class StagePipeline:
         return Ran(outputs, [batch_size(mb) for mb in micro_batches], batch_size(batch), capture)
 
     def flush(self, hook: str, args: tuple, kwargs: dict, training: bool, schedule: str,
-              last_backward: Callable[[], Any] | None = None, chunk_last_backward: Callable[[], Any] | None = None) -> Ran:
-        """One flushed step of the synchronous ``schedule`` (forwards only when not ``training``); ``last_backward``
-        and ``chunk_last_backward`` as in :meth:`~lightning_pipe.engine.executor.Executor.run`."""
+              last_backward: Callable[[], Any] | None = None, chunk_last_backward: Callable[[], Any] | None = None,
+              chunk_early_forward: Callable[[], Any] | None = None) -> Ran:
+        """One flushed step of the synchronous ``schedule`` (forwards only when not ``training``); ``last_backward``,
+        ``chunk_last_backward`` and ``chunk_early_forward`` as in :meth:`~lightning_pipe.engine.executor.Executor.run`."""
         context = self.context
         scaler = getattr(context.precision_plugin, "scaler", None) if training else None
         accumulate = self.module.trainer.accumulate_grad_batches if training else 1
@@ -273,7 +274,8 @@ class StagePipeline:
             plan = build_schedule(schedule, context.num_stages, len(micro_batches), context.options.chunks_per_stage,
                                   not training)
             return self.executor.run(plan, micro_batches, weights, scale_loss=scaler.scale if scaler else None,
-                                     last_backward=last_backward, chunk_last_backward=chunk_last_backward)
+                                     last_backward=last_backward, chunk_last_backward=chunk_last_backward,
+                                     chunk_early_forward=chunk_early_forward)
 
         return self.run(hook, args, kwargs, training, split, launch)
 

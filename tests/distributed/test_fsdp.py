@@ -169,7 +169,7 @@ def test_a_checkpoint_resumes_under_the_other_data_parallel(tmp_path, first, sec
 
 
 
-def _interleaved_sharded_step(rank: int, world: int, reshard: str, unit: str) -> dict:
+def _interleaved_sharded_step(rank: int, world: int, reshard: str, unit: str, quiet: bool = False) -> dict:
     """One device holding two chunks (interleaved_1f1b, 1 stage × 2 chunks, 4 micro-batches), its four Linear
     layers sharded over ``world`` data-parallel copies (each layer a unit, or each chunk): how many
     reduce-scatters one step makes, and the gradients they leave (gathered whole)."""
@@ -199,30 +199,49 @@ def _interleaved_sharded_step(rank: int, world: int, reshard: str, unit: str) ->
 
     for name in calls:
         setattr(dist, name, counting(name))
+    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+
+    pre_forward = FSDPParamGroup.pre_forward  # FSDP2's per-unit forward hook work
+    calls["pre_forward"] = 0
+
+    def counted_pre_forward(self, *args, **kwargs):
+        calls["pre_forward"] += 1
+        return pre_forward(self, *args, **kwargs)
+
+    FSDPParamGroup.pre_forward = counted_pre_forward
     try:
         executor.run(build_schedule("interleaved_1f1b", 1, 4, 2), split_micro_batches(batch[rank], 4),
-                     chunk_last_backward=sharded.reducing)
+                     chunk_last_backward=sharded.reducing, chunk_early_forward=sharded.early_forward if quiet else None)
     finally:
+        FSDPParamGroup.pre_forward = pre_forward
         for name, original in originals.items():
             setattr(dist, name, original)
     return {**calls, "batch": batch, "grads": [p.grad.full_tensor() for layer in layers for p in layer.parameters()]}
 
 
-@pytest.mark.parametrize("reshard,unit,units,gathers", [
-    ("step", "layer", 4, 4), ("micro_batch", "layer", 4, 4 * 4 * 2), ("step", "stage", 2, 2),
+@pytest.mark.parametrize("reshard,unit,quiet,units,gathers,hooked", [
+    ("step", "layer", False, 4, 4, 4 * 4), ("micro_batch", "layer", False, 4, 4 * 4 * 2, 4 * 4),
+    ("step", "stage", False, 2, 2, 2 * 4),
+    # forwards whose backward is not their chunk's last run without FSDP2's hooks: one hooked forward per unit
+    ("step", "layer", True, 4, 4, 4), ("step", "stage", True, 2, 2, 2),
+    ("micro_batch", "layer", True, 4, 4 * 4 * 2, 4 * 4),  # every forward gathers: no quiet forwards
 ])
-def test_each_unit_reduce_scatters_once_per_step(reshard, unit, units, gathers):
+def test_each_unit_reduce_scatters_once_per_step(reshard, unit, quiet, units, gathers, hooked):
     """interleaved_1f1b on one device with 2 chunks, 4 micro-batches, 2 copies of 4 sharded layers: one
     reduce-scatter per unit (a layer, or a chunk of two) in the step (in its chunk's last backward); one
-    all-gather per unit per step (reshard="step") or one per forward and per backward ("micro_batch"); the
+    all-gather per unit per step (reshard="step") or one per forward and per backward ("micro_batch"); FSDP2's
+    forward hooks on every forward, or (``early_forward``) on the one whose backward reduce-scatters; the
     gradients equal the mean over both copies' micro-batches."""
     from torch import nn
 
+    from lightning_pipe.engine import sharding
     from tests.harness.distributed import run_workers, values
 
-    results = values(run_workers(_interleaved_sharded_step, 2, reshard, unit, timeout=120))
+    assert sharding._QUIET is not None, "this PyTorch's FSDP2 has no quiet forward path: every forward runs the hooks"
+    results = values(run_workers(_interleaved_sharded_step, 2, reshard, unit, quiet, timeout=120))
     assert [r["reduce_scatter_single"] for r in results] == [units, units]
     assert [r["all_gather_single"] for r in results] == [gathers, gathers]
+    assert [r["pre_forward"] for r in results] == [hooked, hooked]
     torch.manual_seed(0)
     layers = nn.Sequential(*[nn.Linear(4, 4) for _ in range(4)])
     batch = results[0]["batch"]

@@ -63,7 +63,8 @@ class FlushRuntime(BaseRuntime):
         with (calls_recorded(self.pipeline.outside.modules()) if recording else nullcontext(None)) as called:
             with context.precision_plugin.train_step_context():
                 ran = self.pipeline.flush("training_step", args, kwargs, True, self.schedule, last_backward,
-                                          sharding.reducing if sharding is not None else None)
+                                          sharding.reducing if sharding is not None else None,
+                                          sharding.early_forward if sharding is not None else None)
         if called is not None:
             self._called = called
         self.pipeline.seen_batch = True
