@@ -13,6 +13,11 @@ started when the training step starts: :meth:`ShardedLayers.prefetch`); with ``r
 freed after every forward and every backward and gathered again for the next (``2 × micro_batches``
 all-gathers, one unit whole at a time).
 
+With ``reshard="step"`` only the forward whose backward is its chunk's last needs FSDP2's hooks (the one whose
+backward reduce-scatters); the chunk's other forwards run the gathered units as plain modules
+(:meth:`ShardedLayers.early_forward`). A stage built on the meta device (``configure_model``) is sharded a unit
+at a time as it is materialized (``deferred``, :meth:`ShardedLayers.shard_initialised`), never whole.
+
 Gradients are reduce-scattered once per step, not once per micro-batch: every unit runs with
 ``set_requires_gradient_sync(False)`` (FSDP2 sums the micro-batches' gradients unsharded) except
 inside :meth:`ShardedLayers.reducing`, which the executor enters around each chunk's last backward
@@ -118,6 +123,8 @@ class ShardedLayers:
             ``chunks`` (one per chunk of the stage, each calling its layers in one call, as an ``nn.Sequential``
             does); one all-gather and one reduce-scatter per chunk instead of per layer.
         chunks: with ``unit="stage"``, the modules the chunks' forwards call (their layers are ``layers``).
+        deferred: the layers are still on the meta device: shard none now, each as it is initialised
+            (:meth:`shard_initialised`, then :meth:`shard_pending`).
     """
 
     def __init__(self, layers: Sequence[nn.Module], group: Any | DeviceMesh, device: torch.device,
