@@ -169,6 +169,24 @@ def test_a_checkpoint_resumes_under_the_other_data_parallel(tmp_path, first, sec
 
 
 
+def test_a_checkpoint_resumes_under_another_mesh_shape(tmp_path):
+    """A sharded checkpoint of a (2 pipelines × 2 stages) mesh, written after one epoch, resumes on a (1 × 2) one:
+    DCP reads each pair of shards into one rank's whole stage (its units sharded over a one-rank mesh), and the
+    second epoch at the same global batch ends equal to one device trained two epochs."""
+    model = {"optimizer": "adam"}
+    pipe = {"schedule": "1f1b", "micro_batches": 4, "data_parallel": "fsdp", "save_distributed_checkpoint": True}
+    saved = tmp_path / "epoch1.ckpt"
+    code, output, _ = launch({"devices": 4, "stages": 2, "pipelines_in_sampler": 2, "batch_size": 8, "epochs": 1,
+                              "model": model, "strategy": {**pipe, "pipelines": 2}, "ckpt_out": str(saved)}, timeout=300)
+    assert code == 0, output[-3000:]
+    code, output, records = launch({"devices": 2, "batch_size": 16, "epochs": 2, "model": model, "strategy": pipe,
+                                    "ckpt_path": str(saved)}, timeout=300)
+    assert code == 0, output[-3000:]
+    reference = train({"epochs": 2, "batch_size": 16, "model": model})
+    assert [len(r["returned"]) for r in records] == [len(reference["returned"]) // 2] * 2  # it did restore
+    assert_state_equal(reference, records, [[0, 1]])
+
+
 def _interleaved_sharded_step(rank: int, world: int, reshard: str, unit: str, quiet: bool = False) -> dict:
     """One device holding two chunks (interleaved_1f1b, 1 stage × 2 chunks, 4 micro-batches), its four Linear
     layers sharded over ``world`` data-parallel copies (each layer a unit, or each chunk): how many
