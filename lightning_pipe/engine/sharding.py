@@ -263,10 +263,12 @@ def shard_optimizer_state(optimizers: Iterable[torch.optim.Optimizer], replaced:
     the optimizers step the new ones: each param group holds the new parameter in the old one's place, and
     each state tensor shaped like the parameter keeps only this rank's shard, as FSDP2 splits the parameter
     (``Shard(0)``; every copy of the stage holds the same state, so no message is sent). Scalars such as
-    Adam's ``step`` stay as they are."""
+    Adam's ``step`` stay as they are. A group that now mixes shards and whole parameters updates them one by
+    one (:func:`single_tensor_updates_where_mixed`)."""
     for optimizer in optimizers:
         for group in optimizer.param_groups:
             group["params"] = [replaced.get(p, p) for p in group["params"]]
+        single_tensor_updates_where_mixed(optimizer)
         for old, new in replaced.items():
             if old not in optimizer.state:
                 continue

@@ -156,8 +156,9 @@ def materialize(root: nn.Module, construction: MetaConstruction, initialiser: In
                 store.update({n: real.get(id(t), t) if t is not None else t for n, t in now.items()})
         if initialised is not None and not uninitialised:
             for replaced in initialised(module):
-                for inner in replaced.modules():
-                    for t in _entry_tensors(entries[id(inner)]) if id(inner) in entries else ():
+                for inner in replaced.modules():  # the whole tensors it no longer holds
+                    done = entries.get(id(inner))
+                    for t in _entry_tensors(done) if done is not None else ():
                         real.pop(id(t), None)
     if uninitialised:
         names = {id(m): n or "the LightningModule itself" for n, m in root.named_modules()}

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 from torch import Tensor
 
 from lightning_pipe.engine.collectives import GradientReducer
-from lightning_pipe.engine.sharding import ShardedLayers, calls_recorded, replicated, single_tensor_updates_where_mixed
+from lightning_pipe.engine.sharding import ShardedLayers, calls_recorded, replicated
 from lightning_pipe.lightning import _compat
 from lightning_pipe.lightning.runtimes.common import BaseRuntime, trainable, unwrapped
 
@@ -83,10 +83,7 @@ class FlushRuntime(BaseRuntime):
         """Shard the modules outside the trunk that only this stage trains (:meth:`StagePipeline.shard_outside`),
         between two optimizer steps: the first step called them with their parameters whole."""
         assert self.sharding is not None and self._called is not None
-        optimizers = [unwrapped(o) for o in trainer.optimizers]
-        if self.pipeline.shard_outside(self.sharding, self._called, optimizers):
-            for optimizer in optimizers:  # a group may now mix shards and whole parameters
-                single_tensor_updates_where_mixed(optimizer)
+        self.pipeline.shard_outside(self.sharding, self._called, [unwrapped(o) for o in trainer.optimizers])
         self._called = None
 
     def backward(self) -> None:
