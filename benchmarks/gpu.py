@@ -2,7 +2,7 @@
 
     PYTHONPATH=. python benchmarks/gpu.py                              # the issue's GPT on one GPU
     PYTHONPATH=. python benchmarks/gpu.py --device cpu --tiny          # a dry run on the CPU
-    PYTHONPATH=. python benchmarks/gpu.py --profile zbv --profile-dir traces/
+    PYTHONPATH=. python benchmarks/gpu.py --variants accumulation 1f1b zbv --profile 1f1b zbv --profile-dir traces/
 
 The model is a GPT (pre-LN blocks, causal attention through ``scaled_dot_product_attention``): by
 default d_model 2048, 8 blocks, sequence 1024, batch 32, ``bf16-mixed``, AdamW. Every variant trains
@@ -24,8 +24,10 @@ synchronisation raises a warning; the timing's own ``torch.cuda.synchronize`` is
 result is a markdown table (and ``--json`` rows); write the device, versions and date beside it
 (printed above the table).
 
-``--profile SCHEDULE`` also records two steps of that variant with ``torch.profiler`` (CPU and CUDA
-activities) into a Chrome trace in ``--profile-dir``: where the host stalls around the optimizer step.
+``--profile VARIANT ...`` also records two steps of those variants with ``torch.profiler`` (CPU and CUDA
+activities), after the timed and counted ones, every executor action labelled, and writes to
+``--profile-dir`` (and prints) where the device idles: its busy share, the idle time during each executor
+action, the optimizer step and the CUDA calls that wait for the device, and the idle time between steps.
 """
 
 from __future__ import annotations
@@ -41,7 +43,10 @@ import statistics
 import sys
 import time
 import warnings
-from dataclasses import asdict, dataclass
+from collections import Counter
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import lightning as L
@@ -118,19 +123,22 @@ class Tokens(Dataset):
 
 
 class StepClock(L.Callback):
-    """Times optimizer steps ``warmup .. warmup + steps``, then counts host synchronisations over
-    ``sync_steps`` more; optionally profiles two steps after the warm-up."""
+    """Times optimizer steps ``warmup .. warmup + steps``, then counts host synchronisations (and where they
+    come from) over ``sync_steps`` more; optionally profiles the two steps after those."""
 
     def __init__(self, cuda: bool, warmup: int, steps: int, sync_steps: int, profile_dir: str | None, label: str) -> None:
         self.cuda, self.warmup, self.steps, self.sync_steps = cuda, warmup, steps, sync_steps
         self.times: list[float] = []
         self.syncs = 0
+        self.sync_sites: Counter[str] = Counter()
         self.peak = 0
         self._last_step = -1
         self._recorder: warnings.catch_warnings | None = None
         self._caught: list[warnings.WarningMessage] = []
         self.profile_dir, self.label = profile_dir, label
+        self.profile_start = warmup + steps + sync_steps
         self._profiler: torch.profiler.profile | None = None
+        self._labels: ExitStack | None = None
 
     def _sync(self) -> None:
         if self.cuda:
@@ -149,7 +157,6 @@ class StepClock(L.Callback):
                 torch.cuda.reset_peak_memory_stats()
             if step == timing_end and self.cuda:
                 self.peak = torch.cuda.max_memory_allocated()
-        self._profile(step)
         if step == timing_end and self.cuda and self.sync_steps:  # count from here on
             self._recorder = warnings.catch_warnings(record=True)
             self._caught = self._recorder.__enter__()
@@ -157,36 +164,133 @@ class StepClock(L.Callback):
             torch.cuda.set_sync_debug_mode("warn")
         elif step == timing_end + self.sync_steps and self._recorder is not None:
             self.stop_counting()
+        self._profile(step)
 
     def stop_counting(self) -> None:
         if self._recorder is None:
             return
         torch.cuda.set_sync_debug_mode("default")
-        self.syncs = sum("synchroniz" in str(w.message) for w in self._caught)
+        caught = [w for w in self._caught if "synchroniz" in str(w.message)]
+        self.syncs = len(caught)
+        self.sync_sites = Counter(f"{os.path.relpath(w.filename)}:{w.lineno}" for w in caught)
         self._recorder.__exit__(None, None, None)
         self._recorder = None
 
     def _profile(self, step: int) -> None:
         if self.profile_dir is None:
             return
-        if step == self.warmup:
+        if step == self.profile_start:
+            self._sync()
             activities = [torch.profiler.ProfilerActivity.CPU]
             if self.cuda:
                 activities.append(torch.profiler.ProfilerActivity.CUDA)
+            self._labels = ExitStack()
+            self._labels.enter_context(labelled_actions())
             self._profiler = torch.profiler.profile(activities=activities, record_shapes=False)
             self._profiler.__enter__()
-        elif step == self.warmup + 2 and self._profiler is not None:
+        elif step == self.profile_start + 2 and self._profiler is not None:
             self._sync()
             self._profiler.__exit__(None, None, None)
+            self._labels.close()  # type: ignore[union-attr]
             os.makedirs(self.profile_dir, exist_ok=True)
-            path = os.path.join(self.profile_dir, f"{self.label}.json")
-            self._profiler.export_chrome_trace(path)
-            print(f"profile of two steps of {self.label}: {path}", flush=True)
+            report = idle_report(self._profiler, self.label, self.cuda)
+            with open(os.path.join(self.profile_dir, f"{self.label}.txt"), "w") as f:
+                f.write(report + "\n\n")
+                f.write(self._profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=40))
+            print(report, flush=True)
             self._profiler = None
 
     def ms_per_step(self) -> float:
         gaps = [b - a for a, b in zip(self.times, self.times[1:])]
         return 1e3 * statistics.median(gaps) if gaps else math.nan
+
+
+@contextmanager
+def labelled_actions() -> Iterator[None]:
+    """Name every executor action in the profile (``pipe FORWARD`` ...), for :func:`idle_report`."""
+    from lightning_pipe.engine.executor import Executor
+
+    dispatch = Executor._dispatch
+
+    def labelled(self: Executor, action: Any, step: Any) -> None:
+        with torch.profiler.record_function(f"pipe {action.kind.name}"):
+            dispatch(self, action, step)
+
+    Executor._dispatch = labelled  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        Executor._dispatch = dispatch  # type: ignore[method-assign]
+
+
+#: CUDA runtime calls during which the host waits for the device.
+BLOCKING_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy",
+                  "cudaStreamWaitEvent", "cudaMemcpyAsync")
+
+
+def idle_report(profiler: torch.profiler.profile, label: str, cuda: bool = True, min_gap_us: float = 20.0) -> str:
+    """Where the device idles in the profiled steps: its busy share of the window, the idle time while each
+    labelled host activity (an executor action, the optimizer step) ran, and the host's time inside CUDA
+    calls that wait for the device. Without CUDA (a dry run) the "device" is the CPU's leaf aten ops."""
+    events = profiler.events()
+
+    def device_work(e: Any) -> bool:
+        if cuda:
+            return e.device_type == torch.autograd.DeviceType.CUDA
+        return e.name.startswith("aten::") and not e.cpu_children
+
+    kernels = sorted((e.time_range.start, e.time_range.end) for e in events
+                     if device_work(e) and e.time_range.end > e.time_range.start)
+    lines = [f"## profile of two steps of {label}"]
+    if not kernels:
+        return "\n".join(lines + ["no device activity recorded"])
+    gaps, busy = [], 0.0
+    start, end = kernels[0]
+    for s, e in kernels[1:]:
+        if s > end:
+            if s - end >= min_gap_us:
+                gaps.append((end, s))
+            busy += end - start
+            start, end = s, e
+        else:
+            end = max(end, e)
+    busy += end - start
+    window = kernels[-1][1] - kernels[0][0]
+    idle = sum(e - s for s, e in gaps)
+    lines.append(f"window {window / 1e3:.1f} ms, device busy {busy / 1e3:.1f} ms ({100 * busy / window:.1f} %), "
+                 f"idle in gaps >= {min_gap_us:.0f} us: {idle / 1e3:.1f} ms in {len(gaps)} gaps")
+    cpu = [e for e in events if e.device_type == torch.autograd.DeviceType.CPU]
+
+    def idle_during(ranges: list[tuple[float, float]]) -> float:
+        """Device idle time inside the union of ``ranges`` (both lists sorted, a sweep)."""
+        total, g = 0.0, 0
+        for rs, re_ in ranges:
+            while g < len(gaps) and gaps[g][1] <= rs:
+                g += 1
+            k = g
+            while k < len(gaps) and gaps[k][0] < re_:
+                total += min(re_, gaps[k][1]) - max(rs, gaps[k][0])
+                k += 1
+        return total
+
+    by_label: dict[str, list[tuple[float, float]]] = {}
+    for e in cpu:
+        name = e.name
+        if name.startswith("pipe ") or name.startswith("Optimizer.") or name.startswith("[") or name in BLOCKING_CALLS:
+            by_label.setdefault(name, []).append((e.time_range.start, e.time_range.end))
+    rows = []
+    for name, ranges in by_label.items():
+        ranges.sort()
+        host = sum(e - s for s, e in ranges)
+        rows.append((idle_during(ranges), host, len(ranges), name))
+    rows.sort(reverse=True)
+    step_ranges = sorted(r for name, ranges in by_label.items() if name.startswith("Optimizer.step") for r in ranges)
+    lines.append(f"device idle outside the optimizer step (Lightning's loop between steps): "
+                 f"{(idle - idle_during(step_ranges)) / 1e3:.1f} ms")
+    lines.append("| host activity | calls | host ms | device idle during it, ms |")
+    lines.append("|---|---|---|---|")
+    lines += [f"| {name} | {n} | {host / 1e3:.1f} | {idle_ms / 1e3:.1f} |" for idle_ms, host, n, name in rows[:25]]
+    return "\n".join(lines)
 
 
 # ------------------------------------------------------------------------------------------ runs
@@ -199,6 +303,7 @@ class Row:
     peak_gib: float | None
     syncs_per_step: float | None
     vs_accumulation: float | None = None
+    sync_sites: dict[str, int] = field(default_factory=dict)  #: where the counted synchronisations were called
 
 
 def variants(stages: int, chosen: list[str] | None) -> list[tuple[str, dict[str, Any] | None]]:
@@ -217,17 +322,19 @@ def variants(stages: int, chosen: list[str] | None) -> list[tuple[str, dict[str,
 
 def run_variant(name: str, options: dict[str, Any] | None, args: argparse.Namespace) -> Row:
     cuda = args.device == "cuda"
-    total = args.warmup + args.steps + (args.sync_steps if cuda else 0) + 1
+    profiling = name in (args.profile or [])
+    total = args.warmup + args.steps + (args.sync_steps if cuda else 0) + (3 if profiling else 1)
     accumulate = args.micro_batches if name == "accumulation" else 1
     loader_batch = args.batch // accumulate
     data = Tokens(total * args.batch, args.seq, args.vocab)
     loader = DataLoader(data, batch_size=loader_batch, shuffle=False, drop_last=True)
-    model = GPT(args.vocab, args.d_model, args.blocks, args.seq, args.heads)
+    with torch.device(args.device):  # initialise on the device: minutes less for the issue's 0.4 B weights
+        model = GPT(args.vocab, args.d_model, args.blocks, args.seq, args.heads)
     strategy: Any = "auto"
     if options is not None:
         strategy = lightning_pipe.PipeStrategy(micro_batches=args.micro_batches, quality_warning=False, **options)
     clock = StepClock(cuda, args.warmup, args.steps, args.sync_steps if cuda else 0,
-                      args.profile_dir if args.profile == name else None, name)
+                      args.profile_dir if profiling else None, name)
     trainer = L.Trainer(accelerator=args.device, devices=1, strategy=strategy, precision=args.precision,
                         max_steps=total, accumulate_grad_batches=accumulate, logger=False, enable_progress_bar=False,
                         enable_model_summary=False, enable_checkpointing=False, callbacks=[clock])
@@ -236,7 +343,8 @@ def run_variant(name: str, options: dict[str, Any] | None, args: argparse.Namesp
     finally:
         clock.stop_counting()
     syncs = clock.syncs / args.sync_steps if cuda and args.sync_steps else None
-    row = Row(name, clock.ms_per_step(), clock.peak / 2**30 if cuda else None, syncs)
+    row = Row(name, clock.ms_per_step(), clock.peak / 2**30 if cuda else None, syncs,
+              sync_sites=dict(clock.sync_sites.most_common(6)))
     del trainer, model, strategy
     gc.collect()
     if cuda:
@@ -277,7 +385,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--sync-steps", type=int, default=2)
     p.add_argument("--variants", nargs="*", help="only these (plain, accumulation, schedule names)")
-    p.add_argument("--profile", metavar="VARIANT", help="record two steps of this variant with torch.profiler")
+    p.add_argument("--profile", nargs="*", metavar="VARIANT",
+                   help="also record two steps of these variants with torch.profiler (after the timed steps) and "
+                        "report where the device idles")
     p.add_argument("--profile-dir", default="gpu_profile")
     p.add_argument("--json", metavar="PATH", help="also append the rows to this JSON-lines file")
     args = p.parse_args(argv)
@@ -299,7 +409,8 @@ def main(argv: list[str] | None = None) -> list[Row]:
     rows = []
     for name, options in variants(args.stages, args.variants):
         rows.append(run_variant(name, options, args))
-        print(f"{name}: {rows[-1].ms_per_step:.1f} ms/step", flush=True)
+        sites = ", ".join(f"{site} x{n}" for site, n in rows[-1].sync_sites.items())
+        print(f"{name}: {rows[-1].ms_per_step:.1f} ms/step" + (f"; syncs from {sites}" if sites else ""), flush=True)
     base = next((r.ms_per_step for r in rows if r.variant == "accumulation"), None)
     for row in rows:
         row.vs_accumulation = base / row.ms_per_step if base else None

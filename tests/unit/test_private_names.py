@@ -36,6 +36,8 @@ ALLOWED = {
     "_per_optimizer_states": "torch.amp.GradScaler: the found-inf flags unscale_ recorded, agreed across the pipeline",
     "_check_inf_per_device": "torch.amp.GradScaler: where a fused optimizer's step looks for infs (agreed the same way)",
     "_scale": "torch.amp.GradScaler._scale: the device of a rank with no gradient's zero flag",
+    "_execution_engine": "Variable._execution_engine.run_backward: a zero-bubble W runs one autograd call per weight "
+                         "group, and torch.autograd.backward's per-call checks were half of each call's host time",
     "_get_fsdp_state": "FSDPModule._get_fsdp_state: a unit's forward without FSDP2's hooks, in FSDP2's own recompute "
                        "state (ShardedLayers.early_forward; tests/distributed/test_fsdp.py fails if the path is gone)",
 }
