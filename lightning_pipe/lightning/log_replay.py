@@ -113,12 +113,13 @@ class LogCapture:
         self.records.append(LoggedValue(name, value, int(batch_size), options))
 
 
-def combine(records: list[LoggedValue], module: LightningModule) -> list[LoggedValue]:
+def combine(records: list[LoggedValue], module: LightningModule, read_back: bool = True) -> list[LoggedValue]:
     """Reduce the micro-batch records of each name to one record, as one full-batch call would log.
 
-    Values logged as tensors are reduced on their device and read back together, once per step
-    (one host synchronisation instead of one per ``self.log`` call and micro-batch). Metric records
-    carry a snapshot of the metric's state after the last micro-batch.
+    Values logged as tensors are reduced on their device. With ``read_back`` they are then read back
+    together (:func:`read_back`: one host synchronisation instead of one per ``self.log`` call and
+    micro-batch); without it they stay device tensors, for a caller in the process that replays them.
+    Metric records carry a snapshot of the metric's state after the last micro-batch.
     """
     by_name: dict[str, list[LoggedValue]] = {}
     for record in records:
@@ -134,25 +135,34 @@ def combine(records: list[LoggedValue], module: LightningModule) -> list[LoggedV
         how = _reduction(options.get("reduce_fx", "mean"))
         # float64, as the Python floats these values used to be combined in
         values = torch.stack([torch.as_tensor(r.value, dtype=torch.float64) for r in group])
-        if how == "mean":
-            sizes = torch.tensor([r.batch_size for r in group], dtype=torch.float64, device=values.device)
-            value = (values * sizes).sum() / total
+        if how == "mean":  # sizes as Python scalars: a size tensor would be a host-to-device copy, which waits for the device
+            value = torch.stack([v * float(r.batch_size) for v, r in zip(values, group)]).sum() / total
         else:
             value = {"sum": values.sum, "max": values.max, "min": values.min}[how]()
         combined.append(LoggedValue(name, value, total, options))
-    _read_back(combined)
+    if read_back:
+        read_back_values(combined)
     return combined
 
 
-def _read_back(records: list[LoggedValue]) -> None:
-    """Turn the records' tensor values into floats with one transfer per device."""
-    by_device: dict[torch.device, list[LoggedValue]] = {}
+def read_back_values(records: list[LoggedValue], *extra: Tensor) -> list[float]:
+    """Turn the records' tensor values (and ``extra`` scalars, returned) into floats with one transfer
+    per device."""
+    by_device: dict[torch.device, list[Any]] = {}
     for record in records:
         if isinstance(record.value, Tensor):
             by_device.setdefault(record.value.device, []).append(record)
+    for scalar in extra:
+        by_device.setdefault(scalar.device, []).append(scalar)
+    floats: dict[int, float] = {}
     for group in by_device.values():
-        for record, value in zip(group, torch.stack([r.value for r in group]).tolist()):  # type: ignore[misc]
-            record.value = float(value)
+        values = torch.stack([item if isinstance(item, Tensor) else item.value for item in group]).tolist()
+        for item, value in zip(group, values):
+            if isinstance(item, Tensor):
+                floats[id(item)] = float(value)
+            else:
+                item.value = float(value)
+    return [floats[id(scalar)] for scalar in extra]
 
 
 def replay(module: LightningModule, records: list[LoggedValue], owner: bool, one_pipeline: bool = False) -> None:
@@ -173,7 +183,11 @@ def replay(module: LightningModule, records: list[LoggedValue], owner: bool, one
                 _load_metric_state(metric, record.metric_state)
             module.log(record.name, metric, batch_size=record.batch_size, **record.options)
             continue
-        value = torch.tensor(record.value, dtype=torch.float32, device=module.device)
+        value = record.value
+        if isinstance(value, Tensor) and value.device == module.device:  # combined in this process
+            value = value.to(torch.float32)
+        else:  # a fill, not a copy from host memory, which would wait for the device's queue
+            value = torch.full((), float(value), dtype=torch.float32, device=module.device)
         options = {**record.options, "sync_dist": True} if one_pipeline else record.options
         module.log(record.name, value, batch_size=record.batch_size, **options)
 

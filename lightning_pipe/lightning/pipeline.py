@@ -24,7 +24,7 @@ from lightning_pipe.engine.recorder import ActionRecorder
 from lightning_pipe.engine.sharding import ShardedLayers, shard_optimizer_state
 from lightning_pipe.engine.stand_ins import is_absent, release, replace_outside, runs_outside_code
 from lightning_pipe.errors import PipeConfigError
-from lightning_pipe.lightning.log_replay import LogCapture, combine, replay
+from lightning_pipe.lightning.log_replay import LogCapture, combine, read_back_values, replay
 from lightning_pipe.lightning.module_glue import ModuleStages, detach_to_cpu, merge_outputs, step_loss
 from lightning_pipe.partition import find_trunk, stage_bounds
 from lightning_pipe.partition.materialize import release_memory
@@ -292,16 +292,28 @@ class StagePipeline:
 
     def replayed_loss(self, ran: Ran) -> Tensor:
         """The batch loss (micro-batch losses weighted by their sizes) on every rank of the pipeline,
-        after replaying the last stage's ``self.log`` calls on each of them."""
+        after replaying the last stage's ``self.log`` calls on each of them.
+
+        Within one process (one stage, or the emulation) the loss and the logged values stay on the
+        device: reading them would make the host wait for the step's queued work, and the device
+        would idle across the step boundary. Across processes the last stage reads them back with
+        one transfer per step (the other stages get host values) and every other rank fills its copy
+        on its device.
+        """
         module = self.module
-        loss = 0.0
-        if ran.outputs:  # one host synchronisation per step, not one per micro-batch
-            losses = torch.stack([l.detach().reshape(()).double() for l in ran.outputs])
-            weights = torch.tensor([s / ran.size for s in ran.sizes], dtype=torch.float64, device=losses.device)
-            loss = float((losses * weights).sum())
-        loss, records = self.from_last_stage((loss, combine(ran.capture.records, module)))
+        loss: Tensor | float = 0.0
+        if ran.outputs:  # micro-batch weights as Python scalars: no host-to-device copy
+            loss = torch.stack([l.detach().reshape(()).double() * (s / ran.size) for l, s in zip(ran.outputs, ran.sizes)]).sum()
+        crosses = self.topology.stages > 1
+        records = combine(ran.capture.records, module, read_back=crosses)
+        if crosses:
+            if isinstance(loss, Tensor):
+                loss = read_back_values(records, loss)[0]
+            loss, records = self.from_last_stage((loss, records))
         replay(module, records, owner=self.holds_last_stage, one_pipeline=self.context.num_pipelines == 1)
-        return torch.tensor(loss, device=self.context.root_device)
+        if isinstance(loss, Tensor):
+            return loss.to(self.context.root_device, torch.get_default_dtype())
+        return torch.full((), loss, device=self.context.root_device)
 
     @property
     def last_stage_device(self) -> int:
@@ -320,7 +332,8 @@ class StagePipeline:
             return payload
         box = [payload if self.holds_last_stage else None]
         with self.watchdog.guard("the last stage's metrics"):
-            dist.broadcast_object_list(box, src=topology.pipeline_ranks[self.last_stage_device], group=topology.pipeline_group)
+            # host values through gloo (the object group), also when the pipeline's tensors travel on NCCL
+            dist.broadcast_object_list(box, src=topology.pipeline_ranks[self.last_stage_device], group=topology.object_group)
         return box[0]
 
     def gather_in_first_pipeline(self, obj: Any) -> list[Any] | None:

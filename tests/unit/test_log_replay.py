@@ -44,3 +44,40 @@ def test_a_pipelined_run_leaves_the_warning_filters_alone_and_gives_no_sync_dist
         assert warnings.filters == inside
     assert warnings.filters == before
     assert not [w for w in caught if "sync_dist=True" in str(w.message)]
+
+
+def test_in_one_process_the_step_reads_nothing_back_to_the_host(monkeypatch):
+    """Within one process (the emulation) the loss and the logged values stay on the device: a read
+    (``item``, ``tolist``, ``float``) would make the host wait for the step's queued work on a GPU, and
+    the device would idle across the step boundary (issue 30; benchmarks/gpu.py counts it on one)."""
+    from lightning_pipe.lightning.pipeline import StagePipeline
+    from tests.harness.lightning_run import train
+
+    replayed = StagePipeline.replayed_loss
+    inside = []
+
+    def forbidden(name):
+        original = getattr(torch.Tensor, name)
+
+        def read(self, *args, **kwargs):
+            if inside:
+                raise AssertionError(f"Tensor.{name} read a value back to the host inside the step")
+            return original(self, *args, **kwargs)
+        return read
+
+    def watched(self, ran):
+        inside.append(True)
+        try:
+            return replayed(self, ran)
+        finally:
+            inside.pop()
+
+    for name in ("item", "tolist", "__float__"):
+        monkeypatch.setattr(torch.Tensor, name, forbidden(name))
+    monkeypatch.setattr(StagePipeline, "replayed_loss", watched)
+    got = train({"devices": 1, "max_steps": 3, "epochs": 1, "batch_size": 16,
+                 "strategy": {"schedule": "1f1b", "stages": 2, "micro_batches": 4}})
+    monkeypatch.undo()
+    want = train({"devices": 1, "max_steps": 3, "epochs": 1, "batch_size": 16})
+    assert [m["train_loss"] for m in got["metrics"]] == pytest.approx([m["train_loss"] for m in want["metrics"]], rel=1e-6)
+    assert [m["seen"] for m in got["metrics"]] == [m["seen"] for m in want["metrics"]]
