@@ -58,6 +58,7 @@ from torch.utils.data import DataLoader, Dataset
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import lightning_pipe  # noqa: E402
+from lightning_pipe.engine import split_backward  # noqa: E402
 from lightning_pipe.registry import names, spec  # noqa: E402
 
 # ------------------------------------------------------------------------------------------ model
@@ -306,6 +307,11 @@ class Row:
     sync_sites: dict[str, int] = field(default_factory=dict)  #: where the counted synchronisations were called
 
 
+#: A variant ``SCHEDULE + PER_GROUP_W`` runs a zero-bubble schedule with one autograd task per weight
+#: group in ``W`` (lightning_pipe.engine.split_backward.ONE_TASK_ON_DEVICES off): what one task saves.
+PER_GROUP_W = "/w-task-per-group"
+
+
 def variants(stages: int, chosen: list[str] | None) -> list[tuple[str, dict[str, Any] | None]]:
     """``(name, PipeStrategy options or None for plain Lightning)`` of every variant."""
     out: list[tuple[str, dict[str, Any] | None]] = [("plain", None), ("accumulation", None)]
@@ -317,6 +323,7 @@ def variants(stages: int, chosen: list[str] | None) -> list[tuple[str, dict[str,
         if name == "interleaved_1f1b":
             options["chunks_per_stage"] = 2
         out.append((name, options))
+    out += [(name + PER_GROUP_W, options) for name, options in out if chosen and name + PER_GROUP_W in chosen]
     return [v for v in out if chosen is None or v[0] in chosen]
 
 
@@ -333,6 +340,7 @@ def run_variant(name: str, options: dict[str, Any] | None, args: argparse.Namesp
     strategy: Any = "auto"
     if options is not None:
         strategy = lightning_pipe.PipeStrategy(micro_batches=args.micro_batches, quality_warning=False, **options)
+    split_backward.ONE_TASK_ON_DEVICES = not name.endswith(PER_GROUP_W)
     clock = StepClock(cuda, args.warmup, args.steps, args.sync_steps if cuda else 0,
                       args.profile_dir if profiling else None, name)
     trainer = L.Trainer(accelerator=args.device, devices=1, strategy=strategy, precision=args.precision,

@@ -23,8 +23,9 @@ path, e.g. a stage that returns a parameter) fall back to the whole backward in 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -47,8 +48,26 @@ class DeferredWeightGradients:
         self._groups = groups
         self._recorded = recorded
 
-    def run(self) -> None:
-        """Accumulate every weight's gradient into its ``.grad`` and drop the graph."""
+    def run(self, one_task: bool | None = None) -> None:
+        """Accumulate every weight's gradient into its ``.grad`` and drop the graph.
+
+        Args:
+            one_task: make the groups' autograd calls inside one autograd task
+                (:func:`in_one_engine_task`); by default on an accelerator (autograd hands a CPU graph
+                to no other thread, so there it would only add a node).
+        """
+        device = next((g.device for grads in self._recorded.values() for g in grads if g is not None), None)
+        if device is None:  # no gradient reached this stage's weights
+            self._run_groups()
+            return
+        if one_task is None:
+            one_task = device.type != "cpu" and ONE_TASK_ON_DEVICES
+        if one_task:
+            in_one_engine_task(self._run_groups, device)
+        else:
+            self._run_groups()
+
+    def _run_groups(self) -> None:
         for group in self._groups:
             edges, grads = [], []
             for node in group.boundaries:
@@ -68,6 +87,39 @@ class DeferredWeightGradients:
                 for handle in handles:
                     handle.remove()
         self._groups, self._recorded = [], {}
+
+
+#: Run a device's ``W`` calls inside one autograd task (:func:`in_one_engine_task`); ``False`` makes one
+#: task per weight group, for measuring what that costs (benchmarks/gpu.py).
+ONE_TASK_ON_DEVICES = True
+
+
+class _Callback(torch.autograd.Function):
+    """A one-node graph whose backward calls ``callback`` (see :func:`in_one_engine_task`)."""
+
+    @staticmethod
+    def forward(ctx: Any, anchor: Tensor, callback: Callable[[], None]) -> Tensor:
+        ctx.callback = callback
+        return anchor.new_empty(())
+
+    @staticmethod
+    def backward(ctx: Any, _: Tensor) -> tuple[None, None]:
+        ctx.callback()
+        return None, None
+
+
+def in_one_engine_task(callback: Callable[[], None], device: torch.device) -> None:
+    """Call ``callback``, which makes autograd calls on ``device``, as the backward of a one-node graph.
+
+    Autograd runs a CUDA graph on its own thread for the device: each call from the main thread
+    hands the task over to that thread and waits to be woken, which cost about 170 us per call on an
+    H100's host (a dozen calls per ``W``). Calls made *from* that thread (re-entrant backward, as
+    reentrant activation checkpointing makes) run in place, so ``W``'s calls pay one hand-over
+    together. Nothing is computed for the graph itself: its tensors are uninitialised scalars.
+    """
+    anchor = torch.empty((), device=device, requires_grad=True)
+    out = _Callback.apply(anchor, callback)
+    Variable._execution_engine.run_backward((out,), (torch.empty((), device=device),), False, False, (anchor,), True, False)
 
 
 def _accumulate(edges: list[GradientEdge], grads: list[Tensor], weights: list[Tensor]) -> None:

@@ -63,8 +63,10 @@ MODELS = {
 }
 
 
+@pytest.mark.parametrize("one_task", [False, True], ids=["a task per group", "one task"])
 @pytest.mark.parametrize("name", sorted(MODELS))
-def test_input_then_weight_equals_one_backward_bit_for_bit(name):
+def test_input_then_weight_equals_one_backward_bit_for_bit(name, one_task):
+    """``one_task``: W's calls inside one autograd task, as on an accelerator (forced here on the CPU)."""
     torch.manual_seed(0)
     whole = MODELS[name]()
     split = copy.deepcopy(whole)
@@ -82,7 +84,7 @@ def test_input_then_weight_equals_one_backward_bit_for_bit(name):
         after_input = [None if p.grad is None else p.grad.clone() for p in split.parameters()]
         assert all((a is None and b is None) or torch.equal(a, b) for a, b in zip(before, after_input)), "I touched weights"
         assert deferred is not None
-        deferred.run()
+        deferred.run(one_task)
         want = (ins[0] if isinstance(ins, tuple) else ins).grad
         assert torch.equal(dx, want)
         for (key, p), q in zip(whole.named_parameters(), split.parameters()):
