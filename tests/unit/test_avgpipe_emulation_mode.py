@@ -112,3 +112,9 @@ def test_balance_auto_splits_an_emulated_avgpipe_by_its_profile():
     """balance="auto" only profiles in one process (nothing to refine on), so it works emulated."""
     got = run(epochs=1, strategy={**EMULATED, "balance": "auto"})
     assert got["global_step"] == 6 and sum(got["counts"]) == len(TrunkModel().model)
+
+
+def test_parameters_shared_across_stages_are_refused_at_the_first_round():
+    """Each stage's replicas step on their own, as in the distributed run (which refuses them after its first round)."""
+    with pytest.raises(Exception, match="parameters pre.weight are used on several stages, .*schedule='avgpipe'"):
+        run(epochs=1, model={"tie": True})
