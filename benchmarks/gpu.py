@@ -11,10 +11,14 @@ the same batches with one optimizer step per batch of ``--batch`` samples:
 * ``plain``: plain Lightning, the whole batch at once;
 * ``accumulation``: plain Lightning on ``--micro-batches`` loader batches of ``batch / M`` samples with
   ``accumulate_grad_batches=M``: the same kernels as a pipeline's micro-batches, one optimizer step;
-* every schedule that can be emulated (all but avgpipe, which runs one process per stage) through
-  ``PipeStrategy(stages=P)`` on one device, with ``M`` micro-batches; P = ``--stages``, halved for the
-  schedules with two chunks per device (interleaved_1f1b, zbv, dualpipev), so every schedule cuts the
-  model into the same ``--stages`` virtual stages.
+* every schedule through ``PipeStrategy(stages=P)``'s one-device emulation, with ``M`` micro-batches;
+  P = ``--stages``, halved for the schedules with two chunks per device (interleaved_1f1b, zbv,
+  dualpipev), so every schedule cuts the model into the same ``--stages`` virtual stages. avgpipe runs
+  with ``parallel_pipelines=1``: its batch holds every replica's mini-batch (``N × B``), so with ``N``
+  replicas a step would train ``N`` mini-batches of ``batch / N`` samples in ``N × M`` smaller
+  micro-batches and step ``N`` times; with one replica it trains the ``batch`` in ``M`` micro-batches
+  like accumulation, and its row shows what the replica's own optimizer step and the averaging with
+  the center add.
 
 Per variant: milliseconds per optimizer step (median over ``--steps`` steps after ``--warmup``, the
 device synchronised at step boundaries), the ratio accumulation / variant (above 1: faster than
@@ -316,12 +320,12 @@ def variants(stages: int, chosen: list[str] | None) -> list[tuple[str, dict[str,
     """``(name, PipeStrategy options or None for plain Lightning)`` of every variant."""
     out: list[tuple[str, dict[str, Any] | None]] = [("plain", None), ("accumulation", None)]
     for name in names():
-        if name == "avgpipe":  # one process per stage: no emulation
-            continue
         chunks = spec(name).fixed_chunks or (2 if spec(name).chunked else 1)
         options: dict[str, Any] = {"schedule": name, "stages": max(stages // chunks, 2)}
         if name == "interleaved_1f1b":
             options["chunks_per_stage"] = 2
+        if name == "avgpipe":  # one replica: the batch's samples in M micro-batches, as accumulation (module docstring)
+            options["avgpipe"] = {"parallel_pipelines": 1}
         out.append((name, options))
     out += [(name + PER_GROUP_W, options) for name, options in out if chosen and name + PER_GROUP_W in chosen]
     return [v for v in out if chosen is None or v[0] in chosen]

@@ -9,10 +9,11 @@ on a fixed set of validation windows.
 
 Every run except avgpipe is an *emulated* pipeline: ``Trainer(devices=1,
 strategy=PipeStrategy(schedule=..., stages=P, micro_batches=M))`` computes in one process what a
-``P``-process pipeline computes (docs/emulation.md). avgpipe cannot be emulated in one process, so its
-runs use ``devices=P`` real processes (gloo on CPU, one thread each): at ``P=8`` on a 2-core machine
-that is 8 processes taking turns on 2 cores, about 40 s of start-up per run, and the run takes every
-``--jobs`` slot while it lasts. It is not in ``run``'s default ``--schedules``; name it to include it.
+``P``-process pipeline computes (docs/emulation.md). avgpipe's runs were recorded before avgpipe could be
+emulated and keep ``devices=P`` real processes (``MULTI_PROCESS``; the emulation computes the same
+numbers), gloo on CPU, one thread each: at ``P=8`` on a 2-core machine that is 8 processes taking
+turns on 2 cores, about 40 s of start-up per run, and the run takes every ``--jobs`` slot while it lasts.
+It is not in ``run``'s default ``--schedules``; name it to include it.
 avgpipe trains ``parallel_pipelines`` (default 2) replicas, each on its share of every batch (16 of
 the 32 windows), and validates their elastic-averaging center.
 
@@ -82,7 +83,7 @@ CORPUS_VERSION = "1.9.80"
 SCHEDULES = ("1f1b", "gpipe", "pipedream", "pipedream_2bw", "pipemare", "xpipe", "avgpipe")
 SYNCHRONOUS = ("1f1b", "gpipe")
 BASELINE = "1f1b"
-#: schedules that cannot be emulated in one process: they run with devices=stages
+#: schedules run with devices=stages, as their recorded runs were (avgpipe predates its emulation, docs/emulation.md)
 MULTI_PROCESS = ("avgpipe",)
 #: option groups of PipeStrategy that belong to one schedule: given with --strategy-options, they are
 #: passed to (and part of the identity of) that schedule's runs only

@@ -5,7 +5,8 @@
   ``typing.Protocol``s :class:`ScheduleRunner` and :class:`MessageTransport`.
 * :class:`~lightning_pipe.engine.local.LocalPipeline` runs every device of a pipeline in one process.
 * :mod:`.policies`: which weights each forward and backward sees (asynchronous schedules, avgpipe).
-* :class:`AsyncSegments` and :class:`AvgPipeRounds` run those schedules across training steps.
+* :class:`AsyncSegments` and :class:`AvgPipeRounds` run those schedules across training steps;
+  :mod:`.emulated` and :mod:`.emulated_avgpipe` run every stage of them in one process.
 """
 
 from lightning_pipe.engine.async_segments import AsyncSegments

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from lightning_pipe.engine.executor import Executor
-from lightning_pipe.engine.policies import AvgPipeOptions, Clip, ElasticAveraging
+from lightning_pipe.engine.policies import AvgPipeOptions, Clip, ElasticAveraging, merge_states
 from lightning_pipe.engine.stage import batch_size, split_micro_batches
 from lightning_pipe.errors import PipeConfigError, ScheduleError
 from lightning_pipe.schedules import Schedule, build_avgpipe, validate
@@ -46,6 +46,7 @@ class AvgPipeRounds:
         self.options = options
         self.tagged = tagged
         self.policy: ElasticAveraging | None = None
+        self.policies: list[ElasticAveraging] = []  # of every stage this process runs
         self._checked: set[int] = set()
         self._restore: dict[str, Any] | None = None  # a checkpoint's replicas, loaded at start
 
@@ -94,17 +95,33 @@ class AvgPipeRounds:
             root, optimizer, self.stage, self.stages, micro_batches, o.parallel_pipelines, o.resolved_alpha, o.period,
             o.averaging, clip, gradient_group, gradient_world,
         )
-        if self._restore is not None:
-            self.policy.load_state_dict(self._restore)
-            self._restore = None
+        self.policies = [self.policy]
+        self.load_restored()
         return self.policy
 
     def restore(self, state: dict[str, Any]) -> None:
-        """Resume from this stage's part of a checkpoint: now if started, else at :meth:`start`."""
-        if self.policy is not None:
-            self.policy.load_state_dict(state)
-        else:
-            self._restore = state
+        """Resume from a checkpoint's replicas (every stage's, merged by parameter name): now if started,
+        else at :meth:`start`. Each policy takes its own parameters' entries."""
+        self._restore = state
+        if self.policies:
+            self.load_restored()
+
+    def load_restored(self) -> None:
+        """Load what :meth:`restore` was given into the policies just created."""
+        if self._restore is not None:
+            for policy in self.policies:
+                policy.load_state_dict(self._restore)
+            self._restore = None
+
+    def state_dict(self) -> dict[str, Any] | None:
+        """The replicas, their optimizer states, the center and the round count of the stages this
+        process runs, merged by parameter name (``None`` before the first round)."""
+        return merge_states(policy.state_dict() for policy in self.policies)
+
+    @property
+    def used_names(self) -> set[str]:
+        """The parameters that received a gradient on this process's stages."""
+        return set().union(*(policy.used_names for policy in self.policies))
 
     def run_round(self, micro_batches: Sequence[Any], weights: Sequence[float], count: int) -> list[Any]:
         """One round: every replica's ``count`` micro-batches (replica-major), STEPs and AVGs."""

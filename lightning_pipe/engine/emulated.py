@@ -12,62 +12,19 @@ separate process would have:
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Sequence
 from typing import Any
 
 import torch
-from torch import Tensor, nn
+from torch import nn
 
 from lightning_pipe.engine.async_segments import AsyncSegments
 from lightning_pipe.engine.local import LocalPipeline
 from lightning_pipe.engine.policies import AsyncOptions, Clip, WeightPolicy
-from lightning_pipe.optim import CombinedOptimizer
+from lightning_pipe.engine.stage_optimizers import HyperparameterMirror, stage_optimizer, stage_scheduler
 from lightning_pipe.schedules import validate_async
 
-
-def stage_optimizer(optimizer: torch.optim.Optimizer, names: set[str], name_of: dict[int, str]) -> torch.optim.Optimizer:
-    """An optimizer of the same class over the parameters in ``names``: the same param groups (empty
-    ones kept, so group indices and schedulers line up), hyperparameters and per-parameter state; a
-    :class:`~lightning_pipe.optim.CombinedOptimizer` gets one of each member."""
-    if isinstance(optimizer, CombinedOptimizer):
-        return CombinedOptimizer(*(stage_optimizer(member, names, name_of) for member in optimizer.optimizers))
-    groups = [
-        {**{k: v for k, v in group.items() if k != "params"}, "params": [p for p in group["params"] if name_of.get(id(p)) in names]}
-        for group in optimizer.param_groups
-    ]
-    try:
-        stage = type(optimizer)(groups, **optimizer.defaults)
-    except TypeError:  # an optimizer whose defaults are not all constructor arguments
-        stage = type(optimizer)(groups)
-    for group in groups:
-        for p in group["params"]:
-            if p in optimizer.state:
-                stage.state[p] = optimizer.state[p]
-    return stage
-
-
-def stage_scheduler(scheduler: Any, optimizer: torch.optim.Optimizer, stage_optimizer_: torch.optim.Optimizer) -> Any:
-    """A copy of ``scheduler`` (its state included) that drives ``stage_optimizer_`` instead of ``optimizer``."""
-    copied = copy.deepcopy(scheduler, {id(optimizer): stage_optimizer_})
-    if getattr(copied, "_step_count", 0) == 1:
-        copied._step_count = 2  # torch's "scheduler stepped before optimizer" check concerns the original
-    return copied
-
-
-def _hyperparameters(group: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in group.items() if k != "params"}
-
-
-def _same(a: Any, b: Any) -> bool:
-    if a is b:
-        return True
-    if isinstance(a, Tensor) or isinstance(b, Tensor):
-        return False
-    try:
-        return bool(a == b)
-    except Exception:  # values without a plain truth value count as changed
-        return False
+__all__ = ["EmulatedAsyncSegments", "stage_optimizer", "stage_scheduler"]  # the helpers' home is .stage_optimizers
 
 
 class EmulatedAsyncSegments(AsyncSegments):
@@ -84,6 +41,7 @@ class EmulatedAsyncSegments(AsyncSegments):
         self.optimizers: list[torch.optim.Optimizer] = []
         self.schedulers: list[Any | None] = []
         self.stage_names: list[set[str]] = []
+        self._mirror: HyperparameterMirror | None = None
 
     def start_stages(
         self, root: nn.Module, optimizer: torch.optim.Optimizer, options: AsyncOptions, scheduler: Any | None,
@@ -103,22 +61,15 @@ class EmulatedAsyncSegments(AsyncSegments):
             self.policies.append(policy)
         self.policy = self.policies[0]
         self.load_restored()
-        self._original = optimizer
-        # the stages step their shares from now on; torch's "scheduler stepped before optimizer"
-        # warning for an epoch-interval scheduler of this optimizer would be misleading
-        optimizer._opt_called = True
-        self._seen = [_hyperparameters(group) for group in optimizer.param_groups]
+        # what an epoch-interval lr scheduler changes in Lightning's optimizer reaches every stage
+        self._mirror = HyperparameterMirror(optimizer, self.optimizers)
         return self.policies
 
     def _follow_original(self) -> None:
-        """Hyperparameters Lightning changed in its optimizer since the last look (an epoch-interval
-        lr scheduler stepped it) go to every stage's optimizer, as each process's scheduler would."""
-        for g, group in enumerate(self._original.param_groups):
-            now = _hyperparameters(group)
-            changed = {k: v for k, v in now.items() if k not in self._seen[g] or not _same(v, self._seen[g][k])}
-            for optimizer in self.optimizers:
-                optimizer.param_groups[g].update(changed)
-            self._seen[g] = now
+        """Hyperparameters Lightning changed in its optimizer since the last look go to every stage's
+        optimizer, as each process's scheduler would change its own."""
+        if self._mirror is not None:
+            self._mirror.follow()
 
     def run_window(self, micro_batches: Sequence[Any], weights: Sequence[float], scale_loss: Any = None) -> list[Any]:
         self._follow_original()

@@ -85,18 +85,24 @@ def balance(context: PipeContext, trainer: Trainer, module: LightningModule) -> 
     """Rank 0 profiles and splits, every rank receives the same plan, then all refine it on the
     devices; returns the plan and, when refined, each stage's measured time."""
     options = context.options
+    averaging = options.spec.family == "averaging"
+    # avgpipe's pipelines are each a 1F1B on one replica's mini-batch: plan the split 1F1B would use on it,
+    # as `lightning-pipe plan` does (the planner's cost model has no merged rounds)
+    schedule = options.spec.flushed if averaging else options.schedule
 
     def work() -> AutoBalance:
         _, trunk = find_trunk(module, options.module)
         with context.precision_plugin.train_step_context(), preserved_random_state(), preserved_buffers(module):
             batch, hook = first_batch(trainer, module)
+            if averaging:
+                batch = split_micro_batches(batch, int(options.avgpipe.parallel_pipelines))[0]
             micro_batch = split_micro_batches(batch, int(options.micro_batches))[0]
             step = getattr(module, hook)
             with LogCapture(module):
                 sample = capture_trunk_input(module, trunk, lambda: step(micro_batch, 0), hook)
                 inputs = capture_trunk_input(module, trunk, lambda: step(batch, 0), hook) if options.auto_balance.refine else None
             return auto_balance.split_by_profile(
-                trunk, sample, inputs, options.schedule, context.num_stages, int(options.micro_batches),
+                trunk, sample, inputs, schedule, context.num_stages, int(options.micro_batches),
                 options.chunks_per_stage, options.auto_balance, context.root_device, options.checkpoint_activations, module)
 
     with context.watchdog.guard("rank 0's balance='auto' plan"):
@@ -158,6 +164,8 @@ def tune_avgpipe(context: PipeContext, trainer: Trainer, module: LightningModule
         rank_zero_info(f"avgpipe adopts the tuned values of the checkpoint: {stored}")
         return stored
     options, stages = context.options, context.num_stages
+    if context.emulating:
+        raise PipeConfigError(emulated_tuner_message(options))
     trunk = find_trunk(module, options.module)[1]
     if isinstance(trunk, torch.nn.ModuleList):
         raise PipeConfigError(
@@ -188,6 +196,20 @@ def tune_avgpipe(context: PipeContext, trainer: Trainer, module: LightningModule
         )
     rank_zero_info(avgpipe_autotune.describe(choice))
     return choice.as_options()
+
+
+def emulated_tuner_message(options: PipeOptions) -> str:
+    """Why avgpipe's tuner cannot run in an emulated pipeline, and the numbers to give instead."""
+    auto = [name for name, value in (("micro_batches", options.micro_batches),
+                                     ("parallel_pipelines", options.avgpipe.parallel_pipelines),
+                                     ("advance_forward", options.avgpipe.advance_forward)) if value == "auto"]
+    return (
+        f"avgpipe's 'auto' values ({', '.join(auto)}) are chosen by timing rounds on one process per stage, and an "
+        "emulated pipeline runs every stage in this one process, one after another, so no timing here says how fast a "
+        "pipeline would be; give numbers, e.g. micro_batches=4, avgpipe={'parallel_pipelines': 2, 'advance_forward': 1} "
+        "(`lightning-pipe plan --schedules '[avgpipe]'` predicts them for a real pipeline), or set devices to the number "
+        "of stages to tune on them. A checkpoint of a tuned run resumes here with its values."
+    )
 
 
 def trial_stage(context: PipeContext, module: LightningModule, counts: list[int], prediction: Prediction) -> TrialStage:

@@ -122,8 +122,9 @@ class PipeStrategy(DDPStrategy, metaclass=_NamesItsOptions):
         stages: processes per pipeline; default ``world_size // pipelines``. With one process
             (``devices=1``) and ``stages > 1`` the strategy *emulates* a ``stages``-stage pipeline in that
             process: every stage runs the distributed run's code (its own weights policy, optimizer share
-            and STEPs, so an asynchronous schedule's delays, stashing and prediction are exact), which lets
-            you study a schedule's statistical efficiency without a cluster (docs/emulation.md).
+            and STEPs, so an asynchronous schedule's delays, stashing and prediction, and avgpipe's replicas
+            and averaging, are exact), which lets you study a schedule's statistical efficiency without a
+            cluster (docs/emulation.md).
         pipelines: data-parallel pipeline replicas; each gets its own shard of the data and gradients
             are averaged across them, so ``pipelines=N`` equals one device at ``N ×`` the batch size.
             Synchronous schedules only. Each pipeline holds its stage whole, or a shard of it with

@@ -20,8 +20,9 @@ from tests.harness.lightning_run import train
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
 BATCH, STEPS = 16, 8
-EMULATED = [name for name in names() if name != "avgpipe"]  # avgpipe runs one process per stage: no emulation
-OPTIONS = {"interleaved_1f1b": {"chunks_per_stage": 2}, "pipemare": {"pipemare": {"lr_warmup_steps": 5}}}
+EMULATED = list(names())
+OPTIONS = {"interleaved_1f1b": {"chunks_per_stage": 2}, "pipemare": {"pipemare": {"lr_warmup_steps": 5}},
+           "avgpipe": {"avgpipe": {"parallel_pipelines": 2, "advance_forward": 1}}}
 
 
 def run(accelerator: str, schedule: str | None, precision: str | None = "32-true", **extra) -> dict:

@@ -401,10 +401,10 @@ def one_device_evaluation() -> dict[int, tuple[dict, torch.Tensor]]:
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zbv", "dualpipev", "pipedream",
-                                      "pipedream_2bw", "pipemare", "xpipe"])
+                                      "pipedream_2bw", "pipemare", "xpipe", "avgpipe"])
 def test_emulated_evaluation_takes_uneven_micro_batches(schedule):
-    """Every schedule that emulates validates and predicts like one device when micro_batches does not
-    divide the batch (avgpipe cannot be emulated: tests/distributed/test_uneven_evaluation.py). Interleaved
+    """Every schedule validates and predicts like one device when micro_batches does not divide the batch
+    (avgpipe on the center; on processes: tests/distributed/test_uneven_evaluation.py). Interleaved
     1F1B and DualPipeV train with a multiple of the stages: 4 micro-batches, uneven at 7 and 10 samples."""
     want = one_device_evaluation()
     got = evaluate_emulated(schedule, 4 if schedule in ("interleaved_1f1b", "dualpipev") else 3)

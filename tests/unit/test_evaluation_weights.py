@@ -2,8 +2,8 @@
 under every schedule (so ModelCheckpoint and EarlyStopping decide on scores of the model they keep).
 
 One-device emulation (two stages in this process) runs the same engine and weight policies as a
-distributed run; avgpipe, which cannot be emulated, is checked on two processes in
-tests/distributed/test_avgpipe_lightning.py.
+distributed run (avgpipe's center included; tests/distributed/test_avgpipe_lightning.py checks it on two
+processes too).
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ class ProbedNet(L.LightningModule):
         return torch.optim.Adam(self.parameters(), lr=0.05)
 
 
-EMULATED = [name for name, row in SCHEDULES.items() if row.family != "averaging"]
+EMULATED = list(SCHEDULES)
 
 
 @pytest.mark.parametrize("schedule", EMULATED)

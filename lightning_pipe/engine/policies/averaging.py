@@ -18,7 +18,7 @@ tensors, one dict per replica) and its own optimizer state; ``C`` is the center 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any, ContextManager
 
 import torch
@@ -45,14 +45,17 @@ class ElasticAveraging(WeightPolicy):
         gradient_group: data-parallel pipelines' stage group; each replica's gradient is averaged
             over its ``gradient_world`` members before the STEP (``None``: one pipeline).
         gradient_world: how many pipelines ``gradient_group`` spans.
+        names: the parameters of ``root`` this stage owns (default: all); the one-process emulation
+            gives each stage's policy its own share of one module.
     """
 
     def __init__(
         self, root: nn.Module, optimizer: torch.optim.Optimizer, stage: int, stages: int, micro_batches: int,
         replicas: int, alpha: float | None = None, period: int = 1, averaging: Averaging = "async",
         clip: Callable[[Sequence[Tensor]], None] | None = None, gradient_group: Any = None, gradient_world: int = 1,
+        names: Collection[str] | None = None,
     ) -> None:
-        super().__init__(root, optimizer, stage, stages, micro_batches, clip=clip)
+        super().__init__(root, optimizer, stage, stages, micro_batches, clip=clip, names=names)
         if replicas < 1 or period < 1 or averaging not in ("async", "sync"):
             raise ValueError(f"replicas={replicas} and period={period} must be >= 1 and averaging 'async' or 'sync'.")
         self.replicas = replicas

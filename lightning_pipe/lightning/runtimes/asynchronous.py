@@ -19,9 +19,9 @@ from lightning_pipe.engine.emulated import EmulatedAsyncSegments
 from lightning_pipe.engine.outside import reject_shared
 from lightning_pipe.engine.policies import make_clip, merge_states
 from lightning_pipe.errors import CheckpointMismatchError, PipeConfigError, SharedParameterError
-from lightning_pipe.lightning.log_replay import LogCapture, silenced
-from lightning_pipe.lightning.module_glue import ModuleStages, stage_parameter_names
-from lightning_pipe.lightning.runtimes.common import BaseRuntime, unwrapped
+from lightning_pipe.lightning.log_replay import silenced
+from lightning_pipe.lightning.module_glue import ModuleStages
+from lightning_pipe.lightning.runtimes.common import BaseRuntime, emulated_stage_names, unwrapped
 from lightning_pipe.lightning.runtimes.flush import FlushRuntime
 
 if TYPE_CHECKING:
@@ -145,18 +145,11 @@ class AsyncRuntime(BaseRuntime):
         if not isinstance(self.segments, EmulatedAsyncSegments):
             self.segments.start(module, optimizer, options.asynchronous, scheduler, clip, trainer.global_step)
             return
-        outside, partition = self.pipeline.outside, self.pipeline.partition
-        probe = ModuleStages(stages.step, stages.partition, stages.virtual_stages, LogCapture(module), stages.output_to_loss)
-        try:
-            with probe.capture:
-                names = stage_parameter_names(module, partition.bounds, partition.trunk, probe.chunk_callables(), micro_batch)
-        except SharedParameterError as error:
-            raise SharedParameterError(str(error).replace("an asynchronous schedule", f"schedule={options.schedule!r}")) from None
+        names = emulated_stage_names(self.pipeline, stages, micro_batch)
         self.segments.start_stages(module, optimizer, options.asynchronous, scheduler, clip, trainer.global_step, names)
         for config in trainer.lr_scheduler_configs:  # Lightning saves (and LearningRateMonitor reads) stage 0's
             if config.scheduler is scheduler:
                 config.scheduler = self.segments.schedulers[0]
-        outside.users = {n: [s] for s, owned in enumerate(names) for n in owned if not outside.in_trunk(n)}
 
     def _ends_segment(self, batch_idx: int) -> bool:
         """Whether this batch is the last one before the epoch (or the run) ends."""

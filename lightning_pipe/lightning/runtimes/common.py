@@ -8,6 +8,9 @@ import torch
 from torch import Tensor
 
 from lightning_pipe.engine.stand_ins import is_absent
+from lightning_pipe.errors import SharedParameterError
+from lightning_pipe.lightning.log_replay import LogCapture
+from lightning_pipe.lightning.module_glue import ModuleStages, stage_parameter_names
 
 if TYPE_CHECKING:
     from lightning_pipe.lightning.context import PipeContext
@@ -22,6 +25,26 @@ def trainable(module: torch.nn.Module) -> list[torch.nn.Parameter]:
 def unwrapped(optimizer: Any) -> torch.optim.Optimizer:
     """The torch optimizer behind Lightning's ``LightningOptimizer`` wrapper (or ``optimizer`` itself)."""
     return getattr(optimizer, "_optimizer", optimizer)
+
+
+def emulated_stage_names(pipeline: StagePipeline, stages: ModuleStages, micro_batch: Any) -> list[set[str]]:
+    """The parameter names each emulated stage owns: its trunk layers and the parameters outside the trunk its
+    part of the step trains, found by running every stage once on ``micro_batch`` (logs not recorded); the
+    pipeline's map of those outside parameters learns them, as the distributed run's first step teaches it.
+
+    Raises:
+        SharedParameterError: a parameter outside the trunk is used on several stages, which step on their own.
+    """
+    module, partition, outside = pipeline.module, pipeline.partition, pipeline.outside
+    probe = ModuleStages(stages.step, stages.partition, stages.virtual_stages, LogCapture(module), stages.output_to_loss)
+    try:
+        with probe.capture:
+            names = stage_parameter_names(module, partition.bounds, partition.trunk, probe.chunk_callables(), micro_batch)
+    except SharedParameterError as error:
+        schedule = pipeline.context.options.schedule
+        raise SharedParameterError(str(error).replace("an asynchronous schedule", f"schedule={schedule!r}")) from None
+    outside.users = {n: [s] for s, owned in enumerate(names) for n in owned if not outside.in_trunk(n)}
+    return names
 
 
 class BaseRuntime:
