@@ -421,16 +421,15 @@ def main(argv: list[str] | None = None) -> list[Row]:
     rows = []
     for name, options in variants(args.stages, args.variants):
         rows.append(run_variant(name, options, args))
+        if args.json:  # row by row: a run stopped part-way keeps what it measured
+            with open(args.json, "a") as f:
+                f.write(json.dumps({**asdict(rows[-1]), "environment": environment(args.device), **vars(args)}) + "\n")
         sites = ", ".join(f"{site} x{n}" for site, n in rows[-1].sync_sites.items())
         print(f"{name}: {rows[-1].ms_per_step:.1f} ms/step" + (f"; syncs from {sites}" if sites else ""), flush=True)
     base = next((r.ms_per_step for r in rows if r.variant == "accumulation"), None)
     for row in rows:
         row.vs_accumulation = base / row.ms_per_step if base else None
     print(table(rows), flush=True)
-    if args.json:
-        with open(args.json, "a") as f:
-            for row in rows:
-                f.write(json.dumps({**asdict(row), "environment": environment(args.device), **vars(args)}) + "\n")
     return rows
 
 

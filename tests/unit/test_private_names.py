@@ -27,7 +27,8 @@ LIGHTNING_ROOTS = ("lightning", "lightning_fabric", "pytorch_lightning")
 ALLOWED = {
     "_exit": "os._exit: end a process without running atexit handlers (a rank hung in C++, a fork)",
     "_modules": "nn.Module._modules: replace a child of a Sequential/ModuleList in place, keeping state_dict keys",
-    "_parameters": "nn.Module._parameters: swap a meta parameter for a materialised one in place",
+    "_parameters": "nn.Module._parameters: swap a meta parameter for a materialised one in place; bind a weight "
+                   "version for a forward without nn.Module.__setattr__'s checks (policies.base.Binding)",
     "_foreach_norm": "torch._foreach_norm: a global norm without a temporary the size of the gradients",
     "_foreach_copy_": "torch._foreach_copy_: one fused copy of a stage's weights into a stashed version",
     "_swap_data_ptr_": "UntypedStorage._swap_data_ptr_: exchange two weight versions (and their views) without a copy",

@@ -322,8 +322,10 @@ class Binding:
 
     Within :meth:`bound`, a forward's graph references the given tensors instead of the module's own
     parameters, so its backward sees them too, whatever happens to the real parameters meanwhile.
-    Every alias of a tied parameter is replaced together. Only public ``nn.Module`` attribute
-    assignment is used.
+    Every alias of a tied parameter is replaced together. The replacement writes the owner's
+    ``_parameters`` entry, where ``setattr`` ends: the asynchronous policies bind every parameter for
+    every forward and backward, and ``nn.Module.__setattr__``'s checks took 22 ms per step on a CPU
+    core for pipedream_2bw's GPT (8 blocks, 8 micro-batches, 4 stages).
 
     Args:
         module: the module whose parameters are replaced.
@@ -345,16 +347,17 @@ class Binding:
     @contextmanager
     def bound(self, values: Mapping[str, nn.Parameter]) -> Iterator[None]:
         """Within the block, parameter ``name`` of the module is ``values[name]``."""
-        originals: list[tuple[nn.Module, str, Any]] = []
+        originals: list[tuple[dict[str, Any], str, Any]] = []
         try:
             for name, value in values.items():
                 for owner, leaf in self._slots[name]:
-                    originals.append((owner, leaf, getattr(owner, leaf)))
-                    setattr(owner, leaf, value)
+                    registered = owner._parameters  # every slot is a registered parameter (named_parameters)
+                    originals.append((registered, leaf, registered[leaf]))
+                    registered[leaf] = value
             yield
         finally:
-            for owner, leaf, original in reversed(originals):
-                setattr(owner, leaf, original)
+            for registered, leaf, original in reversed(originals):
+                registered[leaf] = original
 
 
 def detached_copy(tensor: Tensor) -> nn.Parameter:
