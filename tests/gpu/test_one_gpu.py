@@ -94,3 +94,6 @@ def test_the_gpu_benchmark_runs_tiny_and_counts_host_syncs():
     assert [r.variant for r in rows] == ["plain", "accumulation", "1f1b", "zbv"]
     for row in rows:
         assert math.isfinite(row.ms_per_step) and row.peak_gib > 0 and row.syncs_per_step is not None
+    plain = rows[0].syncs_per_step
+    for row in rows[2:]:  # issue 30's bound: plain Lightning's + 3 (measured: 0 against plain's 0.5)
+        assert row.syncs_per_step <= plain + 3, (row.variant, row.sync_sites)
