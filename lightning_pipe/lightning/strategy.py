@@ -40,6 +40,7 @@ from typing_extensions import override
 
 from lightning_pipe.engine import Topology, Transport, Watchdog, batch_size, ending, shm
 from lightning_pipe.engine.policies import AvgPipeOptions, DoubleBufferOptions, PipeDreamOptions, PipeMareOptions, XPipeOptions
+from lightning_pipe.engine.policies import live as live_policies
 from lightning_pipe.engine.policies.options import Averaging, Prediction
 from lightning_pipe.engine.sharding import ShardedLayers, pipeline_mesh, single_tensor_updates_where_mixed
 from lightning_pipe.engine.stand_ins import move_stand_ins
@@ -608,6 +609,10 @@ class PipeStrategy(DDPStrategy, metaclass=_NamesItsOptions):
             checks.check_trainer(self.options.spec, trainer.accumulate_grad_batches, len(self.optimizers))
             if self.options.quality_warning and self.is_global_zero:
                 checks.warn_quality(self.options.schedule, self.num_stages, self.optimizers[0])
+            if self.options.schedule in live_policies.EXCHANGING_SCHEDULES and not live_policies.exchanges_storage():
+                rank_zero_info(f"lightning_pipe: torch {torch.__version__} cannot exchange storages in place "
+                               f"(UntypedStorage._swap_data_ptr_), so {self.options.schedule} copies the weights at every "
+                               "forward and backward; a torch that has it (2.13 does) avoids the copies.")
             if self._runtime is None:
                 self._runtime = make_runtime(self._pipeline, self._sharded)
             self._runtime.attach(self._pipeline)

@@ -25,11 +25,24 @@ from lightning_pipe.engine.policies.base import Binding, WeightPolicy, norm_of, 
 from lightning_pipe.optim import BasisRotationAdam
 
 
+#: Schedules whose policies hold several weight versions in the module's own parameters (masters,
+#: predictions, corrected weights) and show each to its forward or backward by exchanging storages.
+EXCHANGING_SCHEDULES = ("pipemare", "xpipe")
+
+
+def exchanges_storage() -> bool:
+    """Whether this torch can exchange two storages' data in place (``UntypedStorage._swap_data_ptr_``:
+    torch 2.13 has it, 2.11 does not). Without it pipemare and xpipe copy the weights at every forward
+    and backward instead (the same numbers, more memory traffic: on an H100 with torch 2.11, xpipe made
+    1,620 weight copies per step of the GPT in docs/benchmarks.md)."""
+    return hasattr(torch.UntypedStorage, "_swap_data_ptr_")
+
+
 def _exchangeable(a: Tensor, b: Tensor) -> bool:
     """Whether ``a`` and ``b`` each own their whole storage with the same layout, so their data
     pointers can be exchanged."""
     return (
-        hasattr(torch.UntypedStorage, "_swap_data_ptr_")
+        exchanges_storage()
         and a.dtype == b.dtype and a.device == b.device and a.shape == b.shape and a.stride() == b.stride()
         and a.storage_offset() == 0 and b.storage_offset() == 0
         and a.untyped_storage().nbytes() == b.untyped_storage().nbytes() == a.numel() * a.element_size()
