@@ -14,11 +14,11 @@ from torch import nn
 
 from lightning_pipe.engine.executor import Executor
 from lightning_pipe.engine.policies import AsyncOptions, Clip, WeightPolicy
-from lightning_pipe.engine.policies.base import merge_states
+from lightning_pipe.engine.policies.base import PolicyStates
 from lightning_pipe.schedules import async_schedule, validate_async
 
 
-class AsyncSegments:
+class AsyncSegments(PolicyStates):
     """Runs windows of an asynchronous schedule and drains it.
 
     Args:
@@ -54,25 +54,6 @@ class AsyncSegments:
         self.policies = [policy]
         self.load_restored()
         return policy
-
-    def restore(self, state: dict[str, Any]) -> None:
-        """Resume from a checkpoint's policy state (every stage's, merged by parameter name): now if
-        the policies exist, else when they are created (at the first asynchronous step). Each policy
-        takes its own parameters' entries, so any split of the same model resumes."""
-        self._restore = state
-        if self.policies:
-            self.load_restored()
-
-    def load_restored(self) -> None:
-        """Load what :meth:`restore` was given into the policies just created."""
-        if self._restore is not None:
-            for policy in self.policies:
-                policy.load_state_dict(self._restore)
-            self._restore = None
-
-    def state_dict(self) -> dict[str, Any] | None:
-        """The policies of this process, merged (``None`` before the first asynchronous step)."""
-        return merge_states(policy.state_dict() for policy in self.policies)
 
     def run_window(self, micro_batches: Sequence[Any], weights: Sequence[float], scale_loss: Any = None) -> list[Any]:
         """Feed one batch's micro-batches into the stream. Fewer than ``micro_batches`` (a short last

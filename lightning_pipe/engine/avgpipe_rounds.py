@@ -12,7 +12,8 @@ import torch
 from torch import nn
 
 from lightning_pipe.engine.executor import Executor
-from lightning_pipe.engine.policies import AvgPipeOptions, Clip, ElasticAveraging, merge_states
+from lightning_pipe.engine.policies import AvgPipeOptions, Clip, ElasticAveraging
+from lightning_pipe.engine.policies.base import PolicyStates
 from lightning_pipe.engine.stage import batch_size, split_micro_batches
 from lightning_pipe.errors import PipeConfigError, ScheduleError
 from lightning_pipe.schedules import Schedule, build_avgpipe, validate
@@ -28,7 +29,7 @@ def keeps_one_fifo_order(stages: int, micro_batches: int, replicas: int, advance
     return True
 
 
-class AvgPipeRounds:
+class AvgPipeRounds(PolicyStates):
     """Runs avgpipe rounds on one rank.
 
     Args:
@@ -99,26 +100,6 @@ class AvgPipeRounds:
         self.load_restored()
         return self.policy
 
-    def restore(self, state: dict[str, Any]) -> None:
-        """Resume from a checkpoint's replicas (every stage's, merged by parameter name): now if started,
-        else at :meth:`start`. Each policy takes its own parameters' entries."""
-        self._restore = state
-        if self.policies:
-            self.load_restored()
-
-    def load_restored(self) -> None:
-        """Load what :meth:`restore` was given into the policies just created."""
-        if self._restore is not None:
-            for policy in self.policies:
-                policy.load_state_dict(self._restore)
-            self._restore = None
-
-    def state_dict(self) -> dict[str, Any] | None:
-        """The replicas, their optimizer states, the center and the round count of the stages this
-        process runs, merged by parameter name (``None`` before the first round)."""
-        return merge_states(policy.state_dict() for policy in self.policies)
-
-    @property
     def used_names(self) -> set[str]:
         """The parameters that received a gradient on this process's stages."""
         return set().union(*(policy.used_names for policy in self.policies))

@@ -308,6 +308,35 @@ class WeightPolicy:
         self.max_copies = max(self.max_copies, self.copies())
 
 
+class PolicyStates:
+    """The weight policies of the stages this process runs (``policies``), and a checkpoint's policy
+    state that waits for them: what the asynchronous segments and avgpipe's rounds share.
+
+    The state is every stage's, merged by parameter name (:func:`merge_states`): each policy takes its
+    own parameters' entries, so any split of the same model resumes.
+    """
+
+    policies: Sequence[WeightPolicy]
+    _restore: dict[str, Any] | None
+
+    def restore(self, state: dict[str, Any]) -> None:
+        """Resume from a checkpoint's policy state: now if the policies exist, else when they are made."""
+        self._restore = state
+        if self.policies:
+            self.load_restored()
+
+    def load_restored(self) -> None:
+        """Load what :meth:`restore` was given into the policies just made."""
+        if self._restore is not None:
+            for policy in self.policies:
+                policy.load_state_dict(self._restore)
+            self._restore = None
+
+    def state_dict(self) -> dict[str, Any] | None:
+        """The policies of this process, merged (``None`` before they exist)."""
+        return merge_states(policy.state_dict() for policy in self.policies)
+
+
 def make_clip(value: float | None, algorithm: str | None) -> Clip | None:
     """Stage-local clipping before each STEP (``None``: no clipping)."""
     if not value:
