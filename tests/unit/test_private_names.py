@@ -30,7 +30,9 @@ ALLOWED = {
     "_parameters": "nn.Module._parameters: swap a meta parameter for a materialised one in place; bind a weight "
                    "version for a forward without nn.Module.__setattr__'s checks (policies.base.Binding)",
     "_foreach_norm": "torch._foreach_norm: a global norm without a temporary the size of the gradients",
-    "_foreach_copy_": "torch._foreach_copy_: one fused copy of a stage's weights into a stashed version",
+    "_foreach_copy_": "torch._foreach_copy_: one fused copy of a stage's weights into a stashed version (or into the "
+                      "parameters, where storages cannot be exchanged)",
+    "_foreach_sub_": "torch._foreach_sub_: pipemare's corrected weights in one launch where storages cannot be exchanged",
     "_swap_data_ptr_": "UntypedStorage._swap_data_ptr_: exchange two weight versions (and their views) without a copy",
     "_set_pg_timeout": "distributed_c10d._set_pg_timeout: a group's timeout after start-up (no public setter)",
     "_get_default_store": "distributed_c10d._get_default_store: the store's timeout, and the watchdog's inbox",

@@ -86,9 +86,8 @@ class _LivePolicy(WeightPolicy):
         """Copy ``values`` into the live storage unless it already holds what ``token`` names."""
         if self._holding == token:
             return
-        with torch.no_grad():
-            for name, p in self.params.items():
-                p.data.copy_(values[name])
+        with torch.no_grad():  # one fused copy: a copy per parameter is a launch each, every pass (torch < 2.12)
+            torch._foreach_copy_([p.data for p in self.params.values()], [values[name] for name in self.params])
         self._holding = token
 
     def load_masters(self) -> None:
@@ -148,8 +147,9 @@ class PipeMarePolicy(_LivePolicy):
         if self.aliased:
             return self._corrected(tau)
         with torch.no_grad():
-            for name, p in self.params.items():
-                p.data.copy_(self.masters[name]).sub_(self.delta[name], alpha=tau)
+            live = [p.data for p in self.params.values()]
+            torch._foreach_copy_(live, [self.masters[name] for name in self.params])
+            torch._foreach_sub_(live, [self.delta[name] for name in self.params], alpha=tau)
         self._holding = None
         return context
 
