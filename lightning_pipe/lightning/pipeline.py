@@ -304,12 +304,11 @@ class StagePipeline:
         loss: Tensor | float = 0.0
         if ran.outputs:  # micro-batch weights as Python scalars: no host-to-device copy
             loss = torch.stack([l.detach().reshape(()).double() * (s / ran.size) for l, s in zip(ran.outputs, ran.sizes)]).sum()
-        crosses = self.topology.stages > 1
-        records = combine(ran.capture.records, module, read_back=crosses)
-        if crosses:
-            if isinstance(loss, Tensor):
-                loss = read_back_values(records, loss)[0]
-            loss, records = self.from_last_stage((loss, records))
+        records = combine(ran.capture.records, module, read_back=False)
+        if self.topology.stages > 1:  # the loss and the records in one transfer per device
+            scalars = [loss] if isinstance(loss, Tensor) else []
+            read = read_back_values(records, *scalars)
+            loss, records = self.from_last_stage((read[0] if read else loss, records))
         replay(module, records, owner=self.holds_last_stage, one_pipeline=self.context.num_pipelines == 1)
         if isinstance(loss, Tensor):
             return loss.to(self.context.root_device, torch.get_default_dtype())
