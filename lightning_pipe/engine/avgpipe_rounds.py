@@ -100,6 +100,7 @@ class AvgPipeRounds(PolicyStates):
         self.load_restored()
         return self.policy
 
+    @property
     def used_names(self) -> set[str]:
         """The parameters that received a gradient on this process's stages."""
         return set().union(*(policy.used_names for policy in self.policies))
