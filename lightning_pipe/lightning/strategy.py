@@ -609,7 +609,7 @@ class PipeStrategy(DDPStrategy, metaclass=_NamesItsOptions):
             checks.check_trainer(self.options.spec, trainer.accumulate_grad_batches, len(self.optimizers))
             if self.options.quality_warning and self.is_global_zero:
                 checks.warn_quality(self.options.schedule, self.num_stages, self.optimizers[0])
-            if self.options.schedule in live_policies.EXCHANGING_SCHEDULES and not live_policies.exchanges_storage():
+            if self.options.spec.policy is not None and live_policies.copies_weights(self.options.spec.policy):
                 rank_zero_info(f"lightning_pipe: torch {torch.__version__} cannot exchange storages in place "
                                f"(UntypedStorage._swap_data_ptr_), so {self.options.schedule} copies the weights at every "
                                "forward and backward; a torch that has it (2.13 does) avoids the copies.")

@@ -25,17 +25,19 @@ from lightning_pipe.engine.policies.base import Binding, WeightPolicy, norm_of, 
 from lightning_pipe.optim import BasisRotationAdam
 
 
-#: Schedules whose policies hold several weight versions in the module's own parameters (masters,
-#: predictions, corrected weights) and show each to its forward or backward by exchanging storages.
-EXCHANGING_SCHEDULES = ("pipemare", "xpipe")
-
-
 def exchanges_storage() -> bool:
     """Whether this torch can exchange two storages' data in place (``UntypedStorage._swap_data_ptr_``:
     torch 2.13 has it, 2.11 does not). Without it pipemare and xpipe copy the weights at every forward
     and backward instead (the same numbers, more memory traffic: on an H100 with torch 2.11, xpipe made
     1,620 weight copies per step of the GPT in docs/benchmarks.md)."""
     return hasattr(torch.UntypedStorage, "_swap_data_ptr_")
+
+
+def copies_weights(policy: type) -> bool:
+    """Whether ``policy`` copies weight versions into the parameters at every forward and backward with
+    this torch: the policies that show each pass its version by exchanging storages (pipemare's and
+    xpipe's), where :func:`exchanges_storage` is false."""
+    return issubclass(policy, _LivePolicy) and not exchanges_storage()
 
 
 def _exchangeable(a: Tensor, b: Tensor) -> bool:
