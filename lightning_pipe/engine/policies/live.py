@@ -88,7 +88,7 @@ class _LivePolicy(WeightPolicy):
         """Copy ``values`` into the live storage unless it already holds what ``token`` names."""
         if self._holding == token:
             return
-        with torch.no_grad():  # one fused copy: a copy per parameter is a launch each, every pass (torch < 2.12)
+        with torch.no_grad():  # one fused copy: a copy per parameter is a launch each (where storages cannot be exchanged)
             torch._foreach_copy_([p.data for p in self.params.values()], [values[name] for name in self.params])
         self._holding = token
 
