@@ -228,9 +228,9 @@ def labelled_actions() -> Iterator[None]:
         Executor._dispatch = dispatch  # type: ignore[method-assign]
 
 
-#: CUDA runtime calls during which the host waits for the device.
+#: CUDA runtime calls that can make the host wait for the device (a synchronize; a copy from pageable memory).
 BLOCKING_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy",
-                  "cudaStreamWaitEvent", "cudaMemcpyAsync")
+                  "cudaMemcpyAsync")
 
 
 def idle_report(profiler: torch.profiler.profile, label: str, cuda: bool = True, min_gap_us: float = 20.0) -> str:

@@ -24,8 +24,6 @@ from lightning_pipe.engine.policies import AsyncOptions, Clip, WeightPolicy
 from lightning_pipe.engine.stage_optimizers import HyperparameterMirror, stage_optimizer, stage_scheduler
 from lightning_pipe.schedules import validate_async
 
-__all__ = ["EmulatedAsyncSegments", "stage_optimizer", "stage_scheduler"]  # the helpers' home is .stage_optimizers
-
 
 class EmulatedAsyncSegments(AsyncSegments):
     """:class:`~.async_segments.AsyncSegments` for every stage of one pipeline in this process.

@@ -117,7 +117,7 @@ def combine(records: list[LoggedValue], module: LightningModule, read_back: bool
     """Reduce the micro-batch records of each name to one record, as one full-batch call would log.
 
     Values logged as tensors are reduced on their device. With ``read_back`` they are then read back
-    together (:func:`read_back`: one host synchronisation instead of one per ``self.log`` call and
+    together (:func:`read_back_values`: one host synchronisation instead of one per ``self.log`` call and
     micro-batch); without it they stay device tensors, for a caller in the process that replays them.
     Metric records carry a snapshot of the metric's state after the last micro-batch.
     """
@@ -146,23 +146,20 @@ def combine(records: list[LoggedValue], module: LightningModule, read_back: bool
 
 
 def read_back_values(records: list[LoggedValue], *extra: Tensor) -> list[float]:
-    """Turn the records' tensor values (and ``extra`` scalars, returned) into floats with one transfer
-    per device."""
-    by_device: dict[torch.device, list[Any]] = {}
-    for record in records:
-        if isinstance(record.value, Tensor):
-            by_device.setdefault(record.value.device, []).append(record)
-    for scalar in extra:
-        by_device.setdefault(scalar.device, []).append(scalar)
-    floats: dict[int, float] = {}
-    for group in by_device.values():
-        values = torch.stack([item if isinstance(item, Tensor) else item.value for item in group]).tolist()
-        for item, value in zip(group, values):
-            if isinstance(item, Tensor):
-                floats[id(item)] = float(value)
-            else:
-                item.value = float(value)
-    return [floats[id(scalar)] for scalar in extra]
+    """Turn the records' tensor values into floats, and return ``extra`` scalars' as floats, with one
+    transfer per device."""
+    holders = [record for record in records if isinstance(record.value, Tensor)]
+    tensors: list[Tensor] = [record.value for record in holders] + list(extra)  # type: ignore[misc]
+    by_device: dict[torch.device, list[int]] = {}
+    for index, tensor in enumerate(tensors):
+        by_device.setdefault(tensor.device, []).append(index)
+    floats = [0.0] * len(tensors)
+    for indices in by_device.values():
+        for index, value in zip(indices, torch.stack([tensors[i] for i in indices]).tolist()):
+            floats[index] = float(value)
+    for record, value in zip(holders, floats):
+        record.value = value
+    return floats[len(holders):]
 
 
 def replay(module: LightningModule, records: list[LoggedValue], owner: bool, one_pipeline: bool = False) -> None:
