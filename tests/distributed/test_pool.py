@@ -66,8 +66,8 @@ def _rank_and_world(rank: int, world_size: int) -> tuple[int, int]:
 
 @pytest.fixture(scope="module")
 def light_pool():
-    """A pool of its own whose workers import no more than torch: the failures below restart it cheaply."""
-    pool = Pool(2, preload=())
+    """A pool of its own: the failures below restart it, not the session's pool."""
+    pool = Pool(2)
     pool.start()
     yield pool
     pool.close(grace=5.0)

@@ -1,8 +1,11 @@
 """Long-lived worker processes for multi-process tests: Lightning is imported once per session.
 
 A fresh multi-process job spends almost all of its time importing Python packages (``import
-lightning`` alone takes seconds, and Lightning's launcher starts rank 1 only after rank 0 has
-imported). A :class:`Pool` starts ``world_size`` processes running ``tests/harness/worker.py`` at once, each
+lightning`` alone takes about 7 CPU-seconds, and Lightning's launcher starts rank 1 only after rank 0 has
+imported). A :class:`Pool` forks ``world_size`` workers (``tests/harness/worker.py::serve``) from a fork
+server that imported Lightning, the package and ``tests.harness.lightning_run`` once for the session
+(``multiprocessing``'s ``forkserver``: it forks from a process that never ran a step, so no thread
+or lock of a used torch is copied), each
 with the environment under which Lightning treats processes as created externally, and sends them
 requests: train a ``tests/harness/lightning_run.py`` config (what :func:`tests.harness.launch.launch` runs) or call
 a function on a gloo process group (what :func:`tests.harness.distributed.run_workers` runs). Each request
@@ -11,7 +14,7 @@ creates and destroys its own process group and sees a reset process state (tests
 Robustness: a request has a deadline. When it passes, when any rank reports an error, when a worker
 dies or a rank could not tear its process group down cleanly, every worker's process group is killed
 with SIGKILL (a hung gloo rank ignores SIGTERM; shortly before the deadline each worker wrote its
-threads' stacks into the request's output), and new workers are started at once, importing while the test goes on.
+threads' stacks into the request's output), and new workers are forked at once.
 
 :func:`get_pool` keeps one pool per world size for the session; :func:`shutdown_all` ends them
 (tests/conftest.py at the end of the session, ``atexit`` as a fallback).
@@ -20,28 +23,35 @@ threads' stacks into the request's output), and new workers are started at once,
 from __future__ import annotations
 
 import atexit
+import multiprocessing
 import os
 import pickle
 import shutil
 import signal
 import socket
-import subprocess
-import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
+from multiprocessing.process import BaseProcess
 from typing import Any
 
 from tests.harness.distributed import job_environment
+from tests.harness.worker import serve
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 #: world sizes a pool serves; the tests' jobs use 2 and 4 processes
 POOL_WORLD_SIZES = (2, 4)
 
-#: seconds the pool waits for all workers to start and import
+#: seconds the pool waits for all workers to start (the fork server's one import included)
 STARTUP_TIMEOUT = 180.0
+
+#: what the fork server imports once; every worker is forked from it with these imported
+FORK_SERVER_PRELOAD = ["tests.harness.lightning_run", "tests.harness.worker"]
+
+_FORKS = multiprocessing.get_context("forkserver")
+_FORKS.set_forkserver_preload(FORK_SERVER_PRELOAD)
 
 #: after one rank failed, seconds the others get to report their own errors before the pool is killed
 FAILURE_GRACE = 15.0
@@ -64,7 +74,7 @@ class Reply:
 @dataclass
 class _Worker:
     rank: int
-    proc: subprocess.Popen
+    proc: BaseProcess
     log_path: str
     conn: Connection | None = None
 
@@ -74,7 +84,6 @@ class Pool:
     """``world_size`` long-lived worker processes that run requests together."""
 
     world_size: int
-    preload: tuple[str, ...] = ("tests.harness.lightning_run",)  # modules every worker imports before it is ready
     _dir: str | None = None
     _workers: list[_Worker] = field(default_factory=list)
     _server: socket.socket | None = None
@@ -83,7 +92,7 @@ class Pool:
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
-        """Start the workers (all at once) without waiting for them to import."""
+        """Fork the workers without waiting for them to say hello (the first start also starts the fork server)."""
         self.close()
         self._dir = tempfile.mkdtemp(prefix=f"lp-pool{self.world_size}-")
         path = os.path.join(self._dir, "pool.sock")
@@ -93,12 +102,10 @@ class Pool:
         self.starts += 1
         for rank in range(self.world_size):
             log_path = os.path.join(self._dir, f"worker{rank}.log")
-            with open(log_path, "wb") as log:
-                proc = subprocess.Popen(
-                    [sys.executable, "-m", "tests.harness.worker", path, *self.preload], cwd=ROOT,
-                    env=self._environment(rank, job_environment()),
-                    stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                )
+            env = self._environment(rank, job_environment())
+            proc = _FORKS.Process(target=serve, args=(path, rank, self.world_size, env, log_path, ROOT),
+                                  name=f"pool{self.world_size}-rank{rank}")
+            proc.start()
             self._workers.append(_Worker(rank, proc, log_path))
 
     def _environment(self, rank: int, base: dict[str, str]) -> dict[str, str]:
@@ -122,8 +129,8 @@ class Pool:
         self._server.settimeout(0.2)
         while any(w.conn is None for w in self._workers):
             for w in self._workers:
-                if w.proc.poll() is not None:
-                    raise PoolStartupError(self._startup_failure(f"worker {w.rank} exited with {w.proc.returncode}"))
+                if w.proc.exitcode is not None:
+                    raise PoolStartupError(self._startup_failure(f"worker {w.rank} exited with {w.proc.exitcode}"))
             if time.monotonic() > deadline:
                 raise PoolStartupError(self._startup_failure(f"workers not ready after {STARTUP_TIMEOUT:.0f} s"))
             try:
@@ -155,14 +162,11 @@ class Pool:
                         pass
             deadline = time.monotonic() + grace
             for w in self._workers:
-                try:
-                    w.proc.wait(max(0.0, deadline - time.monotonic()))
-                except subprocess.TimeoutExpired:
-                    pass
+                w.proc.join(max(0.0, deadline - time.monotonic()))
         for w in self._workers:
             _kill_group(w.proc)
         for w in self._workers:
-            w.proc.wait()
+            w.proc.join()
             if w.conn is not None:
                 w.conn.close()
         self._workers = []
@@ -184,7 +188,7 @@ class Pool:
 
         After anything but a clean success of every rank, the workers are replaced.
         """
-        if any(w.proc.poll() is not None for w in self._workers):
+        if any(w.proc.exitcode is not None for w in self._workers):
             self.restart()  # a worker died while idle: this request gets a whole new set
         self._connect()
         self._requests += 1
@@ -214,10 +218,8 @@ class Pool:
         self._collect(pending, replies, time.monotonic() + timeout)
         for w in self._workers:
             if replies[w.rank].status == "crashed":
-                try:
-                    replies[w.rank].value = w.proc.wait(5)  # the exit code, as run_workers reports it
-                except subprocess.TimeoutExpired:
-                    pass
+                w.proc.join(5)
+                replies[w.rank].value = w.proc.exitcode  # as run_workers reports it (None: still dying)
         if not all(r.status == "ok" and r.clean for r in replies):
             self.restart()
         for rank, reply in enumerate(replies):
@@ -253,11 +255,15 @@ class Pool:
                     del pending[conn]
 
 
-def _kill_group(proc: subprocess.Popen) -> None:
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)  # the worker's session: itself and anything it started
-    except (ProcessLookupError, PermissionError):
-        pass
+def _kill_group(proc: BaseProcess) -> None:
+    if proc.pid is None:
+        return
+    kills = (os.killpg, os.kill) if proc.exitcode is None else (os.killpg,)
+    for kill in kills:  # the worker's session (itself and anything it started); itself, if killed before its setsid
+        try:
+            kill(proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
 
 
 def _read(path: str) -> str:

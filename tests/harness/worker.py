@@ -1,10 +1,10 @@
-"""One long-lived rank of a worker pool (tests/harness/pool.py): ``python -m tests.harness.worker SOCKET_PATH [MODULE...]``.
+"""One long-lived rank of a worker pool (tests/harness/pool.py): :func:`serve`, in a process forked from the pool's fork server.
 
-The pool starts ``WORLD_SIZE`` of these at once with the environment under which Lightning treats
-processes as created externally (``LOCAL_RANK``, ``NODE_RANK``, ``WORLD_SIZE``, ...), so a
+The fork server imported Lightning, the package and ``tests.harness.lightning_run`` once for the session, so a
+new worker costs a ``fork`` rather than seconds of imports. Each worker gets the environment under which Lightning
+treats processes as created externally (``LOCAL_RANK``, ``NODE_RANK``, ``WORLD_SIZE``, ...), so a
 ``Trainer(devices=WORLD_SIZE)`` in each of them forms one job without Lightning's launcher starting
-children. The MODULEs (the pool's default: ``tests.harness.lightning_run``, hence Lightning and the package)
-are imported once, at start; each request then costs what the work costs.
+children; each request then costs what the work costs.
 
 Requests (pickled, over a Unix socket to the pool):
 
@@ -37,6 +37,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import gc
+import io
 import os
 import pickle
 import signal
@@ -53,18 +54,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-import importlib  # noqa: E402
-
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-for _module in sys.argv[2:]:  # before the filters and defaults below are recorded
-    importlib.import_module(_module)
+RANK = -1  # set by serve()
+WORLD_SIZE = -1
 
-RANK = int(os.environ["LOCAL_RANK"])
-WORLD_SIZE = int(os.environ["WORLD_SIZE"])
-
-_FILTERS = list(warnings.filters)
+_FILTERS = list(warnings.filters)  # set again by serve(), after whatever the fork server imported
 _THREADS = 1
 _DTYPE = torch.get_default_dtype()
 _DETERMINISTIC = torch.are_deterministic_algorithms_enabled()
@@ -172,10 +168,38 @@ def die_with_parent() -> None:
         pass  # elsewhere: an idle worker still exits when the pool's socket closes
 
 
-def main() -> None:
+def serve(socket_path: str, rank: int, world_size: int, env: dict[str, str], log_path: str, cwd: str) -> None:
+    """Be rank ``rank`` of the pool listening at ``socket_path``, in a process just forked from the fork server.
+
+    What a fresh ``subprocess.Popen(..., env=env, cwd=cwd, stdout=log, start_new_session=True)`` would
+    have given it: a session of its own (the pool kills the worker's whole process group), standard
+    input from /dev/null, standard output and error into ``log_path``, ``env`` and ``cwd``.
+    """
+    global RANK, WORLD_SIZE, _FILTERS
+    os.setsid()
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    os.close(null)
+    log = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    os.close(log)
+    # unbuffered, as PYTHONUNBUFFERED=1 makes a fresh process: a worker killed at a timeout loses nothing it printed
+    sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), write_through=True)
+    sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), write_through=True)
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(cwd)
+    RANK, WORLD_SIZE = rank, world_size
+    _FILTERS = list(warnings.filters)
+    torch.set_num_threads(_THREADS)  # the fork server's thread count came from its own environment
+    main(socket_path)
+
+
+def main(socket_path: str) -> None:
     die_with_parent()
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    sock.connect(sys.argv[1])
+    sock.connect(socket_path)
     conn = Connection(sock.detach())
     send(conn, ("hello", RANK, os.getpid()))
     home = os.getcwd()
@@ -215,6 +239,3 @@ def main() -> None:
             os._exit(1)  # skip gloo teardown, which can block on a failed peer
         os.chdir(home)
 
-
-if __name__ == "__main__":
-    main()
