@@ -91,7 +91,7 @@ def test_resume_continues_like_an_uninterrupted_run(schedule, tmp_path):
 
 def test_async_rejects_gradient_accumulation():
     code, output, _ = launch({"devices": 2, "max_steps": 2, "trainer": {"accumulate_grad_batches": 2},
-                              "strategy": {"schedule": "pipemare", "micro_batches": MICRO}}, fresh=True)
+                              "strategy": {"schedule": "pipemare", "micro_batches": MICRO}})
     assert code != 0 and "accumulate_grad_batches=2 has no meaning" in output
 
 
@@ -120,5 +120,5 @@ def test_sync_warmup_epochs_switch_in_the_same_run():
 
 def test_async_rejects_parameters_shared_across_stages():
     code, output, _ = launch({"devices": 2, "epochs": 1, "batch_size": BATCH, "model": {"tie": True},
-                              "strategy": {"schedule": "pipedream", "micro_batches": MICRO}}, fresh=True)
+                              "strategy": {"schedule": "pipedream", "micro_batches": MICRO}})
     assert code != 0 and "parameters pre.weight are used on several stages" in output

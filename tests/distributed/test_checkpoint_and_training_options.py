@@ -79,7 +79,7 @@ def test_tied_weights_accumulation_and_value_clipping_equal_one_device(tmp_path,
 def test_checkpoint_of_another_model_names_the_keys(tmp_path):
     ckpt = str(tmp_path / "deep.ckpt")
     train({"max_steps": 1, "model": {"depth": 7}, "ckpt_out": ckpt})
-    code, output, _ = launch({**PIPE, "max_steps": 2, "ckpt_path": ckpt}, fresh=True)  # a job that must fail
+    code, output, _ = launch({**PIPE, "max_steps": 2, "ckpt_path": ckpt})  # must fail (on the pool: a restart is a fork)
     assert code != 0
     assert "the checkpoint does not match the model: unexpected keys [model.12.weight, model.12.bias]" in output
     with pytest.raises(CheckpointMismatchError):

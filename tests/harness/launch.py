@@ -2,9 +2,9 @@
 
 By default the job runs on this session's worker pool (tests/harness/pool.py): the same ``train(config)`` in
 long-lived processes that imported Lightning once. ``fresh=True`` runs it as before, as a script
-whose Lightning launcher starts the other ranks: for jobs that are expected to fail or kill a rank
-(they would cost a pool restart, and their point is how a real job ends), and for what no pool
-serves (other world sizes, other accelerators).
+whose Lightning launcher starts the other ranks: for jobs whose point is how a real job ends (a
+killed or stopped rank, a signal, a failure at start-up), and for what no pool serves (other world
+sizes, other accelerators). A job that merely fails can run on the pool: the restart after it is a fork.
 """
 
 from __future__ import annotations
