@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from typing import Any, ContextManager
 
 import torch
@@ -161,9 +162,9 @@ class PipeMarePolicy(_LivePolicy):
         if self._corrected_storage is None:  # kept: a weight-sized allocation per backward costs page faults
             self._corrected_storage = {n: torch.empty_like(m, requires_grad=False) for n, m in self.masters.items()}
         corrected = self._corrected_storage
-        with torch.no_grad():
-            for name, m in self.masters.items():
-                torch.sub(m.detach(), self.delta[name], alpha=tau, out=corrected[name])
+        with torch.no_grad():  # fused: one launch per pass over the stage, not one per parameter
+            torch._foreach_copy_([corrected[n] for n in self.masters], [m.detach() for m in self.masters.values()])
+            torch._foreach_sub_([corrected[n] for n in self.masters], [self.delta[n] for n in self.masters], alpha=tau)
         for name, m in self.masters.items():
             _exchange(m, corrected[name])
         try:
@@ -197,14 +198,14 @@ class PipeMarePolicy(_LivePolicy):
     def _before_update(self) -> None:
         if self.delta is not None:  # delta <- gamma delta + (1 - gamma)(W_new - W_old), without a copy of W_old
             gamma = self._gamma
-            for name, d in self.delta.items():
-                d.mul_(gamma).sub_(self.masters[name].detach(), alpha=1 - gamma)
+            deltas = list(self.delta.values())
+            torch._foreach_mul_(deltas, gamma)
+            torch._foreach_sub_(deltas, [self.masters[n].detach() for n in self.delta], alpha=1 - gamma)
 
     def _after_update(self) -> None:
         if self.delta is not None:
             gamma = self._gamma
-            for name, d in self.delta.items():
-                d.add_(self.masters[name].detach(), alpha=1 - gamma)
+            torch._foreach_add_(list(self.delta.values()), [self.masters[n].detach() for n in self.delta], alpha=1 - gamma)
             self._delta_norm = norm_of(self.delta.values())
 
     def copies(self) -> int:
@@ -230,6 +231,22 @@ class PipeMarePolicy(_LivePolicy):
 
 def round_half_up(x: float) -> int:
     return math.floor(x + 0.5)
+
+
+@dataclass
+class _Fused:
+    """Parameters of one param group that one fused prediction pass treats alike: their prediction
+    tensors (``outs``), masters and names, and their directions where they have one."""
+
+    outs: list[Tensor] = field(default_factory=list)
+    masters: list[Tensor] = field(default_factory=list)
+    names: list[str] = field(default_factory=list)
+    directions: list[Tensor] = field(default_factory=list)
+
+    def add(self, out: Tensor, master: Tensor, name: str) -> None:
+        self.outs.append(out)
+        self.masters.append(master.detach())
+        self.names.append(name)
 
 
 class XPipePolicy(_LivePolicy):
@@ -300,20 +317,14 @@ class XPipePolicy(_LivePolicy):
             "xpipe=XPipeOptions(prediction='adam', 'muon', 'momentum' or 'sgd')."
         )
 
-    def _direction(self, master: Tensor, group: dict[str, Any], rule: str, name: str, scratch: Tensor) -> Tensor | None:
+    def _direction(self, master: Tensor, group: dict[str, Any], rule: str, name: str) -> Tensor | bool | None:
         """The update one STEP would apply to ``master`` per unit of learning rate, from the optimizer's
-        current state (``None`` before the state exists); adam's and SpecTrain's are computed in ``scratch``, a tensor
-        of ``master``'s shape whose values are not needed."""
+        current state: the direction itself, ``None`` before the state exists, or ``True`` where
+        :meth:`_fused_directions` computes it with the group's others (``adam``'s bias-corrected
+        ``m / (sqrt(v_hat) + eps)``, SpecTrain's momentum step)."""
         state = self.optimizer.state.get(master, {})
         if rule == "adam":
-            if "exp_avg" not in state:
-                return None
-            c = float(state["step"])
-            beta1, beta2 = group["betas"]
-            # m_hat / (sqrt(v_hat) + eps) = m / (sqrt(v) / sqrt(1 - beta2^c) + eps) / (1 - beta1^c), as
-            # torch's Adam orders it, in one temporary
-            denom = torch.sqrt(state["exp_avg_sq"], out=scratch).div_(math.sqrt(1 - beta2**c)).add_(group["eps"])
-            return torch.div(state["exp_avg"], denom, out=denom).div_(1 - beta1**c)
+            return True if "exp_avg" in state else None
         if rule == "muon":  # the orthogonalised momentum (bf16) in the weights' precision, at Muon's shape-adjusted lr
             if "momentum_buffer" not in state:
                 return None
@@ -323,31 +334,68 @@ class XPipePolicy(_LivePolicy):
             buffer, grad = state.get("momentum_buffer"), self._last_grad.get(name)
             if self.options.xpipe.momentum_direction == "buffer" or buffer is None or grad is None:
                 return buffer
-            # SpecTrain: momentum * buf + (1 - dampening) * g, the step Nesterov's SGD would take
-            return torch.mul(buffer, group["momentum"], out=scratch).add_(grad, alpha=1 - group["dampening"])
+            return True
         return self._last_grad.get(name)
 
+    def _fused_directions(self, names: list[str], group: dict[str, Any], rule: str) -> list[Tensor]:
+        """The directions :meth:`_direction` left to be computed together, as new tensors (temporaries, like
+        those of torch's ``foreach`` Adam), in the order of the per-parameter formulas (bit for bit)."""
+        states = [self.optimizer.state[self.masters[name]] for name in names]
+        if rule == "adam":  # m_hat / (sqrt(v_hat) + eps) = m / (sqrt(v) / sqrt(1 - beta2^c) + eps) / (1 - beta1^c), as torch's Adam orders it
+            beta1, beta2 = group["betas"]
+            steps = [float(state["step"]) for state in states]
+            denominators = torch._foreach_sqrt([state["exp_avg_sq"] for state in states])
+            torch._foreach_div_(denominators, [math.sqrt(1 - beta2**c) for c in steps])
+            torch._foreach_add_(denominators, group["eps"])
+            directions = torch._foreach_div([state["exp_avg"] for state in states], denominators)
+            torch._foreach_div_(directions, [1 - beta1**c for c in steps])
+            return directions
+        # SpecTrain: momentum * buf + (1 - dampening) * g, the step Nesterov's SGD would take
+        directions = torch._foreach_mul([state["momentum_buffer"] for state in states], group["momentum"])
+        torch._foreach_add_(directions, [self._last_grad[name] for name in names], alpha=1 - group["dampening"])
+        return directions
+
     def predict(self, distance: int) -> dict[str, Tensor]:
-        """The masters ``distance`` STEPs ahead: ``W - lr * distance * direction`` per parameter."""
+        """The masters ``distance`` STEPs ahead: ``W - lr * distance * direction`` per parameter.
+
+        Fused across a param group (``torch._foreach_*``): a handful of launches per group, not
+        several per parameter, as the optimizers' own ``foreach`` steps do.
+        """
         name_of = {id(m): n for n, m in self.masters.items()}
         storage = self._storage()
-        predicted, norms = {}, []
+        unseen = dict(self.masters)  # a master in no param group never moves: frozen too
+        frozen = _Fused()  # no direction yet, or distance 0: frozen at the bellwether, like a prediction
+        norms: list[Tensor] = []
         with torch.no_grad():
             for group, rule in zip(self.optimizer.param_groups, self.rules):
+                moving, fused = _Fused(), _Fused()
                 for master in group["params"]:
                     name = name_of.get(id(master))
                     if name is None:
                         continue
-                    out = storage[name]
-                    direction = self._direction(master, group, rule, name, scratch=out)
-                    if direction is None or distance == 0:
-                        predicted[name] = out.copy_(master)  # frozen at the bellwether, like a prediction
-                        continue
-                    scale = group["lr"] * distance
-                    norms.append(torch.linalg.vector_norm(direction).float() * scale)
-                    predicted[name] = torch.add(master.detach(), direction, alpha=-scale, out=out)
-            self.prediction_norm = torch.linalg.vector_norm(torch.stack(norms)) if norms else 0.0
-        return predicted
+                    del unseen[name]
+                    direction = None if distance == 0 else self._direction(master, group, rule, name)
+                    if direction is None:
+                        frozen.add(storage[name], master, name)
+                    elif direction is True:
+                        fused.add(storage[name], master, name)
+                    else:
+                        moving.add(storage[name], master, name)
+                        moving.directions.append(direction)
+                if fused.names:
+                    fused.directions = self._fused_directions(fused.names, group, rule)
+                for part in (moving, fused):
+                    if part.outs:  # out = W - lr * distance * direction
+                        scale = group["lr"] * distance
+                        norms.extend(torch._foreach_mul(torch._foreach_norm(part.directions), scale))
+                        torch._foreach_copy_(part.outs, part.masters)
+                        torch._foreach_add_(part.outs, part.directions, alpha=-scale)
+            for name, master in unseen.items():
+                frozen.add(storage[name], master, name)
+            if frozen.outs:
+                torch._foreach_copy_(frozen.outs, frozen.masters)
+            self.prediction_norm = torch.linalg.vector_norm(torch.stack(norms).float()) if norms else 0.0
+        return storage
 
     def _storage(self) -> dict[str, Tensor]:
         """Tensors for a new prediction: the spare ones a released prediction left, else new ones (a
@@ -412,8 +460,11 @@ class XPipePolicy(_LivePolicy):
     def _before_update(self) -> None:
         if self._keeps_last_grad:  # the gradient this STEP applies (after clipping), into last STEP's storage
             kept = self._last_grad
-            self._last_grad = {n: kept[n].copy_(m.grad) if n in kept else m.grad.detach().clone()
-                               for n, m in self.masters.items() if m.grad is not None}
+            names = [n for n, m in self.masters.items() if m.grad is not None]
+            reused = [n for n in names if n in kept]
+            if reused:
+                torch._foreach_copy_([kept[n] for n in reused], [self.masters[n].grad for n in reused])
+            self._last_grad = {n: kept[n] if n in kept else self.masters[n].grad.detach().clone() for n in names}
 
     def end_segment(self, mini_batches: int) -> None:
         super().end_segment(mini_batches)
