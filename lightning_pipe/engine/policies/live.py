@@ -378,7 +378,7 @@ class XPipePolicy(_LivePolicy):
         or divides into its divisor)."""
         states = [self.optimizer.state[self.masters[name]] for name in part.names]
         outs = part.outs
-        if rule == "adam":  # m_hat / (sqrt(v_hat) + eps) = m / (sqrt(v) / sqrt(1 - beta2^c) + eps) / (1 - beta1^c), as torch's Adam orders it
+        if rule == "adam":  # m_hat / (sqrt(v_hat) + eps) = m / (sqrt(v) / sqrt(1 - beta2^c) + eps) / (1 - beta1^c), Adam's order
             beta1, beta2 = group["betas"]
             steps = [float(state["step"]) for state in states]
             for out, state in zip(outs, states):  # straight into out: a fused copy first would add a pass over memory
