@@ -88,16 +88,21 @@ def reset_state(request: dict[str, Any]) -> None:
     torch.use_deterministic_algorithms(_DETERMINISTIC)
 
 
+def _write_fds_1_and_2_to(path: str) -> None:
+    """Point file descriptors 1 and 2 at ``path`` (appending), so anything written there, by Python or C, lands in it."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+
+
 @contextlib.contextmanager
 def output_to(path: str):
     """File descriptors 1 and 2 (so Python's sys.stdout/sys.stderr and any C library) write to ``path``."""
     sys.stdout.flush()
     sys.stderr.flush()
     saved = os.dup(1), os.dup(2)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-    os.dup2(fd, 1)
-    os.dup2(fd, 2)
-    os.close(fd)
+    _write_fds_1_and_2_to(path)
     try:
         yield
     finally:
@@ -180,10 +185,7 @@ def serve(socket_path: str, rank: int, world_size: int, env: dict[str, str], log
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
     os.close(null)
-    log = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-    os.dup2(log, 1)
-    os.dup2(log, 2)
-    os.close(log)
+    _write_fds_1_and_2_to(log_path)
     # unbuffered, as PYTHONUNBUFFERED=1 makes a fresh process: a worker killed at a timeout loses nothing it printed
     sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), write_through=True)
     sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), write_through=True)
@@ -192,7 +194,6 @@ def serve(socket_path: str, rank: int, world_size: int, env: dict[str, str], log
     os.chdir(cwd)
     RANK, WORLD_SIZE = rank, world_size
     _FILTERS = list(warnings.filters)
-    torch.set_num_threads(_THREADS)  # the fork server's thread count came from its own environment
     main(socket_path)
 
 
@@ -238,4 +239,3 @@ def main(socket_path: str) -> None:
         if not clean:
             os._exit(1)  # skip gloo teardown, which can block on a failed peer
         os.chdir(home)
-

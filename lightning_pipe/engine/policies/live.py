@@ -173,14 +173,17 @@ class PipeMarePolicy(_LivePolicy):
             self._record_lag(self.correction_norm / norm_of(self.masters.values()).clamp_min(torch.finfo(torch.float32).tiny))
         if self.aliased:
             return self._corrected(tau)
-        with torch.no_grad():
-            live = [p.data for p in self.params.values()]
-            masters, deltas = [self.masters[name] for name in self.params], [self.delta[name] for name in self.params]
-            for c in fused_chunks(live):
-                torch._foreach_copy_(live[c], masters[c])
-                torch._foreach_sub_(live[c], deltas[c], alpha=tau)
+        self._write_corrected([p.data for p in self.params.values()], list(self.params), tau)
         self._holding = None
         return context
+
+    def _write_corrected(self, outs: list[Tensor], names: list[str], tau: int) -> None:
+        """``outs[i] = W - tau * delta`` of parameter ``names[i]``, fused (one launch per pass, not per parameter)."""
+        masters, deltas = [self.masters[n].detach() for n in names], [self.delta[n] for n in names]
+        with torch.no_grad():
+            for c in fused_chunks(outs):
+                torch._foreach_copy_(outs[c], masters[c])
+                torch._foreach_sub_(outs[c], deltas[c], alpha=tau)
 
     @contextmanager
     def _corrected(self, tau: int) -> Iterator[None]:
@@ -188,12 +191,7 @@ class PipeMarePolicy(_LivePolicy):
         if self._corrected_storage is None:  # kept: a weight-sized allocation per backward costs page faults
             self._corrected_storage = {n: torch.empty_like(m, requires_grad=False) for n, m in self.masters.items()}
         corrected = self._corrected_storage
-        with torch.no_grad():  # fused: one launch per pass over the stage, not one per parameter
-            outs, masters = [corrected[n] for n in self.masters], [m.detach() for m in self.masters.values()]
-            deltas = [self.delta[n] for n in self.masters]
-            for c in fused_chunks(outs):
-                torch._foreach_copy_(outs[c], masters[c])
-                torch._foreach_sub_(outs[c], deltas[c], alpha=tau)
+        self._write_corrected([corrected[n] for n in self.masters], list(self.masters), tau)
         for name, m in self.masters.items():
             _exchange(m, corrected[name])
         try:
