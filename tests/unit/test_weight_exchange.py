@@ -8,7 +8,7 @@ import logging
 import pytest
 import torch
 
-from lightning_pipe.engine.policies import live
+from lightning_pipe.engine.policies import base, live
 from tests.harness.lightning_run import train
 
 OPTIONS = {"pipemare": {"pipemare": {"lr_warmup_steps": 3}}, "xpipe": {}}
@@ -40,21 +40,21 @@ def test_copying_the_weights_computes_what_exchanging_them_computes(schedule, mo
 
 
 def test_fused_chunks_cut_cpu_tensors_by_bytes_and_keep_an_accelerator_list_whole(monkeypatch):
-    monkeypatch.setattr(live, "CPU_FUSED_CHUNK_BYTES", 4 * 100)  # 100 float32 elements
+    monkeypatch.setattr(base, "CPU_FUSED_CHUNK_BYTES", 4 * 100)  # 100 float32 elements
     tensors = [torch.zeros(n) for n in (60, 40, 10, 200, 30)]
-    assert live.fused_chunks(tensors) == [slice(0, 2), slice(2, 3), slice(3, 4), slice(4, 5)]  # a large one alone
-    assert live.fused_chunks([]) == []
+    assert base.fused_chunks(tensors) == [slice(0, 2), slice(2, 3), slice(3, 4), slice(4, 5)]  # a large one alone
+    assert base.fused_chunks([]) == []
     meta = [torch.empty(n, device="meta") for n in (60, 40, 10, 200, 30)]  # any device but the CPU: one chunk
-    assert live.fused_chunks(meta) == [slice(0, 5)]
+    assert base.fused_chunks(meta) == [slice(0, 5)]
 
 
 @pytest.mark.parametrize("schedule", sorted(OPTIONS))
 def test_chunked_fused_passes_compute_what_one_pass_computes(schedule, monkeypatch):
     """On a CPU the fused weight arithmetic runs over chunks of at most ``CPU_FUSED_CHUNK_BYTES``: a tensor per
     chunk computes, bit for bit, what one chunk for the whole stage computes."""
-    monkeypatch.setattr(live, "CPU_FUSED_CHUNK_BYTES", 2**62)
+    monkeypatch.setattr(base, "CPU_FUSED_CHUNK_BYTES", 2**62)
     whole = run(schedule)
-    monkeypatch.setattr(live, "CPU_FUSED_CHUNK_BYTES", 1)
+    monkeypatch.setattr(base, "CPU_FUSED_CHUNK_BYTES", 1)
     calls = []
     chunks = live.fused_chunks
     monkeypatch.setattr(live, "fused_chunks", lambda tensors: calls.append(len(chunks(tensors))) or chunks(tensors))

@@ -36,6 +36,30 @@ def norm_of(tensors: Iterable[Tensor], scale: float = 1.0) -> Tensor | float:
     return torch.linalg.vector_norm(torch.stack([n.float() for n in norms])) * scale
 
 
+#: On a CPU, fused passes run over chunks of a stage's tensors of at most this many bytes, so that a
+#: tensor's consecutive passes find it in cache (one pass over a whole stage would stream it from memory
+#: once per pass: xpipe's prediction took 1.6 x as long at width 2048, one thread); on an accelerator one chunk: the
+#: launches are what costs there.
+CPU_FUSED_CHUNK_BYTES = 2 << 20
+
+
+def fused_chunks(tensors: list[Tensor]) -> list[slice]:
+    """Consecutive slices of ``tensors`` that one fused (``torch._foreach_*``) sequence of passes treats at once."""
+    if not tensors:
+        return []
+    if tensors[0].device.type != "cpu":
+        return [slice(0, len(tensors))]
+    chunks, start, size = [], 0, 0
+    for i, t in enumerate(tensors):
+        nbytes = t.numel() * t.element_size()
+        if i > start and size + nbytes > CPU_FUSED_CHUNK_BYTES:
+            chunks.append(slice(start, i))
+            start, size = i, 0
+        size += nbytes
+    chunks.append(slice(start, len(tensors)))
+    return chunks
+
+
 def relative_distance(applied: Iterable[Tensor], used: Iterable[Tensor]) -> Tensor:
     """``||applied - used|| / ||applied||`` over tensor lists, as a 0-d tensor (no host synchronisation).
 
@@ -365,12 +389,13 @@ class Binding:
         aliases: dict[int, list[str]] = {}
         for name, p in module.named_parameters(remove_duplicate=False):
             aliases.setdefault(id(p), []).append(name)
-        self._slots: dict[str, list[tuple[nn.Module, str]]] = {}
+        # each alias as its owner's ``_parameters`` dict and key (named_parameters lists registered ones only)
+        self._slots: dict[str, list[tuple[dict[str, Any], str]]] = {}
         for name in names:
             slots = []
             for alias in aliases[id(module.get_parameter(name))]:
                 owner, _, leaf = alias.rpartition(".")
-                slots.append((module.get_submodule(owner), leaf))
+                slots.append((module.get_submodule(owner)._parameters, leaf))
             self._slots[name] = slots
 
     @contextmanager
@@ -379,8 +404,7 @@ class Binding:
         originals: list[tuple[dict[str, Any], str, Any]] = []
         try:
             for name, value in values.items():
-                for owner, leaf in self._slots[name]:
-                    registered = owner._parameters  # every slot is a registered parameter (named_parameters)
+                for registered, leaf in self._slots[name]:
                     originals.append((registered, leaf, registered[leaf]))
                     registered[leaf] = value
             yield

@@ -22,7 +22,7 @@ import torch
 from torch import Tensor, nn
 from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz
 
-from lightning_pipe.engine.policies.base import Binding, WeightPolicy, norm_of, relative_distance
+from lightning_pipe.engine.policies.base import Binding, WeightPolicy, fused_chunks, norm_of, relative_distance
 from lightning_pipe.optim import BasisRotationAdam
 
 
@@ -55,30 +55,6 @@ def _exchangeable(a: Tensor, b: Tensor) -> bool:
 def _exchange(a: Tensor, b: Tensor) -> None:
     """Exchange the values of ``a`` and ``b`` (and of every view of their storages) without copying."""
     a.untyped_storage()._swap_data_ptr_(b.untyped_storage())
-
-
-#: On a CPU, fused passes run over chunks of a stage's tensors of at most this many bytes, so that a
-#: tensor's consecutive passes find it in cache (one pass over a whole stage would stream it from memory
-#: once per pass: xpipe's prediction took 1.6 x as long at width 2048, one thread); on an accelerator one chunk: the
-#: launches are what costs there.
-CPU_FUSED_CHUNK_BYTES = 2 << 20
-
-
-def fused_chunks(tensors: list[Tensor]) -> list[slice]:
-    """Consecutive slices of ``tensors`` that one fused (``torch._foreach_*``) sequence of passes treats at once."""
-    if not tensors:
-        return []
-    if tensors[0].device.type != "cpu":
-        return [slice(0, len(tensors))]
-    chunks, start, size = [], 0, 0
-    for i, t in enumerate(tensors):
-        nbytes = t.numel() * t.element_size()
-        if i > start and size + nbytes > CPU_FUSED_CHUNK_BYTES:
-            chunks.append(slice(start, i))
-            start, size = i, 0
-        size += nbytes
-    chunks.append(slice(start, len(tensors)))
-    return chunks
 
 
 class _LivePolicy(WeightPolicy):
@@ -300,6 +276,10 @@ class XPipePolicy(_LivePolicy):
         # which tensors hold each cached prediction's values (an exchange moves the values around)
         self._slots: dict[tuple[Any, ...], dict[str, Tensor]] = {}
         self._spare: dict[str, Tensor] | None = None  # a released prediction's tensors, for the next one
+        # a prediction's tensors are laid out as the masters (empty_like) or are storages the parameters held, so
+        # whether the parameters can exchange with them is known once (checked per show: 10 % of a host-bound step)
+        self._shows_by_exchange = self.exchange_values and all(
+            _exchangeable(p, torch.empty_like(self.masters[n])) for n, p in self.params.items())
 
     def _rules(self, rule: str) -> list[str]:
         """The prediction rule of each param group: ``rule``, or by the optimizer that owns the group
@@ -471,7 +451,7 @@ class XPipePolicy(_LivePolicy):
         if self._holding == token:
             return
         values = self._slots.pop(token)
-        if not (self.exchange_values and all(_exchangeable(p, values[n]) for n, p in self.params.items())):
+        if not self._shows_by_exchange:
             self._slots[token] = values
             self.load(values, token)
             return
