@@ -20,6 +20,17 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """Under pytest-xdist, import Lightning (through the package) in the controller before a worker reports.
+
+    The controller rebuilds each warning a worker reports by importing the module of its class, in the
+    thread that receives from that worker. Two workers' first Lightning warnings arriving together made two
+    threads import Lightning at once, which Python's import locks ended with a ``_DeadlockError`` that
+    crashed a worker (``-n 2``: every time on four of the unit test files run together)."""
+    if getattr(config.option, "numprocesses", None) and not hasattr(config, "workerinput"):
+        import lightning_pipe  # noqa: F401
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Mark every test under tests/distributed/ ``multiprocess`` (deselect them with ``-m "not multiprocess"``)."""
     for item in items:
