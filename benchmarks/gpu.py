@@ -2,6 +2,7 @@
 
     PYTHONPATH=. python benchmarks/gpu.py                              # the issue's GPT on one GPU
     PYTHONPATH=. python benchmarks/gpu.py --device cpu --tiny          # a dry run on the CPU
+    PYTHONPATH=. python benchmarks/gpu.py --host-bound --steps 16      # the host-bound proxy on a CPU
     PYTHONPATH=. python benchmarks/gpu.py --variants accumulation 1f1b zbv --profile 1f1b zbv --profile-dir traces/
 
 The model is a GPT (pre-LN blocks, causal attention through ``scaled_dot_product_attention``): by
@@ -27,6 +28,12 @@ accumulation), peak memory allocated on the device, and host synchronisations pe
 synchronisation raises a warning; the timing's own ``torch.cuda.synchronize`` is off then). The
 result is a markdown table (and ``--json`` rows); write the device, versions and date beside it
 (printed above the table).
+
+``--host-bound`` measures, on a CPU, what the emulation asks of the host: the same GPT structure (blocks,
+micro-batches, stages) with d_model 32 and sequence 16 in float32, so its kernels cost little, timed by the main
+thread's CPU time (``--clock cpu``). Where a GPU run is host-bound (docs/benchmarks.md: the H100 VM's was), its ratios
+follow the host work; this proxy measures that work without a GPU, and, by CPU time, without the noise of
+other processes on a shared machine.
 
 ``--profile VARIANT ...`` also records two steps of those variants with ``torch.profiler`` (CPU and CUDA
 activities), after the timed and counted ones, every executor action labelled, and writes to
@@ -57,6 +64,7 @@ import lightning as L
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.data import DataLoader, Dataset
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -127,12 +135,49 @@ class Tokens(Dataset):
 # ------------------------------------------------------------------------------------------ timing
 
 
+class CountOps(TorchDispatchMode):
+    """Counts the aten operations dispatched inside it (on a GPU each is a kernel launch, or host-side
+    bookkeeping for a view)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+class CountCalls:
+    """Counts the Python and builtin function calls made inside it on this thread, and among them the
+    autograd engine's (``run_backward``: one per backward, per zero-bubble ``W`` group)."""
+
+    def __init__(self) -> None:
+        self.calls = self.engine_calls = 0
+
+    def _event(self, frame: Any, event: str, arg: Any) -> None:
+        if event in ("call", "c_call"):
+            self.calls += 1
+            if event == "c_call" and getattr(arg, "__name__", "") == "run_backward":
+                self.engine_calls += 1
+
+    def __enter__(self) -> CountCalls:
+        sys.setprofile(self._event)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        sys.setprofile(None)
+
+
 class StepClock(L.Callback):
     """Times optimizer steps ``warmup .. warmup + steps``, then counts host synchronisations (and where they
-    come from) over ``sync_steps`` more; optionally profiles the two steps after those."""
+    come from) over ``sync_steps`` more; optionally counts the host's work (Python calls in one step, aten
+    operations in the next), then profiles the two steps after those."""
 
-    def __init__(self, cuda: bool, warmup: int, steps: int, sync_steps: int, profile_dir: str | None, label: str) -> None:
+    def __init__(self, cuda: bool, warmup: int, steps: int, sync_steps: int, profile_dir: str | None, label: str,
+                 clock: str = "wall", count: bool = False) -> None:
         self.cuda, self.warmup, self.steps, self.sync_steps = cuda, warmup, steps, sync_steps
+        self.clock = time.perf_counter if clock == "wall" else time.thread_time  # CLOCKS
         self.times: list[float] = []
         self.syncs = 0
         self.sync_sites: Counter[str] = Counter()
@@ -141,7 +186,10 @@ class StepClock(L.Callback):
         self._recorder: warnings.catch_warnings | None = None
         self._caught: list[warnings.WarningMessage] = []
         self.profile_dir, self.label = profile_dir, label
-        self.profile_start = warmup + steps + sync_steps
+        self.count_start = warmup + steps + sync_steps if count else None
+        self.profile_start = warmup + steps + sync_steps + (2 if count else 0)
+        self.calls: CountCalls | None = None
+        self.ops: CountOps | None = None
         self._profiler: torch.profiler.profile | None = None
         self._labels: ExitStack | None = None
 
@@ -157,7 +205,7 @@ class StepClock(L.Callback):
         timing_end = self.warmup + self.steps
         if step <= timing_end:
             self._sync()
-            self.times.append(time.perf_counter())
+            self.times.append(self.clock())
             if step == self.warmup and self.cuda:
                 torch.cuda.reset_peak_memory_stats()
             if step == timing_end and self.cuda:
@@ -169,7 +217,19 @@ class StepClock(L.Callback):
             torch.cuda.set_sync_debug_mode("warn")
         elif step == timing_end + self.sync_steps and self._recorder is not None:
             self.stop_counting()
+        self._count(step)
         self._profile(step)
+
+    def _count(self, step: int) -> None:
+        if self.count_start is None:
+            return
+        if step == self.count_start:
+            self.calls = CountCalls().__enter__()
+        elif step == self.count_start + 1 and self.calls is not None:
+            self.calls.__exit__()
+            self.ops = CountOps().__enter__()
+        elif step == self.count_start + 2 and self.ops is not None:
+            self.ops.__exit__(None, None, None)
 
     def stop_counting(self) -> None:
         if self._recorder is None:
@@ -300,6 +360,13 @@ def idle_report(profiler: torch.profiler.profile, label: str, cuda: bool = True,
 
 # ------------------------------------------------------------------------------------------ runs
 
+#: What ``--clock`` measures a step by.
+CLOCKS = {
+    "wall": "wall-clock time (the device synchronised at step boundaries)",
+    "cpu": "the main thread's CPU time: on a CPU with a model small enough that its kernels cost little (the host-bound "
+           "proxy in docs/benchmarks.md), the host work a step asks for, unmoved by other processes on a shared machine",
+}
+
 
 @dataclass
 class Row:
@@ -309,6 +376,9 @@ class Row:
     syncs_per_step: float | None
     vs_accumulation: float | None = None
     sync_sites: dict[str, int] = field(default_factory=dict)  #: where the counted synchronisations were called
+    python_calls: int | None = None  #: Python and builtin calls in one step (``--count``)
+    engine_calls: int | None = None  #: autograd engine calls among them
+    aten_ops: int | None = None  #: aten operations dispatched in one step (``--count``)
 
 
 #: A variant ``SCHEDULE + PER_GROUP_W`` runs a zero-bubble schedule with one autograd task per weight
@@ -334,7 +404,7 @@ def variants(stages: int, chosen: list[str] | None) -> list[tuple[str, dict[str,
 def run_variant(name: str, options: dict[str, Any] | None, args: argparse.Namespace) -> Row:
     cuda = args.device == "cuda"
     profiling = name in (args.profile or [])
-    total = args.warmup + args.steps + (args.sync_steps if cuda else 0) + (3 if profiling else 1)
+    total = args.warmup + args.steps + (args.sync_steps if cuda else 0) + (2 if args.count else 0) + (3 if profiling else 1)
     accumulate = args.micro_batches if name == "accumulation" else 1
     loader_batch = args.batch // accumulate
     data = Tokens(total * args.batch, args.seq, args.vocab)
@@ -346,7 +416,7 @@ def run_variant(name: str, options: dict[str, Any] | None, args: argparse.Namesp
         strategy = lightning_pipe.PipeStrategy(micro_batches=args.micro_batches, quality_warning=False, **options)
     split_backward.ONE_TASK_ON_DEVICES = not name.endswith(PER_GROUP_W)
     clock = StepClock(cuda, args.warmup, args.steps, args.sync_steps if cuda else 0,
-                      args.profile_dir if profiling else None, name)
+                      args.profile_dir if profiling else None, name, args.clock, args.count)
     trainer = L.Trainer(accelerator=args.device, devices=1, strategy=strategy, precision=args.precision,
                         max_steps=total, accumulate_grad_batches=accumulate, logger=False, enable_progress_bar=False,
                         enable_model_summary=False, enable_checkpointing=False, callbacks=[clock])
@@ -357,6 +427,8 @@ def run_variant(name: str, options: dict[str, Any] | None, args: argparse.Namesp
     syncs = clock.syncs / args.sync_steps if cuda and args.sync_steps else None
     row = Row(name, clock.ms_per_step(), clock.peak / 2**30 if cuda else None, syncs,
               sync_sites=dict(clock.sync_sites.most_common(6)))
+    if clock.calls is not None and clock.ops is not None:
+        row.python_calls, row.engine_calls, row.aten_ops = clock.calls.calls, clock.calls.engine_calls, clock.ops.count
     del trainer, model, strategy
     gc.collect()
     if cuda:
@@ -368,9 +440,16 @@ def table(rows: list[Row]) -> str:
     def cell(value: float | None, fmt: str) -> str:
         return "-" if value is None or (isinstance(value, float) and math.isnan(value)) else format(value, fmt)
 
-    lines = ["| variant | ms / step | vs accumulation | peak GiB | host syncs / step |", "|---|---|---|---|---|"]
-    lines += [f"| {r.variant} | {cell(r.ms_per_step, '.1f')} | {cell(r.vs_accumulation, '.2f')} | {cell(r.peak_gib, '.2f')} "
-              f"| {cell(r.syncs_per_step, '.1f')} |" for r in rows]
+    counted = any(r.aten_ops is not None for r in rows)
+    head = "| variant | ms / step | vs accumulation | peak GiB | host syncs / step |"
+    lines = [head + (" Python calls / step | engine calls / step | aten ops / step |" if counted else ""),
+             "|---" * (8 if counted else 5) + "|"]
+    for r in rows:
+        line = (f"| {r.variant} | {cell(r.ms_per_step, '.1f')} | {cell(r.vs_accumulation, '.2f')} | {cell(r.peak_gib, '.2f')} "
+                f"| {cell(r.syncs_per_step, '.1f')} |")
+        if counted:
+            line += f" {cell(r.python_calls, ',')} | {cell(r.engine_calls, ',')} | {cell(r.aten_ops, ',')} |"
+        lines.append(line)
     return "\n".join(lines)
 
 
@@ -384,6 +463,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     p.add_argument("--tiny", action="store_true", help="a model and run small enough for a CPU dry run")
+    p.add_argument("--host-bound", action="store_true",
+                   help="the host-bound proxy on a CPU: d_model 32, seq 16, float32, --clock cpu (module docstring)")
     p.add_argument("--d-model", type=int, default=2048)
     p.add_argument("--blocks", type=int, default=8)
     p.add_argument("--heads", type=int, default=16)
@@ -397,6 +478,10 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--sync-steps", type=int, default=2)
     p.add_argument("--variants", nargs="*", help="only these (plain, accumulation, schedule names)")
+    p.add_argument("--clock", choices=sorted(CLOCKS), default="wall", help="; ".join(f"{k}: {v}" for k, v in CLOCKS.items()))
+    p.add_argument("--count", action="store_true",
+                   help="also count the host's work in two steps after the timed ones: Python calls and autograd engine "
+                        "calls in one, aten operations in the other (exact, unlike times on a shared machine)")
     p.add_argument("--profile", nargs="*", metavar="VARIANT",
                    help="also record two steps of these variants with torch.profiler (after the timed steps) and "
                         "report where the device idles")
@@ -406,6 +491,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     if args.tiny:
         args.d_model, args.blocks, args.heads, args.seq, args.vocab = 64, 4, 4, 32, 128
         args.batch, args.micro_batches, args.stages, args.warmup, args.steps, args.sync_steps = 8, 4, 4, 1, 3, 2
+    if args.host_bound:
+        args.device, args.clock, args.precision = "cpu", "cpu", "32-true"
+        args.d_model, args.heads, args.seq, args.vocab = 32, 2, 16, 128
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("no CUDA device here; use --device cpu (with --tiny for a dry run)")
     if args.batch % args.micro_batches:

@@ -5,8 +5,10 @@
 One process, one thread, the one-device emulation (``stages=2``) of an MLP of 8 ``Linear(width, width)``
 layers trained with Adam: for each width, the median host time of one xpipe prediction, and the aten
 operations dispatched per prediction (with ``--count``; on an accelerator each is a kernel launch except
-the reads of Adam's step counters, host scalars). Run it on two checkouts to compare them: the numbers of
-docs/benchmarks.md ("One GPU") came from the commit before and after the fusion, on the same machine.
+the reads of Adam's step counters, host scalars). A CPU runs Adam's directions per tensor, an accelerator
+with fused passes; ``--fused`` runs the accelerator's path here, to count what it launches. Run it on two
+checkouts to compare them: the numbers of docs/benchmarks.md ("One GPU") came from the commits before and
+after each change, on the same machine.
 """
 
 from __future__ import annotations
@@ -67,8 +69,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--widths", type=int, nargs="+", default=[1024, 2048], help="layer widths to measure")
     parser.add_argument("--count", action="store_true", help="also count the aten operations per prediction")
+    parser.add_argument("--fused", action="store_true",
+                        help="the accelerator's fused direction passes on the CPU too (live.FUSED_DIRECTIONS_ON_CPU): "
+                             "what an accelerator launches, counted here")
     args = parser.parse_args()
     torch.set_num_threads(1)
+    live.FUSED_DIRECTIONS_ON_CPU = args.fused
     print("| width | ms per xpipe prediction (median) | aten ops per prediction |")
     print("|---|---|---|")
     for width in args.widths:

@@ -39,13 +39,15 @@ def test_copying_the_weights_computes_what_exchanging_them_computes(schedule, mo
     assert any("copies the weights at every forward and backward" in r.getMessage() for r in caplog.records)
 
 
-def test_fused_chunks_cut_cpu_tensors_by_bytes_and_keep_an_accelerator_list_whole(monkeypatch):
+def test_fused_chunks_cut_tensors_by_bytes_small_on_a_cpu_and_large_on_an_accelerator(monkeypatch):
     monkeypatch.setattr(base, "CPU_FUSED_CHUNK_BYTES", 4 * 100)  # 100 float32 elements
     tensors = [torch.zeros(n) for n in (60, 40, 10, 200, 30)]
     assert base.fused_chunks(tensors) == [slice(0, 2), slice(2, 3), slice(3, 4), slice(4, 5)]  # a large one alone
     assert base.fused_chunks([]) == []
-    meta = [torch.empty(n, device="meta") for n in (60, 40, 10, 200, 30)]  # any device but the CPU: one chunk
+    meta = [torch.empty(n, device="meta") for n in (60, 40, 10, 200, 30)]  # any device but the CPU: the larger limit
     assert base.fused_chunks(meta) == [slice(0, 5)]
+    monkeypatch.setattr(base, "ACCELERATOR_FUSED_CHUNK_BYTES", 4 * 100)
+    assert base.fused_chunks(meta) == [slice(0, 2), slice(2, 3), slice(3, 4), slice(4, 5)]
 
 
 @pytest.mark.parametrize("schedule", sorted(OPTIONS))
@@ -63,3 +65,24 @@ def test_chunked_fused_passes_compute_what_one_pass_computes(schedule, monkeypat
     assert [m["train_loss"] for m in chunked["metrics"]] == [m["train_loss"] for m in whole["metrics"]]
     for key, value in whole["state"].items():
         assert torch.equal(chunked["state"][key], value), key
+
+
+@pytest.mark.parametrize("optimizer,xpipe", [("adam", {}), ("sgd", {"momentum_direction": "spectrain"})])
+def test_fused_directions_compute_what_the_per_tensor_path_computes(optimizer, xpipe, monkeypatch):
+    """xpipe's Adam and SpecTrain directions: the fused passes an accelerator runs equal, bit for bit, the
+    per-tensor path a CPU runs (``FUSED_DIRECTIONS_ON_CPU`` runs the fused one here)."""
+    def run_xpipe() -> dict:
+        return train({"devices": 1, "max_steps": 6, "epochs": 1, "batch_size": 16, "model": {"optimizer": optimizer},
+                      "strategy": {"schedule": "xpipe", "stages": 3, "micro_batches": 4, "quality_warning": False,
+                                   "xpipe": xpipe}})
+
+    per_tensor = run_xpipe()
+    monkeypatch.setattr(live, "FUSED_DIRECTIONS_ON_CPU", True)
+    calls = []
+    directions = live.XPipePolicy._directions
+    monkeypatch.setattr(live.XPipePolicy, "_directions", lambda self, *args: calls.append(1) or directions(self, *args))
+    fused = run_xpipe()
+    assert calls, "the second run takes the fused path"
+    assert [m["train_loss"] for m in fused["metrics"]] == [m["train_loss"] for m in per_tensor["metrics"]]
+    for key, value in per_tensor["state"].items():
+        assert torch.equal(fused["state"][key], value), key

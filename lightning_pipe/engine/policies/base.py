@@ -38,21 +38,24 @@ def norm_of(tensors: Iterable[Tensor], scale: float = 1.0) -> Tensor | float:
 
 #: On a CPU, fused passes run over chunks of a stage's tensors of at most this many bytes, so that a
 #: tensor's consecutive passes find it in cache (one pass over a whole stage would stream it from memory
-#: once per pass: xpipe's prediction took 1.6 x as long at width 2048, one thread); on an accelerator one chunk: the
-#: launches are what costs there.
+#: once per pass: xpipe's prediction took 1.6 x as long at width 2048, one thread).
 CPU_FUSED_CHUNK_BYTES = 2 << 20
+
+#: On an accelerator, the launches are what costs, so chunks are as large as this: it bounds the
+#: temporaries a fused pass makes (xpipe's directions) to this many bytes, not a whole stage's weights.
+ACCELERATOR_FUSED_CHUNK_BYTES = 1 << 30
 
 
 def fused_chunks(tensors: list[Tensor]) -> list[slice]:
-    """Consecutive slices of ``tensors`` that one fused (``torch._foreach_*``) sequence of passes treats at once."""
+    """Consecutive slices of ``tensors`` that one fused (``torch._foreach_*``) sequence of passes treats at once:
+    at most :data:`CPU_FUSED_CHUNK_BYTES` or :data:`ACCELERATOR_FUSED_CHUNK_BYTES` each (a larger tensor alone)."""
     if not tensors:
         return []
-    if tensors[0].device.type != "cpu":
-        return [slice(0, len(tensors))]
+    limit = CPU_FUSED_CHUNK_BYTES if tensors[0].device.type == "cpu" else ACCELERATOR_FUSED_CHUNK_BYTES
     chunks, start, size = [], 0, 0
     for i, t in enumerate(tensors):
         nbytes = t.numel() * t.element_size()
-        if i > start and size + nbytes > CPU_FUSED_CHUNK_BYTES:
+        if i > start and size + nbytes > limit:
             chunks.append(slice(start, i))
             start, size = i, 0
         size += nbytes

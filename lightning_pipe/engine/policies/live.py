@@ -52,9 +52,23 @@ def _exchangeable(a: Tensor, b: Tensor) -> bool:
     )
 
 
+def _host_floats(scalars: list[Tensor | float]) -> list[float]:
+    """Optimizer step counters as Python numbers: one read for all (a read per tensor is an operation each,
+    and a synchronisation each where a counter lives on a GPU)."""
+    if scalars and all(isinstance(s, Tensor) for s in scalars):
+        return torch.stack(scalars).tolist()
+    return [float(s) for s in scalars]
+
+
 def _exchange(a: Tensor, b: Tensor) -> None:
     """Exchange the values of ``a`` and ``b`` (and of every view of their storages) without copying."""
     a.untyped_storage()._swap_data_ptr_(b.untyped_storage())
+
+
+#: xpipe computes Adam's and SpecTrain's directions with fused passes (``_directions``) on a CPU too, not
+#: per tensor into the prediction's storage (``_directions_into``): the two compute the same bits, which the
+#: tests check on a CPU (on an accelerator the fused passes are the only path).
+FUSED_DIRECTIONS_ON_CPU = False
 
 
 class _LivePolicy(WeightPolicy):
@@ -332,7 +346,7 @@ class XPipePolicy(_LivePolicy):
     def _direction(self, master: Tensor, group: dict[str, Any], rule: str, name: str) -> Tensor | bool | None:
         """The update one STEP would apply to ``master`` per unit of learning rate, from the optimizer's
         current state: the direction itself, ``None`` before the state exists, or ``True`` where
-        :meth:`_directions_into` computes it with the group's others (``adam``'s bias-corrected
+        :meth:`_directions` computes it with the group's others (``adam``'s bias-corrected
         ``m / (sqrt(v_hat) + eps)``, SpecTrain's momentum step)."""
         state = self.optimizer.state.get(master, {})
         if rule == "adam":
@@ -349,6 +363,28 @@ class XPipePolicy(_LivePolicy):
             return True
         return self._last_grad.get(name)
 
+    def _directions(self, part: _Fused, group: dict[str, Any], rule: str) -> list[Tensor]:
+        """The directions :meth:`_direction` left to be computed together (``adam``'s bias-corrected
+        ``m / (sqrt(v_hat) + eps)``, SpecTrain's momentum step), in the per-parameter formulas' order, bit for
+        bit, fused: a launch per pass, none per parameter (on an accelerator). ``part.outs`` serves as scratch;
+        the directions are new tensors, one chunk's worth (:func:`~.base.fused_chunks`)."""
+        states = [self.optimizer.state[self.masters[name]] for name in part.names]
+        if rule == "adam":  # m_hat / (sqrt(v_hat) + eps) = m / (sqrt(v) / sqrt(1 - beta2^c) + eps) / (1 - beta1^c), Adam's order
+            beta1, beta2 = group["betas"]
+            steps = _host_floats([state["step"] for state in states])
+            denominators = part.outs
+            torch._foreach_copy_(denominators, [state["exp_avg_sq"] for state in states])
+            torch._foreach_sqrt_(denominators)
+            torch._foreach_div_(denominators, [math.sqrt(1 - beta2**c) for c in steps])
+            torch._foreach_add_(denominators, group["eps"])
+            directions = torch._foreach_div([state["exp_avg"] for state in states], denominators)
+            torch._foreach_div_(directions, [1 - beta1**c for c in steps])
+            return list(directions)
+        # SpecTrain: momentum * buf + (1 - dampening) * g, the step Nesterov's SGD would take
+        directions = torch._foreach_mul([state["momentum_buffer"] for state in states], group["momentum"])
+        torch._foreach_add_(directions, [self._last_grad[name] for name in part.names], alpha=1 - group["dampening"])
+        return list(directions)
+
     def _directions_into(self, part: _Fused, group: dict[str, Any], rule: str) -> None:
         """The directions :meth:`_direction` left to be computed together, into ``part.outs`` (no
         weight-sized temporaries: on a CPU each would page-fault), in the per-parameter formulas' order,
@@ -358,7 +394,7 @@ class XPipePolicy(_LivePolicy):
         outs = part.outs
         if rule == "adam":  # m_hat / (sqrt(v_hat) + eps) = m / (sqrt(v) / sqrt(1 - beta2^c) + eps) / (1 - beta1^c), Adam's order
             beta1, beta2 = group["betas"]
-            steps = [float(state["step"]) for state in states]
+            steps = _host_floats([state["step"] for state in states])
             for out, state in zip(outs, states):  # straight into out: a fused copy first would add a pass over memory
                 torch.sqrt(state["exp_avg_sq"], out=out)
             torch._foreach_div_(outs, [math.sqrt(1 - beta2**c) for c in steps])
@@ -375,8 +411,9 @@ class XPipePolicy(_LivePolicy):
     def predict(self, distance: int) -> dict[str, Tensor]:
         """The masters ``distance`` STEPs ahead: ``W - lr * distance * direction`` per parameter.
 
-        Fused across a param group (``torch._foreach_*``): a handful of launches per group and at most three per
-        parameter, not nine, and no weight-sized temporary.
+        Fused across a param group (``torch._foreach_*``): on an accelerator a handful of launches per group
+        and chunk, none per parameter (the launches are what costs there: docs/benchmarks.md); on a CPU Adam's
+        square root and division and the last subtraction run per tensor, into the prediction's storage.
         """
         name_of = {id(m): n for n, m in self.masters.items()}
         storage = self._storage()
@@ -400,11 +437,15 @@ class XPipePolicy(_LivePolicy):
                         moving.add(storage[name], master, name)
                         moving.directions.append(direction)
                 scale = group["lr"] * distance
-                for part in moving.chunks():  # out = W - lr * distance * direction
-                    norms.extend(torch._foreach_mul(torch._foreach_norm(part.directions), scale))
-                    torch._foreach_copy_(part.outs, part.masters)
-                    torch._foreach_add_(part.outs, part.directions, alpha=-scale)
-                for part in fused.chunks():  # the direction into out, then out = W - lr * distance * out
+                for part in moving.chunks() + fused.chunks():  # out = W - lr * distance * direction
+                    if part.directions or part.outs[0].device.type != "cpu" or FUSED_DIRECTIONS_ON_CPU:
+                        directions = part.directions or self._directions(part, group, rule)
+                        norms.extend(torch._foreach_mul(torch._foreach_norm(directions), scale))
+                        torch._foreach_copy_(part.outs, part.masters)
+                        torch._foreach_add_(part.outs, directions, alpha=-scale)
+                        continue
+                    # on a CPU a fused op is a loop over the per-tensor ones: fewer passes over memory and no
+                    # temporaries instead (the direction into out, then out = W - lr * distance * out)
                     self._directions_into(part, group, rule)
                     norms.extend(torch._foreach_mul(torch._foreach_norm(part.outs), scale))
                     for out, master in zip(part.outs, part.masters):
