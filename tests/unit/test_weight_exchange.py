@@ -86,3 +86,24 @@ def test_fused_directions_compute_what_the_per_tensor_path_computes(optimizer, x
     assert [m["train_loss"] for m in fused["metrics"]] == [m["train_loss"] for m in per_tensor["metrics"]]
     for key, value in per_tensor["state"].items():
         assert torch.equal(fused["state"][key], value), key
+
+
+def test_pipemare_writes_each_corrected_version_once_between_steps(monkeypatch):
+    """``W - tau * delta`` changes only at a STEP: the corrected backwards between two STEPs with the same tau
+    share one write of the corrected storage (the numbers stay those of the copying run, tested above)."""
+    writes, backwards = [], []
+    write, corrected = live.PipeMarePolicy._write_corrected, live.PipeMarePolicy._corrected
+
+    def counted_write(self, outs, names, tau):
+        writes.append((self.stage, self.steps, tau))
+        return write(self, outs, names, tau)
+
+    def counted_backward(self, tau):
+        backwards.append((self.stage, self.steps, tau))
+        return corrected(self, tau)
+
+    monkeypatch.setattr(live.PipeMarePolicy, "_write_corrected", counted_write)
+    monkeypatch.setattr(live.PipeMarePolicy, "_corrected", counted_backward)
+    run("pipemare")
+    assert len(backwards) > len(writes), "some corrected backwards share a version"
+    assert writes == list(dict.fromkeys(backwards)), "one write per (stage, STEPs, tau), in the order first needed"

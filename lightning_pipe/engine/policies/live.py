@@ -135,6 +135,9 @@ class PipeMarePolicy(_LivePolicy):
         self.correction_norm: Tensor | float = 0.0
         self._delta_norm: Tensor | float = 0.0  # ||delta||, which changes only at a STEP
         self._corrected_storage: dict[str, Tensor] | None = None
+        # (STEPs, tau) of the corrected weights the corrected storage holds: W_s - tau * delta_s changes only at a
+        # STEP, so the backwards between two STEPs with the same tau (all of a stage's, mostly) write it once
+        self._corrected_for: tuple[int, int] | None = None
         # the parameters share the masters' storage: they hold W_s at all times, with no copies
         self.aliased = self.exchange_values and all(_exchangeable(m, torch.empty_like(m)) for m in self.masters.values())
         if self.aliased:
@@ -163,8 +166,10 @@ class PipeMarePolicy(_LivePolicy):
             self._record_lag(self.correction_norm / norm_of(self.masters.values()).clamp_min(torch.finfo(torch.float32).tiny))
         if self.aliased:
             return self._corrected(tau)
-        self._write_corrected([p.data for p in self.params.values()], list(self.params), tau)
-        self._holding = None
+        token = ("corrected", self.steps, tau)  # consecutive backwards (a cool-down) write it once
+        if self._holding != token:
+            self._write_corrected([p.data for p in self.params.values()], list(self.params), tau)
+            self._holding = token
         return context
 
     def _write_corrected(self, outs: list[Tensor], names: list[str], tau: int) -> None:
@@ -181,7 +186,9 @@ class PipeMarePolicy(_LivePolicy):
         if self._corrected_storage is None:  # kept: a weight-sized allocation per backward costs page faults
             self._corrected_storage = {n: torch.empty_like(m, requires_grad=False) for n, m in self.masters.items()}
         corrected = self._corrected_storage
-        self._write_corrected([corrected[n] for n in self.masters], list(self.masters), tau)
+        if self._corrected_for != (self.steps, tau):
+            self._write_corrected([corrected[n] for n in self.masters], list(self.masters), tau)
+            self._corrected_for = (self.steps, tau)
         for name, m in self.masters.items():
             _exchange(m, corrected[name])
         try:
@@ -245,6 +252,17 @@ class PipeMarePolicy(_LivePolicy):
         if self.delta is not None:
             self._restore(self.delta, state.get("delta"), "correction velocity")
             self._delta_norm = norm_of(self.delta.values())
+            self._forget_corrected()
+
+    def end_segment(self, mini_batches: int) -> None:
+        super().end_segment(mini_batches)
+        self._forget_corrected()
+
+    def _forget_corrected(self) -> None:
+        """The corrected weights are to be written again (delta or the STEP count may have changed without a STEP)."""
+        self._corrected_for = None
+        if self._holding is not None and self._holding[0] == "corrected":
+            self._holding = None
 
 
 def round_half_up(x: float) -> int:
