@@ -309,7 +309,8 @@ class XPipePolicy(_LivePolicy):
         self._slots: dict[tuple[Any, ...], dict[str, Tensor]] = {}
         self._spare: dict[str, Tensor] | None = None  # a released prediction's tensors, for the next one
         # a prediction's tensors are laid out as the masters (empty_like) or are storages the parameters held, so
-        # whether the parameters can exchange with them is known once (checked per show: 10 % of a host-bound step)
+        # whether the parameters can exchange with them is known once (checked at every show, it made a third of
+        # xpipe's Python calls per step: docs/benchmarks.md, the host-bound proxy)
         self._shows_by_exchange = self.exchange_values and all(
             _exchangeable(p, torch.empty_like(self.masters[n])) for n, p in self.params.items())
 
