@@ -35,7 +35,11 @@ ALLOWED = {
     "_foreach_sub_": "torch._foreach_sub_: pipemare's corrected weights in one launch where storages cannot be exchanged",
     **{name: f"torch.{name}: xpipe's weight prediction and pipemare's velocity fused (as torch's foreach optimizers), "
              "a few launches per stage instead of several per parameter"
-       for name in ("_foreach_div_", "_foreach_add_", "_foreach_mul", "_foreach_mul_")},
+       for name in ("_foreach_div_", "_foreach_add_", "_foreach_mul", "_foreach_mul_", "_foreach_sqrt_", "_foreach_div")},
+    "_foreach_sub": "torch._foreach_sub: avgpipe's elastic averaging fused, four launches per stage instead of four per "
+                    "parameter",
+    "_foreach_lerp_": "torch._foreach_lerp_: pipedream_2bw's look-ahead snapshot fused, one launch instead of one per "
+                      "parameter",
     "_swap_data_ptr_": "UntypedStorage._swap_data_ptr_: exchange two weight versions (and their views) without a copy",
     "_set_pg_timeout": "distributed_c10d._set_pg_timeout: a group's timeout after start-up (no public setter)",
     "_get_default_store": "distributed_c10d._get_default_store: the store's timeout, and the watchdog's inbox",
