@@ -190,6 +190,7 @@ class StepClock(L.Callback):
         self.profile_start = warmup + steps + sync_steps + (2 if count else 0)
         self.calls: CountCalls | None = None
         self.ops: CountOps | None = None
+        self._counting: CountCalls | CountOps | None = None  # the counter on now
         self._profiler: torch.profiler.profile | None = None
         self._labels: ExitStack | None = None
 
@@ -225,13 +226,22 @@ class StepClock(L.Callback):
             return
         if step == self.count_start:
             self.calls = CountCalls().__enter__()
+            self._counting = self.calls
         elif step == self.count_start + 1 and self.calls is not None:
-            self.calls.__exit__()
+            self._end_count()
             self.ops = CountOps().__enter__()
-        elif step == self.count_start + 2 and self.ops is not None:
-            self.ops.__exit__(None, None, None)
+            self._counting = self.ops
+        elif step == self.count_start + 2:
+            self._end_count()
+
+    def _end_count(self) -> None:
+        if self._counting is not None:
+            self._counting.__exit__(None, None, None)
+            self._counting = None
 
     def stop_counting(self) -> None:
+        """End whatever counting is still on (at its step boundary, or when a run stops early)."""
+        self._end_count()
         if self._recorder is None:
             return
         torch.cuda.set_sync_debug_mode("default")

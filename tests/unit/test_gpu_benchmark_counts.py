@@ -1,0 +1,31 @@
+"""benchmarks/gpu.py's host-bound proxy on the CPU (issue 30): ``--count`` counts one step's host work exactly."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import pathlib
+import sys
+
+
+def load_benchmark():
+    path = pathlib.Path(__file__).parents[2] / "benchmarks" / "gpu.py"
+    spec = importlib.util.spec_from_file_location("gpu_benchmark", path)
+    module = sys.modules["gpu_benchmark"] = importlib.util.module_from_spec(spec)  # its dataclass looks itself up
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_host_bound_counts_one_steps_python_calls_engine_calls_and_operations():
+    benchmark = load_benchmark()
+    rows = benchmark.main(["--host-bound", "--blocks", "4", "--warmup", "1", "--steps", "1", "--count",
+                           "--variants", "accumulation", "1f1b", "zb_h1"])
+    accumulation, one_f_one_b, zero_bubble = rows
+    for row in rows:
+        assert math.isfinite(row.ms_per_step) and row.python_calls > 0 and row.aten_ops > 0
+    # one backward per micro-batch (8) and, emulated, per stage (4); zero-bubble W adds one per weight group
+    assert accumulation.engine_calls == 8
+    assert one_f_one_b.engine_calls == 8 * 4
+    assert zero_bubble.engine_calls > one_f_one_b.engine_calls
+    # the same forward and backward kernels: a pipeline's step dispatches about what accumulation's does
+    assert 0.9 < one_f_one_b.aten_ops / accumulation.aten_ops < 1.2
