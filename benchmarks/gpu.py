@@ -150,7 +150,8 @@ class CountOps(TorchDispatchMode):
 
 class CountCalls:
     """Counts the Python and builtin function calls made inside it on this thread, and among them the
-    autograd engine's (``run_backward``: one per backward, per zero-bubble ``W`` group)."""
+    autograd engine's (``run_backward``: one per backward, per zero-bubble ``W`` group). On a GPU a zero-bubble
+    ``W`` makes its calls on autograd's device thread (``split_backward.in_one_engine_task``): not counted there."""
 
     def __init__(self) -> None:
         self.calls = self.engine_calls = 0
