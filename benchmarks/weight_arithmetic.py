@@ -20,23 +20,11 @@ import time
 from pathlib import Path
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks.gpu import CountOps  # noqa: E402
 from lightning_pipe.engine.policies import live  # noqa: E402
 from tests.harness.lightning_run import train  # noqa: E402
-
-
-class CountOps(TorchDispatchMode):
-    """Counts the aten operations dispatched inside it."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
-        self.count += 1
-        return func(*args, **(kwargs or {}))
 
 
 def measure(width: int, count: bool) -> tuple[float, int | None]:
