@@ -228,7 +228,7 @@ class StepClock(L.Callback):
         if step == self.count_start:
             self.calls = CountCalls().__enter__()
             self._counting = self.calls
-        elif step == self.count_start + 1 and self.calls is not None:
+        elif step == self.count_start + 1:
             self._end_count()
             self.ops = CountOps().__enter__()
             self._counting = self.ops

@@ -14,6 +14,13 @@ from tests.harness.lightning_run import train
 OPTIONS = {"pipemare": {"pipemare": {"lr_warmup_steps": 3}}, "xpipe": {}}
 
 
+def assert_same_numbers(got: dict, want: dict) -> None:
+    """Two runs' losses and final weights are equal, bit for bit."""
+    assert [m["train_loss"] for m in got["metrics"]] == [m["train_loss"] for m in want["metrics"]]
+    for key, value in want["state"].items():
+        assert torch.equal(got["state"][key], value), key
+
+
 def run(schedule: str) -> dict:
     return train({"devices": 1, "max_steps": 6, "epochs": 1, "batch_size": 16, "model": {"optimizer": "adam"},
                   "strategy": {"schedule": schedule, "stages": 3, "micro_batches": 4, "quality_warning": False,
@@ -33,9 +40,7 @@ def test_copying_the_weights_computes_what_exchanging_them_computes(schedule, mo
     with caplog.at_level(logging.INFO, logger="lightning_pipe"):
         copied = run(schedule)
     assert not exchanges, "the second run copies"
-    assert [m["train_loss"] for m in copied["metrics"]] == [m["train_loss"] for m in exchanged["metrics"]]
-    for key, value in exchanged["state"].items():
-        assert torch.equal(copied["state"][key], value), key
+    assert_same_numbers(copied, exchanged)
     assert any("copies the weights at every forward and backward" in r.getMessage() for r in caplog.records)
 
 
@@ -62,9 +67,7 @@ def test_chunked_fused_passes_compute_what_one_pass_computes(schedule, monkeypat
     monkeypatch.setattr(live, "fused_chunks", lambda tensors: calls.append(len(chunks(tensors))) or chunks(tensors))
     chunked = run(schedule)
     assert max(calls) > 1, "the chunked run cuts a stage's tensors into several chunks"
-    assert [m["train_loss"] for m in chunked["metrics"]] == [m["train_loss"] for m in whole["metrics"]]
-    for key, value in whole["state"].items():
-        assert torch.equal(chunked["state"][key], value), key
+    assert_same_numbers(chunked, whole)
 
 
 @pytest.mark.parametrize("optimizer,xpipe", [("adam", {}), ("sgd", {"momentum_direction": "spectrain"})])
@@ -83,9 +86,7 @@ def test_fused_directions_compute_what_the_per_tensor_path_computes(optimizer, x
     monkeypatch.setattr(live.XPipePolicy, "_directions", lambda self, *args: calls.append(1) or directions(self, *args))
     fused = run_xpipe()
     assert calls, "the second run takes the fused path"
-    assert [m["train_loss"] for m in fused["metrics"]] == [m["train_loss"] for m in per_tensor["metrics"]]
-    for key, value in per_tensor["state"].items():
-        assert torch.equal(fused["state"][key], value), key
+    assert_same_numbers(fused, per_tensor)
 
 
 def test_pipemare_writes_each_corrected_version_once_between_steps(monkeypatch):

@@ -289,6 +289,14 @@ class _Fused:
         return [_Fused(self.outs[c], self.masters[c], self.names[c], self.directions[c]) for c in fused_chunks(self.outs)]
 
 
+def _step_along(part: _Fused, directions: list[Tensor], scale: float) -> list[Tensor]:
+    """``part.outs = W - scale * direction``, fused; returns each step's norm ``scale * ||direction||``."""
+    norms = torch._foreach_mul(torch._foreach_norm(directions), scale)
+    torch._foreach_copy_(part.outs, part.masters)
+    torch._foreach_add_(part.outs, directions, alpha=-scale)
+    return list(norms)
+
+
 class XPipePolicy(_LivePolicy):
     """xpipe: forwards and backwards of a mini-batch see weights predicted ``s_f`` / ``s_b`` steps ahead
     (XPipe's formulas, or with ``distances="exact"`` up to the version the mini-batch's STEP updates)."""
@@ -456,12 +464,11 @@ class XPipePolicy(_LivePolicy):
                         moving.add(storage[name], master, name)
                         moving.directions.append(direction)
                 scale = group["lr"] * distance
-                for part in moving.chunks() + fused.chunks():  # out = W - lr * distance * direction
-                    if part.directions or part.outs[0].device.type != "cpu" or FUSED_DIRECTIONS_ON_CPU:
-                        directions = part.directions or self._directions(part, group, rule)
-                        norms.extend(torch._foreach_mul(torch._foreach_norm(directions), scale))
-                        torch._foreach_copy_(part.outs, part.masters)
-                        torch._foreach_add_(part.outs, directions, alpha=-scale)
+                for part in moving.chunks():
+                    norms.extend(_step_along(part, part.directions, scale))
+                for part in fused.chunks():
+                    if part.outs[0].device.type != "cpu" or FUSED_DIRECTIONS_ON_CPU:
+                        norms.extend(_step_along(part, self._directions(part, group, rule), scale))
                         continue
                     # on a CPU a fused op is a loop over the per-tensor ones: fewer passes over memory and no
                     # temporaries instead (the direction into out, then out = W - lr * distance * out)
