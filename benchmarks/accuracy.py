@@ -356,7 +356,8 @@ def goal_verdicts(args: argparse.Namespace, rows: list[dict[str, Any]]) -> list[
         d = row["diff"]
         if variant in SYNC_VARIANTS:
             worst = max((abs(x) for x in row["paired"]), default=math.nan)
-            same = "identical to gpipe on every seed" if worst < 0.01 else f"not bit-identical to gpipe: up to {worst:.2f} points apart (see the rounding floor below)"
+            same = ("identical to gpipe on every seed" if worst < 0.01
+                    else f"not bit-identical to gpipe: up to {worst:.2f} points apart (see the rounding floor below)")
             out.append(f"- **{variant}** ({kind}): Δ = {d:+.2f} points, {same}.")
             continue
         verdict = "**meets** the goal" if d >= -GOAL_POINTS else "**misses** the goal"
@@ -470,7 +471,8 @@ def plot(args: argparse.Namespace, results: dict[str, dict[int, dict[str, Any]]]
             m, s = mean[first - 1:], std[first - 1:]
             color, ls = styles.get(variant, (None, "-"))
             n = sum(r["status"] == "ok" for r in results[variant].values())
-            ax.plot(epochs, m, ls, color=color, marker="o", ms=3, label=f"{labels[variant]} (n={n})" + (" (identical)" if " = " in labels[variant] else ""))
+            label = f"{labels[variant]} (n={n})" + (" (identical)" if " = " in labels[variant] else "")
+            ax.plot(epochs, m, ls, color=color, marker="o", ms=3, label=label)
             ax.fill_between(epochs, [a - b for a, b in zip(m, s)], [a + b for a, b in zip(m, s)], color=color, alpha=0.1)
         ax.set_xlabel("epoch")
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
@@ -601,8 +603,9 @@ above it also counts).
 
 {chr(10).join(verdicts)}
 {sync_note}Caveat: the seed-to-seed spread of this MLP on Fashion-MNIST at 10 epochs is about {SEED_SPREAD_POINTS} points
-(three seeds of this MLP in a trial of the data before the benchmark: 89.6 / 88.9 / 88.9%), larger than the {GOAL_POINTS}-point goal. With {len(args.seeds)} seed(s)
-the standard error of a mean is about {SEED_SPREAD_POINTS}/√{len(args.seeds)} ≈ {SEED_SPREAD_POINTS / math.sqrt(len(args.seeds)):.2f} points, so a
+(three seeds of this MLP in a trial of the data before the benchmark: 89.6 / 88.9 / 88.9%), larger than the
+{GOAL_POINTS}-point goal. With {len(args.seeds)} seed(s) the standard error of a mean is about
+{SEED_SPREAD_POINTS}/√{len(args.seeds)} ≈ {SEED_SPREAD_POINTS / math.sqrt(len(args.seeds)):.2f} points, so a
 difference of a few tenths between means is not evidence either way; the paired per-seed differences
 are the sharper comparison. A verdict of "meets the goal" means "no measurable loss at this precision",
 not "proven equivalent".

@@ -27,15 +27,24 @@ from torch import Tensor
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from throughput import (  # noqa: E402  (a sibling script)
-    STAGES, WORKLOADS, Engine, SingleThread, StagesAtOnce, Variant, Workload, gather_windows, run_job, sgd, stage_layers,
+    STAGES,
+    WORKLOADS,
+    Engine,
+    SingleThread,
+    StagesAtOnce,
+    Variant,
+    Workload,
+    gather_windows,
+    run_job,
+    sgd,
+    stage_layers,
     timed_windows,
 )
 
 from lightning_pipe.engine import Executor, SequentialStage, Transport, Watchdog, split_micro_batches  # noqa: E402
 from lightning_pipe.engine.policies.options import AsyncOptions, DoubleBufferOptions  # noqa: E402
 from lightning_pipe.engine.shm import SharedMemoryTransport  # noqa: E402
-from lightning_pipe.registry import SCHEDULES  # noqa: E402
-from lightning_pipe.registry import names  # noqa: E402
+from lightning_pipe.registry import SCHEDULES, names  # noqa: E402
 from lightning_pipe.schedules import async_schedule  # noqa: E402
 
 ASYNC_SCHEDULES = names("asynchronous")

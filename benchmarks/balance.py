@@ -11,9 +11,9 @@ launcher re-executes ``sys.argv``); the variants alternate round by round so mac
 Rank 0 times the training steps after a warm-up and reports samples/s and the cores other processes
 used meanwhile (``/proc/stat`` minus both ranks' CPU time); before each run the script waits up to
 ``--quiet-wait`` seconds for the machine to go idle. The table shows every round; medians and ratios
-use the rounds whose other load stayed below ``--max-other-load`` cores (all rounds if none did), and the split ``balance="auto"`` chose with its predicted
-per-stage times (it profiles rank 0's device at setup, cached in a temporary file, so only the
-first auto round profiles).
+use the rounds whose other load stayed below ``--max-other-load`` cores (all rounds if none did), and the split
+``balance="auto"`` chose with its predicted per-stage times (it profiles rank 0's device at setup, cached in a
+temporary file, so only the first auto round profiles).
 """
 
 from __future__ import annotations
@@ -245,7 +245,8 @@ def main() -> None:
           f"auto / uniform: median of per-round ratios {statistics.median(ratios):.2f}x, "
           f"ratio of medians {medians['auto'] / medians['uniform']:.2f}x")
     auto = results["auto"][0]
-    print(f"auto's predicted stage times of the first round's split (ms per micro-batch): {[round(t, 3) for t in auto['predicted_stage_ms']]}; "
+    predicted = [round(t, 3) for t in auto["predicted_stage_ms"]]
+    print(f"auto's predicted stage times of the first round's split (ms per micro-batch): {predicted}; "
           f"predicted step {auto['predicted_step_ms']:.1f} ms vs {auto['predicted_uniform_step_ms']:.1f} ms for uniform "
           f"(predicted auto / uniform {auto['predicted_uniform_step_ms'] / auto['predicted_step_ms']:.2f}x, both from rank 0's "
           "profile taken at the first auto run's setup)")

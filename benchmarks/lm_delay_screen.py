@@ -164,7 +164,8 @@ def main(argv: list[str] | None = None) -> None:
     record = run(args)
     with open(args.out, "a") as f:
         f.write(json.dumps(record) + "\n")
-    print(json.dumps({k: record.get(k) for k in ("delay", "delayed", "fix", "kappa", "dc_adaptive", "optimizer", "final_val_loss", "seconds")}))
+    shown = ("delay", "delayed", "fix", "kappa", "dc_adaptive", "optimizer", "final_val_loss", "seconds")
+    print(json.dumps({k: record.get(k) for k in shown}))
 
 
 if __name__ == "__main__":

@@ -57,14 +57,22 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from async_throughput import AsyncEngine  # noqa: E402  (sibling scripts)
 from throughput import (  # noqa: E402
-    STAGES, WORKLOADS, Engine, Variant, WindowClock, Workload, gather_windows, run_job, sgd, stage_layers,
+    STAGES,
+    WORKLOADS,
+    Engine,
+    Variant,
+    WindowClock,
+    Workload,
+    gather_windows,
+    run_job,
+    sgd,
+    stage_layers,
     wait_until_quiet,
 )
 
 from lightning_pipe.engine import ActionRecorder, Transport, split_micro_batches  # noqa: E402
 from lightning_pipe.engine.p2p import ACTIVATION_TAG, GRADIENT_TAG, Header  # noqa: E402
-from lightning_pipe.registry import SCHEDULES  # noqa: E402
-from lightning_pipe.registry import build_schedule, names  # noqa: E402
+from lightning_pipe.registry import SCHEDULES, build_schedule, names  # noqa: E402
 from lightning_pipe.schedules import Kind, async_schedule  # noqa: E402
 
 ASYNC_SCHEDULES = names("asynchronous")
