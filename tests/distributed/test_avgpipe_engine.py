@@ -1,4 +1,4 @@
-"""avgpipe on gloo processes equals the literal one-process reference (lightning_pipe.avg_emulation),
+"""avgpipe on gloo processes equals the literal one-process reference (tests/reference/avgpipe_reference.py),
 round by round: losses, every replica's weights and the center.
 
 One spawn runs every case, to keep process start-ups few: two stages on two processes, then one
@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch import nn
 
 from lightning_pipe.engine import Executor, SequentialStage, Transport, Watchdog, split_micro_batches
 from lightning_pipe.engine.policies import ElasticAveraging
 from lightning_pipe.partition import resolve_balance, stage_bounds
 from lightning_pipe.schedules import averaging_order, build_avgpipe
 from tests.harness.distributed import run_workers, values
+from tests.reference.avgpipe_cases import close, loss_fn, make_optimizer, make_trunk
 from tests.reference.avgpipe_reference import AvgPipeReference
 
 ROUNDS = 3
@@ -28,21 +28,6 @@ CASES = [
     (3, 2, "sgd", "async", 1, 1, None),
     (1, 2, "sgd", "async", 0, 1, 0.0),  # N=1, alpha=0: plain 1f1b
 ]
-
-
-def make_trunk() -> nn.Sequential:
-    torch.manual_seed(0)
-    return nn.Sequential(*[m for _ in range(4) for m in (nn.Linear(6, 6), nn.Tanh())])
-
-
-def make_optimizer(kind: str, params) -> torch.optim.Optimizer:
-    if kind == "adam":
-        return torch.optim.Adam(params, lr=0.02)
-    return torch.optim.SGD(params, lr=0.1, momentum=0.9)
-
-
-def loss_fn(output, micro_batch):
-    return nn.functional.mse_loss(output, micro_batch[1])
 
 
 def data(pipelines: int, replicas: int, micro_batches: int) -> list:
@@ -106,12 +91,6 @@ def reference(stages: int, pipelines: int, case: tuple, order: list[list[int]]) 
             "center": [ref.center_state(s) for s in range(stages)],
         })
     return out
-
-
-def close(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], msg: str) -> None:
-    assert set(got) == set(want), msg
-    for key, value in want.items():
-        torch.testing.assert_close(got[key], value, rtol=1e-5, atol=1e-6, msg=f"{msg} {key}")
 
 
 def one_device(case: tuple) -> list[float]:

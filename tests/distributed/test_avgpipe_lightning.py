@@ -9,35 +9,12 @@ import re
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import nn
 
-from lightning_pipe.engine import split_micro_batches
-from lightning_pipe.schedules import averaging_order, build_avgpipe
 from tests.harness.launch import launch
 from tests.harness.lightning_run import TrunkModel, make_data
-from tests.reference.avgpipe_reference import AvgPipeReference
+from tests.reference.avgpipe_cases import BATCH, EPOCHS, REPLICAS, STRATEGY, lightning_reference
 
-EPOCHS, BATCH, MICRO, REPLICAS = 2, 16, 2, 2
-STRATEGY = {"schedule": "avgpipe", "micro_batches": MICRO, "avgpipe": {"parallel_pipelines": REPLICAS, "advance_forward": 1}}
 OWNERS = (("pre.", "model.0.", "model.2.", "model.4."), ("model.6.", "model.8.", "model.10.", "head."))
-
-
-def reference() -> tuple[list[float], TrunkModel, AvgPipeReference]:
-    model = TrunkModel()
-    half = len(model.model) // 2
-    stages = [nn.Sequential(model.pre, nn.ReLU(), *model.model[:half]), nn.Sequential(*model.model[half:], model.head)]
-    ref = AvgPipeReference(stages, lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9), REPLICAS, lambda mb: mb[0],
-                           lambda out, mb: F.cross_entropy(out, mb[1]))
-    order = averaging_order(build_avgpipe(2, MICRO, REPLICAS, STRATEGY["avgpipe"]["advance_forward"]))
-    x, y = make_data().tensors
-    losses = []
-    for _ in range(EPOCHS):
-        for start in range(0, len(x), BATCH):
-            parts = split_micro_batches((x[start:start + BATCH], y[start:start + BATCH]), REPLICAS)
-            mbs = [split_micro_batches(part, MICRO) for part in parts]
-            per_replica = ref.train_round(mbs, [[1 / MICRO] * MICRO] * REPLICAS, order)
-            losses.append(sum(sum(l) for l in per_replica) / (MICRO * REPLICAS))
-    return losses, model, ref
 
 
 def test_lightning_equals_reference_and_resumes_exactly(tmp_path):
@@ -51,7 +28,7 @@ def test_lightning_equals_reference_and_resumes_exactly(tmp_path):
     assert code == 0, output[-3000:]
     code, output, part2 = launch({**common, "epochs": EPOCHS, "ckpt_path": first, "evaluate": True, "ckpt_out": last})
     assert code == 0, output[-3000:]
-    want_losses, center, ref = reference()
+    want_losses, center, ref = lightning_reference()
     want_state = center.state_dict()
     per_epoch = len(want_losses) // EPOCHS
     for a, b in zip(part1, part2):

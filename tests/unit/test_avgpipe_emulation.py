@@ -14,7 +14,7 @@ from lightning_pipe.engine.local import LocalPipeline
 from lightning_pipe.engine.policies import AvgPipeOptions
 from lightning_pipe.partition import resolve_balance, stage_bounds
 from lightning_pipe.schedules import averaging_order, build_avgpipe, validate
-from tests.distributed.test_avgpipe_engine import close, loss_fn, make_optimizer, make_trunk
+from tests.reference.avgpipe_cases import close, loss_fn, make_optimizer, make_trunk
 from tests.reference.avgpipe_reference import AvgPipeReference
 
 ROUNDS = 3

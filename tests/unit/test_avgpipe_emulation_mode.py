@@ -13,8 +13,8 @@ from torch import nn
 from lightning_pipe.engine import split_micro_batches
 from lightning_pipe.errors import PipeConfigError
 from lightning_pipe.schedules import averaging_order, build_avgpipe
-from tests.distributed.test_avgpipe_lightning import BATCH, EPOCHS, STRATEGY, reference
 from tests.harness.lightning_run import TrunkModel, make_data, train
+from tests.reference.avgpipe_cases import BATCH, EPOCHS, STRATEGY, lightning_reference
 from tests.reference.avgpipe_reference import AvgPipeReference
 
 EMULATED = {**STRATEGY, "stages": 2}
@@ -31,7 +31,7 @@ def test_emulation_equals_reference_and_resumes_exactly(tmp_path):
     first, last = str(tmp_path / "epoch1.ckpt"), str(tmp_path / "end.ckpt")
     part1 = run(epochs=1, ckpt_out=first)
     part2 = run(ckpt_path=first, evaluate=True, ckpt_out=last, trainer={"log_every_n_steps": 1})
-    want_losses, center, ref = reference()
+    want_losses, center, ref = lightning_reference()
     per_epoch = len(want_losses) // EPOCHS
     assert [m["train_loss"] for m in part1["metrics"]] == pytest.approx(want_losses[:per_epoch], rel=1e-5)
     assert [m["train_loss"] for m in part2["metrics"]] == pytest.approx(want_losses[per_epoch:], rel=1e-5)
