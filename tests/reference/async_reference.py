@@ -43,6 +43,11 @@ How it works, in short:
   "Live": one storage per stage; before every F and B the wanted values are written into it through
   ``.data`` (autograd's version counters do not move), and a backward reads whatever the storage
   holds when it runs, together with the activations its forward saved.
+- Mixed precision (``autocast=torch.bfloat16``, as Lightning's ``"bf16-mixed"``): every F and its loss
+  run under CPU autocast. A live schedule hands F(g) low-precision leaves, written from the live storage
+  before F(g) and again before B(g), so the backward reads B(g)'s weights in that precision (what the
+  live storage means in float32); their gradients reach the float32 masters as autocast's cast would
+  bring them.
 - Every backward adds its parameter gradients to the master's ``.grad``; STEP clips (optionally),
   calls ``optimizer.step()``, ``optimizer.zero_grad(set_to_none=True)`` and the scheduler.
 """
@@ -201,7 +206,7 @@ class _InFlight:
 
     input: Tensor | None  # the received activation (a leaf that requires grad); None on stage 0
     output: Tensor  # the stage output, or the weighted loss on the last stage
-    weights: Weights  # the tensors the graph was built on (a snapshot, or the live storage)
+    weights: Weights  # the tensors the graph was built on (a snapshot, the live storage, or low-precision leaves)
     steps_at_forward: int  # k_s when F(g) ran
     version: int | None  # the snapshot's version (pipedream, 2bw), else None
 
@@ -353,6 +358,7 @@ class AsyncEmulator:
         schedulers: optional step-interval lr scheduler per stage, stepped after each of its STEPs.
         clip_val: gradient clipping threshold applied per stage at every STEP (``None``: off).
         clip_algorithm: ``"norm"`` (stage-local norm) or ``"value"``.
+        autocast: run every forward and loss under CPU autocast to this dtype (``None``: float32).
     """
 
     def __init__(
@@ -367,6 +373,7 @@ class AsyncEmulator:
         schedulers: Sequence[Any | None] | None = None,
         clip_val: float | None = None,
         clip_algorithm: str = "norm",
+        autocast: torch.dtype | None = None,
     ) -> None:
         if schedule not in ASYNC_SCHEDULES:
             raise ValueError(f"unknown asynchronous schedule {schedule!r}; expected one of {ASYNC_SCHEDULES}.")
@@ -398,6 +405,7 @@ class AsyncEmulator:
         self.options = options
         self.clip_val = clip_val
         self.clip_algorithm = clip_algorithm
+        self.autocast = autocast
 
         self._stages = [
             _Stage(
@@ -544,13 +552,17 @@ class AsyncEmulator:
         last = st.index == self.num_stages - 1
         x = self.input_fn(self._data[g]) if st.index == 0 else self._activations.pop((st.index, g))
         weights, version = self._forward_weights(st, g)
-        out = functional_call(st.module, weights, (x,))
-        if not isinstance(out, Tensor):
-            raise TypeError(
-                f"stage {st.index} returned {type(out).__name__}; the emulator passes one tensor between stages."
-            )
+        if self.autocast is not None and weights is st.live:  # low-precision leaves B(g) writes again
+            weights = {name: w.detach().to(self.autocast).requires_grad_(w.requires_grad) for name, w in weights.items()}
+        with torch.autocast("cpu", dtype=self.autocast or torch.bfloat16, enabled=self.autocast is not None, cache_enabled=False):
+            out = functional_call(st.module, weights, (x,))
+            if not isinstance(out, Tensor):
+                raise TypeError(
+                    f"stage {st.index} returned {type(out).__name__}; the emulator passes one tensor between stages."
+                )
+            if last:
+                loss = self.loss_fn(out, self._data[g])
         if last:
-            loss = self.loss_fn(out, self._data[g])
             self._losses[g] = float(loss.detach())
             out = loss * self._loss_weights[g]
         else:
@@ -579,6 +591,9 @@ class AsyncEmulator:
             raise RuntimeError(f"stage {st.index}: B({g}) after {tau} STEPs since F({g}), the contract says {expected}")
 
         corrected = self._prepare_backward_weights(st, g, tau)
+        if st.live is not None and f.weights is not st.live:  # mixed precision: B(g)'s weights, in F's precision
+            for name, w in f.weights.items():
+                w.data.copy_(st.live[name])
 
         names = [name for name, w in f.weights.items() if w.requires_grad]
         inputs = [f.weights[name] for name in names] + ([f.input] if f.input is not None else [])
@@ -593,7 +608,7 @@ class AsyncEmulator:
                 continue
             param = masters[name]
             if param.grad is None:
-                param.grad = grad.detach().clone()
+                param.grad = grad.detach().to(param.dtype, copy=True)
             else:
                 param.grad.add_(grad)
         if f.input is not None:

@@ -41,14 +41,14 @@ def stage_optimizers(model: TrunkModel, optimizer: torch.optim.SGD, stages: int)
 
 
 def emulator_for(model: TrunkModel, schedule: str, stages: int, micro: int, clip: float | None, interval: str | None,
-                 optimizers: list | None = None, options: AsyncOptions | None = None):
+                 optimizers: list | None = None, options: AsyncOptions | None = None, autocast: torch.dtype | None = None):
     modules = reference_stages(model, stages)
     optimizers = optimizers or [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in modules]
     schedulers = [torch.optim.lr_scheduler.StepLR(o, step_size=2, gamma=0.5) for o in optimizers] if interval else []
     emulator = AsyncEmulator(schedule, modules, optimizers, micro, lambda mb: mb[0],
                              lambda out, mb: nn.functional.cross_entropy(out, mb[1]),
                              options or AsyncOptions(PipeMareOptions(**OPTIONS["pipemare"])),
-                             schedulers if interval == "step" else None, clip_val=clip)
+                             schedulers if interval == "step" else None, clip_val=clip, autocast=autocast)
     return emulator, schedulers
 
 
@@ -69,9 +69,9 @@ def run_epochs(emulator, schedulers, interval, micro: int, epochs: int, samples:
 
 
 def reference(schedule: str, stages: int, micro: int, clip: float | None, interval: str | None,
-              samples: int = 96) -> tuple[list[float], dict]:
+              samples: int = 96, autocast: torch.dtype | None = None) -> tuple[list[float], dict]:
     model = TrunkModel(scheduler=interval or False)
-    emulator, schedulers = emulator_for(model, schedule, stages, micro, clip, interval)
+    emulator, schedulers = emulator_for(model, schedule, stages, micro, clip, interval, autocast=autocast)
     return run_epochs(emulator, schedulers, interval, micro, EPOCHS, samples), model.state_dict()
 
 
@@ -109,6 +109,20 @@ def test_emulation_equals_reference(schedule, stages, micro):
         assert 0.9 < last[f"pipe/stage{stages - 1}/staleness"] < 1.0
     else:
         assert last[f"pipe/stage{stages - 1}/staleness"] == 0.0
+
+
+@pytest.mark.parametrize("schedule,stages", [("pipedream", 4), ("pipedream_2bw", 2), ("pipemare", 4), ("xpipe", 4)])
+def test_bf16_mixed_equals_reference(schedule, stages):
+    """Under autocast a forward's graph keeps the bfloat16 cast of each weight it used; pipemare's and xpipe's
+    backwards must still read the weights the live storage holds when they run (the current or corrected
+    ones, the backward prediction), cast as the forward cast them: as the reference, whose backward reads
+    low-precision copies of its live storage written before each B. pipedream's and 2BW's read their stash.
+    The final weights are the reference's bit for bit."""
+    got = emulated(schedule, stages, 2, trainer={"precision": "bf16-mixed"})
+    want_losses, want_state = reference(schedule, stages, 2, None, None, autocast=torch.bfloat16)
+    assert [m["train_loss"] for m in got["metrics"]] == pytest.approx(want_losses, rel=1e-5)
+    for key, value in want_state.items():
+        assert torch.equal(got["state"][key], value), key
 
 
 @pytest.mark.parametrize("schedule", ["pipedream", "pipedream_2bw", "pipemare", "xpipe"])

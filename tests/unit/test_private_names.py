@@ -40,6 +40,8 @@ ALLOWED = {
                     "parameter",
     "_foreach_lerp_": "torch._foreach_lerp_: pipedream_2bw's look-ahead snapshot fused, one launch instead of one per "
                       "parameter",
+    "_base": "Tensor._base: the cast a saved view was taken of, so pipemare's and xpipe's backwards under autocast read "
+             "the weights the storage holds then, not the forward's cast (policies.live._CastOfParameter)",
     "_swap_data_ptr_": "UntypedStorage._swap_data_ptr_: exchange two weight versions (and their views) without a copy",
     "_set_pg_timeout": "distributed_c10d._set_pg_timeout: a group's timeout after start-up (no public setter)",
     "_get_default_store": "distributed_c10d._get_default_store: the store's timeout, and the watchdog's inbox",

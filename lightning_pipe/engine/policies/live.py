@@ -8,13 +8,17 @@ parameter's storage, so they see the exchange): xpipe's forward and backward pre
 in it, and pipemare's parameters share the masters' storage, so they follow every STEP and only a
 corrected backward exchanges in ``W - tau * delta``. Where a pointer exchange is impossible (a
 parameter that is a view) the values are copied instead.
+
+Under autocast a forward's graph keeps the low-precision cast of each weight it used, not the weight: a
+backward would read the forward's weights. The policies' forwards therefore save such a cast as the
+parameter it came from, and the backward casts what the storage then holds (:class:`_CastOfParameter`).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any, ContextManager
 
@@ -60,6 +64,28 @@ def _host_floats(scalars: list[Tensor | float]) -> list[float]:
     return [float(s) for s in scalars]
 
 
+@dataclass(frozen=True, eq=False)
+class _CastOfParameter:
+    """A tensor a forward saved for its backward that is a cast of a parameter (or a view of one): the
+    backward gets the parameter's values when it runs, cast again and viewed the same way."""
+
+    parameter: Tensor
+    dtype: torch.dtype
+    device: torch.device
+    size: torch.Size
+    stride: tuple[int, ...]
+    offset: int
+
+    def unpack(self) -> Tensor:
+        cast = self.parameter.detach().to(device=self.device, dtype=self.dtype)
+        return cast.as_strided(self.size, self.stride, self.offset)
+
+
+def _unpack(packed: Tensor | _CastOfParameter) -> Tensor:
+    """What a backward reads for a tensor its forward saved (the saved-tensor hook of :meth:`_LivePolicy.forward`)."""
+    return packed.unpack() if isinstance(packed, _CastOfParameter) else packed
+
+
 def _exchange(a: Tensor, b: Tensor) -> None:
     """Exchange the values of ``a`` and ``b`` (and of every view of their storages) without copying."""
     a.untyped_storage()._swap_data_ptr_(b.untyped_storage())
@@ -89,6 +115,29 @@ class _LivePolicy(WeightPolicy):
                 self.optimizer.state[master_of[id(p)]] = self.optimizer.state.pop(p)
         self._holding: tuple[Any, ...] | None = ("masters", 0)
         self._binding: Binding | None = None  # binds the masters for grad_cosine's recompute (made when first needed)
+        self._param_ids = {id(p) for p in self.params.values()}
+        self._device_type = next(iter(self.params.values())).device.type if self.params else "cpu"
+
+    def forward(self, g: int) -> ContextManager[Any]:
+        super().forward(g)
+        if not torch.is_autocast_enabled(self._device_type):
+            return nullcontext()
+        if torch.is_autocast_cache_enabled():  # (Lightning turns it off) a cast cached by an earlier forward holds other values
+            torch.clear_autocast_cache()
+        return torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
+
+    def _pack(self, saved: Tensor) -> Tensor | _CastOfParameter:
+        """``saved`` as the parameter it is a cast of (autocast's, or any ``.to`` in the forward), so the
+        backward reads the values the storage holds when it runs, as it does in float32; else ``saved``."""
+        cast = saved if saved._base is None else saved._base
+        node = cast.grad_fn
+        if node is None or node.name() != "ToCopyBackward0":
+            return saved
+        source = node.next_functions[0][0]
+        parameter = getattr(source, "variable", None)  # the AccumulateGrad of a leaf
+        if parameter is None or id(parameter) not in self._param_ids or cast.stride() != parameter.stride():
+            return saved
+        return _CastOfParameter(parameter, cast.dtype, cast.device, saved.size(), saved.stride(), saved.storage_offset())
 
     def applied_tensors(self) -> list[Tensor]:
         return list(self.masters.values())
