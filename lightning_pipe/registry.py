@@ -111,6 +111,12 @@ class ScheduleSpec:
         return self.family != "synchronous"
 
     @property
+    def recomputes_activations(self) -> bool:
+        """Whether ``checkpoint_activations=True`` keeps the schedule's rule: not with a split backward (each of its
+        autograd passes would recompute) nor a live weight policy (no copy of a forward's weights to recompute on)."""
+        return not self.split_backward and (self.policy is None or self.policy.keeps_forward_weights)
+
+    @property
     def chunked(self) -> bool:
         """Whether the schedule places several chunks (virtual stages) on a device."""
         return self.default_chunks > 1

@@ -187,7 +187,8 @@ def plan(
         bandwidth_gbps: link bandwidth between neighbouring stages in GB/s; default: transfers cost nothing.
         latency_us: link latency per transfer in microseconds.
         kappa: bytes of weights + gradient + optimizer state per parameter byte (4 for fp32 Adam).
-        checkpoint_activations: predict with activation recomputation (less memory, one more forward).
+        checkpoint_activations: predict with activation recomputation (less memory, one more forward); the
+            schedules that refuse it (the zero-bubble ones, pipemare, xpipe) are left out.
         module: dotted path of the trunk (``nn.Sequential`` or ``nn.ModuleList``; default: as the strategy finds it).
         device: where to profile (``cpu``, ``cuda:0``...).
         cache: JSON file caching the profiles.
@@ -249,6 +250,12 @@ def plan(
     unknown = [s for s in chosen if s not in registry.SCHEDULES]  # avgpipe goes through its tuner
     if unknown:
         raise PlanError(f"schedule {unknown[0]!r} is not known; choose among {', '.join(registry.SCHEDULES)}.")
+    if checkpoint_activations:  # PipeStrategy refuses these with it (docs/options.md)
+        refused = [s for s in chosen if not SCHEDULES[s].recomputes_activations]
+        if schedules and refused:
+            raise PlanError(f"{', '.join(refused)} cannot recompute activations; leave them out of --schedules or drop "
+                            "--checkpoint_activations.")
+        chosen = [s for s in chosen if s not in refused]
     plans = explore(profiles, total, stages, [s for s in chosen if s in planned_schedules()], candidates, machine, chunks,
                     min_gain)
     avgpipe = None

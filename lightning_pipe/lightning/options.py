@@ -202,6 +202,11 @@ def check(options: PipeOptions) -> None:
         raise PipeConfigError(f"schedule={o.schedule!r} splits each backward into several autograd passes, and "
                               "checkpoint_activations=True would recompute the forward in every one of them; use "
                               "checkpoint_activations=False, or schedule='1f1b' to recompute activations.")
+    if o.checkpoint_activations and row.policy is not None and not row.policy.keeps_forward_weights:
+        raise PipeConfigError(f"schedule={o.schedule!r} keeps no copy of the weights a forward ran on, so "
+                              "checkpoint_activations=True would recompute each forward on its backward's weights: another "
+                              "rule than the schedule's. Use checkpoint_activations=False, or schedule='pipedream' or "
+                              "'pipedream_2bw', which recompute on their stashed weights.")
     for name in ("timeout", "startup_timeout", "checkpoint_timeout"):
         if not getattr(o, name) > 0:
             raise PipeConfigError(f"{name}={getattr(o, name)} must be a positive number of seconds.")

@@ -85,6 +85,9 @@ def test_bad_configuration(make, kwargs, match):
         ({"schedule": "zbv", "chunks_per_stage": 3}, "zbv' places exactly 2 chunks per device; leave chunks_per_stage unset"),
         ({"schedule": "zb_h1", "checkpoint_activations": True}, "recompute the forward in every one of them; use "
                                                                  "checkpoint_activations=False, or schedule='1f1b'"),
+        *[({"schedule": schedule, "checkpoint_activations": True}, f"schedule='{schedule}' keeps no copy of the weights a "
+           "forward ran on, so checkpoint_activations=True would recompute each forward on its backward's weights")
+          for schedule in ("pipemare", "xpipe")],
         ({"balance": "foo"}, "balance='foo' is not known; use 'uniform', 'parameters', 'auto'"),
         ({"micro_batch": 4}, r"PipeStrategy has no option 'micro_batch'; did you mean micro_batches=\?"),
         ({"timeout": 0}, "timeout=0.0 must be a positive number of seconds"),

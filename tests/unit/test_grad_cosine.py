@@ -185,7 +185,7 @@ def test_grad_cosine_every_is_checked():
     assert PipeStrategy(schedule="pipedream").options.grad_cosine_every == 0
 
 
-@pytest.mark.parametrize("schedule", ["pipedream_2bw", "pipemare"])
+@pytest.mark.parametrize("schedule", ["pipedream", "pipedream_2bw"])
 def test_checkpointed_stages_train_the_same_weights(schedule):
     """With activation checkpointing the stale pass recomputes the stage's forward once more inside the retained
     graph; the regular backward still sees the same graph."""

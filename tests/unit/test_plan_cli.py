@@ -89,6 +89,15 @@ def test_plan_reports_the_best_plan_and_errors_without_a_batch():
         plan(TrunkModel(), stages=2, batch_shape=[8, 8], schedules=["1f1b", "pipedreem"], timeline=None)
 
 
+def test_plan_with_recomputation_leaves_out_the_schedules_that_refuse_it():
+    report = plan(TrunkModel(depth=4), stages=2, batch_shape=[8, 8], micro_batches=[4], timeline=None, repeats=1,
+                  checkpoint_activations=True)
+    assert set(report.plans) == {"gpipe", "1f1b", "interleaved_1f1b"}  # not the zero-bubble ones
+    with pytest.raises(ValueError, match="pipemare, xpipe cannot recompute activations; leave them out"):
+        plan(TrunkModel(depth=4), stages=2, batch_shape=[8, 8], schedules=["1f1b", "pipemare", "xpipe"], timeline=None,
+             checkpoint_activations=True)
+
+
 def test_plan_tunes_avgpipe_like_the_strategy_and_compares_it(tmp_path):
     """Named among the schedules, avgpipe gets the tuner's best N >= 2, M and advance on 1F1B's split,
     predicted exactly as ``parallel_pipelines="auto"`` predicts it, in the same table."""

@@ -120,6 +120,9 @@ class WeightPolicy:
         self.grad_cosine: Tensor | None = None  # the latest measurement (0-d, read back only when logged)
         self.descent_ratio: Tensor | None = None  # the same micro-batch's descent_ratio (lightning_pipe.engine.descent)
 
+    #: whether the weights a forward ran on are still there at its backward (stashed, or unchanged in between), so
+    #: activation recomputation inside the backward repeats the forward; the live policies keep no such copy
+    keeps_forward_weights = True
     #: measure ``weight_lag`` on logged steps (``False``: never; the throughput benchmark measures the difference)
     measure_weight_lag = True
     #: with ``grad_cosine``, also measure ``descent_ratio`` (:mod:`lightning_pipe.engine.descent`): an experiment's

@@ -103,6 +103,8 @@ class _LivePolicy(WeightPolicy):
     #: load values by exchanging storage data pointers where possible (``False``: always copy; the
     #: throughput benchmark measures the difference)
     exchange_values = True
+    #: the storage holds the backward's weights when a backward recomputes its forward
+    keeps_forward_weights = False
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
