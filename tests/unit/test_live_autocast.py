@@ -89,3 +89,27 @@ def test_without_autocast_the_forward_saves_its_tensors_as_they_are(monkeypatch)
     with torch.autocast("cpu", dtype=BF16, cache_enabled=False), policy.forward(1):
         module(torch.randn(5, 4, requires_grad=True))
     assert packed
+
+
+class TransposedTie(nn.Module):
+    """A layer that uses its weight transposed as well (a tied output layer written as ``weight.t()``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(4, 6))
+
+    def forward(self, x):
+        return nn.functional.linear(nn.functional.linear(x, self.weight.t()), self.weight)
+
+
+def test_a_parameter_cast_after_another_operation_is_named_once(monkeypatch):
+    torch.manual_seed(0)
+    module = TransposedTie()
+    policy = PipeMarePolicy(module, torch.optim.SGD(module.parameters(), lr=1.0), 0, 2, 1,
+                            AsyncOptions(PipeMareOptions(correction=False)))
+    with torch.autocast("cpu", dtype=BF16, cache_enabled=False):
+        with pytest.warns(UserWarning, match="casts parameter 'weight' after another operation"):
+            with policy.forward(0):
+                module(torch.randn(5, 4, requires_grad=True))
+        with policy.forward(1):  # said once
+            module(torch.randn(5, 4, requires_grad=True))

@@ -17,6 +17,7 @@ parameter it came from, and the backward casts what the storage then holds (:cla
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
@@ -117,7 +118,8 @@ class _LivePolicy(WeightPolicy):
                 self.optimizer.state[master_of[id(p)]] = self.optimizer.state.pop(p)
         self._holding: tuple[Any, ...] | None = ("masters", 0)
         self._binding: Binding | None = None  # binds the masters for grad_cosine's recompute (made when first needed)
-        self._param_ids = {id(p) for p in self.params.values()}
+        self._name_of = {id(p): n for n, p in self.params.items()}
+        self._warned: set[str] = set()  # parameters cast after another operation, said once
         self._device_type = next(iter(self.params.values())).device.type if self.params else "cpu"
 
     def forward(self, g: int) -> ContextManager[Any]:
@@ -137,9 +139,30 @@ class _LivePolicy(WeightPolicy):
             return saved
         source = node.next_functions[0][0]
         parameter = getattr(source, "variable", None)  # the AccumulateGrad of a leaf
-        if parameter is None or id(parameter) not in self._param_ids or cast.stride() != parameter.stride():
-            return saved
-        return _CastOfParameter(parameter, cast.dtype, cast.device, saved.size(), saved.stride(), saved.storage_offset())
+        if parameter is not None and id(parameter) in self._name_of and cast.stride() == parameter.stride():
+            return _CastOfParameter(parameter, cast.dtype, cast.device, saved.size(), saved.stride(), saved.storage_offset())
+        self._warn_if_cast_after_another_operation(source)
+        return saved
+
+    def _warn_if_cast_after_another_operation(self, node: Any) -> None:
+        """Say once per parameter when a cast the forward saved comes from a parameter through other operations (a
+        transposed tied weight, ``1 + weight``): it is kept with the forward's values, which the backward then reads."""
+        for _ in range(5):  # a short chain of one-input operations: the transposes and reshapes of a weight
+            if node is None:
+                return
+            name = self._name_of.get(id(getattr(node, "variable", None)))
+            if name is not None:
+                if name not in self._warned:
+                    self._warned.add(name)
+                    warnings.warn(f"lightning_pipe: under autocast, stage {self.stage}'s forward casts parameter {name!r} "
+                                  "after another operation (a transpose or a computation), so its backward reads that "
+                                  "cast as the forward made it, not the weights the schedule gives the backward; cast "
+                                  "the parameter itself (e.g. F.linear(x, weight) rather than weight.t()).",
+                                  stacklevel=2)
+                return
+            if len(node.next_functions) != 1:
+                return
+            node = node.next_functions[0][0]
 
     def applied_tensors(self) -> list[Tensor]:
         return list(self.masters.values())
