@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_pipe.engine.policies import AsyncOptions, PipeMareOptions, PipeMarePolicy, live
+from lightning_pipe.engine.policies import AsyncOptions, PipeMareOptions, PipeMarePolicy, live, saved_casts
 
 BF16 = torch.bfloat16
 
@@ -82,7 +82,7 @@ def test_a_forward_does_not_reuse_a_cast_autocast_cached_for_an_earlier_one(exch
 def test_without_autocast_the_forward_saves_its_tensors_as_they_are(monkeypatch):
     module, policy = linear_stage(monkeypatch, exchange=True)
     packed = []
-    monkeypatch.setattr(type(policy), "_pack", lambda self, saved: packed.append(saved) or saved)
+    monkeypatch.setattr(saved_casts.BackwardCasts, "_pack", lambda self, saved: packed.append(saved) or saved)
     with policy.forward(0):
         module(torch.randn(5, 4, requires_grad=True))
     assert not packed

@@ -11,15 +11,14 @@ parameter that is a view) the values are copied instead.
 
 Under autocast a forward's graph keeps the low-precision cast of each weight it used, not the weight: a
 backward would read the forward's weights. The policies' forwards therefore save such a cast as the
-parameter it came from, and the backward casts what the storage then holds (:class:`_CastOfParameter`).
+parameter it came from, and the backward casts what the storage then holds (:mod:`.saved_casts`).
 """
 
 from __future__ import annotations
 
 import math
-import warnings
 from collections.abc import Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, ContextManager
 
@@ -28,6 +27,7 @@ from torch import Tensor, nn
 from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz
 
 from lightning_pipe.engine.policies.base import Binding, WeightPolicy, fused_chunks, norm_of, relative_distance
+from lightning_pipe.engine.policies.saved_casts import BackwardCasts
 from lightning_pipe.optim import BasisRotationAdam
 
 
@@ -65,28 +65,6 @@ def _host_floats(scalars: list[Tensor | float]) -> list[float]:
     return [float(s) for s in scalars]
 
 
-@dataclass(frozen=True, eq=False)
-class _CastOfParameter:
-    """A tensor a forward saved for its backward that is a cast of a parameter (or a view of one): the
-    backward gets the parameter's values when it runs, cast again and viewed the same way."""
-
-    parameter: Tensor
-    dtype: torch.dtype
-    device: torch.device
-    size: torch.Size
-    stride: tuple[int, ...]
-    offset: int
-
-    def unpack(self) -> Tensor:
-        cast = self.parameter.detach().to(device=self.device, dtype=self.dtype)
-        return cast.as_strided(self.size, self.stride, self.offset)
-
-
-def _unpack(packed: Tensor | _CastOfParameter) -> Tensor:
-    """What a backward reads for a tensor its forward saved (the saved-tensor hook of :meth:`_LivePolicy.forward`)."""
-    return packed.unpack() if isinstance(packed, _CastOfParameter) else packed
-
-
 def _exchange(a: Tensor, b: Tensor) -> None:
     """Exchange the values of ``a`` and ``b`` (and of every view of their storages) without copying."""
     a.untyped_storage()._swap_data_ptr_(b.untyped_storage())
@@ -118,51 +96,19 @@ class _LivePolicy(WeightPolicy):
                 self.optimizer.state[master_of[id(p)]] = self.optimizer.state.pop(p)
         self._holding: tuple[Any, ...] | None = ("masters", 0)
         self._binding: Binding | None = None  # binds the masters for grad_cosine's recompute (made when first needed)
-        self._name_of = {id(p): n for n, p in self.params.items()}
-        self._warned: set[str] = set()  # parameters cast after another operation, said once
-        self._device_type = next(iter(self.params.values())).device.type if self.params else "cpu"
+        self._casts = BackwardCasts(self.params, self.stage, self._held)
+
+    def _held(self) -> Any:
+        """A token of the values the parameters hold now (what ``load`` and the exchanges record)."""
+        return self._holding
 
     def forward(self, g: int) -> ContextManager[Any]:
         super().forward(g)
-        if not torch.is_autocast_enabled(self._device_type):
-            return nullcontext()
-        if torch.is_autocast_cache_enabled():  # (Lightning turns it off) a cast cached by an earlier forward holds other values
-            torch.clear_autocast_cache()
-        return torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
+        return self._casts.hooks()  # under autocast, the backward reads the parameters' values when it runs
 
-    def _pack(self, saved: Tensor) -> Tensor | _CastOfParameter:
-        """``saved`` as the parameter it is a cast of (autocast's, or any ``.to`` in the forward), so the
-        backward reads the values the storage holds when it runs, as it does in float32; else ``saved``."""
-        cast = saved if saved._base is None else saved._base
-        node = cast.grad_fn
-        if node is None or node.name() != "ToCopyBackward0":
-            return saved
-        source = node.next_functions[0][0]
-        parameter = getattr(source, "variable", None)  # the AccumulateGrad of a leaf
-        if parameter is not None and id(parameter) in self._name_of and cast.stride() == parameter.stride():
-            return _CastOfParameter(parameter, cast.dtype, cast.device, saved.size(), saved.stride(), saved.storage_offset())
-        self._warn_if_cast_after_another_operation(source)
-        return saved
-
-    def _warn_if_cast_after_another_operation(self, node: Any) -> None:
-        """Say once per parameter when a cast the forward saved comes from a parameter through other operations (a
-        transposed tied weight, ``1 + weight``): it is kept with the forward's values, which the backward then reads."""
-        for _ in range(5):  # a short chain of one-input operations: the transposes and reshapes of a weight
-            if node is None:
-                return
-            name = self._name_of.get(id(getattr(node, "variable", None)))
-            if name is not None:
-                if name not in self._warned:
-                    self._warned.add(name)
-                    warnings.warn(f"lightning_pipe: under autocast, stage {self.stage}'s forward casts parameter {name!r} "
-                                  "after another operation (a transpose or a computation), so its backward reads that "
-                                  "cast as the forward made it, not the weights the schedule gives the backward; cast "
-                                  "the parameter itself (e.g. F.linear(x, weight) rather than weight.t()).",
-                                  stacklevel=2)
-                return
-            if len(node.next_functions) != 1:
-                return
-            node = node.next_functions[0][0]
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        self._casts.forget()
 
     def applied_tensors(self) -> list[Tensor]:
         return list(self.masters.values())
@@ -194,6 +140,7 @@ class _LivePolicy(WeightPolicy):
     def end_segment(self, mini_batches: int) -> None:
         super().end_segment(mini_batches)
         self.load_masters()
+        self._casts.forget()
 
     def copies(self) -> int:
         return 1
@@ -212,6 +159,7 @@ class PipeMarePolicy(_LivePolicy):
         # (STEPs, tau) of the corrected weights the corrected storage holds: W_s - tau * delta_s changes only at a
         # STEP, so the backwards between two STEPs with the same tau (all of a stage's, mostly) write it once
         self._corrected_for: tuple[int, int] | None = None
+        self._exchanged_tau: int | None = None  # the delay whose corrected weights the masters' storage holds now
         # the parameters share the masters' storage: they hold W_s at all times, with no copies
         self.aliased = self.exchange_values and all(_exchangeable(m, torch.empty_like(m)) for m in self.masters.values())
         if self.aliased:
@@ -221,6 +169,12 @@ class PipeMarePolicy(_LivePolicy):
     def load_masters(self) -> None:
         if not self.aliased:
             super().load_masters()
+
+    def _held(self) -> Any:
+        if not self.aliased:
+            return super()._held()
+        tau = self._exchanged_tau  # the parameters share the masters' storage, which every STEP changes
+        return ("masters", self.steps) if tau is None else ("corrected", self.steps, tau)
 
     def forward(self, g: int) -> ContextManager[Any]:
         context = super().forward(g)
@@ -265,11 +219,13 @@ class PipeMarePolicy(_LivePolicy):
             self._corrected_for = (self.steps, tau)
         for name, m in self.masters.items():
             _exchange(m, corrected[name])
+        self._exchanged_tau = tau
         try:
             yield
         finally:
             for name, m in self.masters.items():
                 _exchange(m, corrected[name])
+            self._exchanged_tau = None
 
     @property
     def _tau_hat(self) -> int:
