@@ -142,7 +142,8 @@ class PipeStrategy(DDPStrategy, metaclass=_NamesItsOptions):
         chunks_per_stage: chunks (virtual stages) per device for ``"interleaved_1f1b"`` (default 2) and
             ``"zbv"``/``"dualpipev"`` (exactly 2); must stay 1 for the other schedules.
         checkpoint_activations: recompute each stage's activations during backward instead of keeping
-            them (less memory, one extra forward).
+            them (less memory, one extra forward). The zero-bubble schedules, ``"pipemare"`` and ``"xpipe"``
+            refuse it (docs/options.md).
         timeout: seconds a rank waits for a peer's activation or gradient before failing with
             :class:`~lightning_pipe.PipelineTimeout` naming it; a rank that raises ends every other rank
             at once with its error message, and a hung rank is ended a few seconds after the others
