@@ -118,14 +118,17 @@ def test_bf16_mixed_equals_reference(schedule, stages, exchange, monkeypatch):
     backwards must still read the weights the live storage holds when they run (the current or corrected
     ones, the backward prediction), cast as the forward cast them: as the reference, whose backward reads
     low-precision copies of its live storage written before each B. pipedream's and 2BW's read their stash.
-    The final weights are the reference's bit for bit, whether the policies exchange storages or copy (torch 2.11)."""
+    The final weights are the reference's bit for bit, whether the policies exchange storages or copy (torch 2.11).
+    An epoch of one batch is a segment of one mini-batch: the next one's first backward reads the same token of
+    weights (xpipe's ``("B", 0)``) but other values."""
     if not exchange:
         monkeypatch.setattr(live, "exchanges_storage", lambda: False)
-    got = emulated(schedule, stages, 2, trainer={"precision": "bf16-mixed"})
-    want_losses, want_state = reference(schedule, stages, 2, None, None, autocast=torch.bfloat16)
-    assert [m["train_loss"] for m in got["metrics"]] == pytest.approx(want_losses, rel=1e-5)
-    for key, value in want_state.items():
-        assert torch.equal(got["state"][key], value), key
+    for samples in (96, 16):
+        got = emulated(schedule, stages, 2, trainer={"precision": "bf16-mixed"}, samples=samples)
+        want_losses, want_state = reference(schedule, stages, 2, None, None, samples, autocast=torch.bfloat16)
+        assert [m["train_loss"] for m in got["metrics"]] == pytest.approx(want_losses, rel=1e-5)
+        for key, value in want_state.items():
+            assert torch.equal(got["state"][key], value), (samples, key)
 
 
 @pytest.mark.parametrize("schedule", ["pipedream", "pipedream_2bw", "pipemare", "xpipe"])
