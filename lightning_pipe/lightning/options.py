@@ -196,13 +196,13 @@ def check(options: PipeOptions) -> None:
     if row.fixed_chunks is not None and o.chunks_per_stage != row.fixed_chunks:
         raise PipeConfigError(f"schedule={o.schedule!r} places exactly {row.fixed_chunks} chunks per device; "
                               f"leave chunks_per_stage unset (got {o.chunks_per_stage}).")
-    if row.split_backward and o.checkpoint_activations:
-        # torch.utils.checkpoint recomputes the forward in every autograd pass that reaches it, and a split
-        # backward makes one pass for I and one per group of weights for W
-        raise PipeConfigError(f"schedule={o.schedule!r} splits each backward into several autograd passes, and "
-                              "checkpoint_activations=True would recompute the forward in every one of them; use "
-                              "checkpoint_activations=False, or schedule='1f1b' to recompute activations.")
-    if o.checkpoint_activations and row.policy is not None and not row.policy.keeps_forward_weights:
+    if o.checkpoint_activations and not row.recomputes_activations:  # the rule `lightning-pipe plan` follows too
+        if row.split_backward:
+            # torch.utils.checkpoint recomputes the forward in every autograd pass that reaches it, and a split
+            # backward makes one pass for I and one per group of weights for W
+            raise PipeConfigError(f"schedule={o.schedule!r} splits each backward into several autograd passes, and "
+                                  "checkpoint_activations=True would recompute the forward in every one of them; use "
+                                  "checkpoint_activations=False, or schedule='1f1b' to recompute activations.")
         raise PipeConfigError(f"schedule={o.schedule!r} keeps no copy of the weights a forward ran on, so "
                               "checkpoint_activations=True would recompute each forward on its backward's weights: another "
                               "rule than the schedule's. Use checkpoint_activations=False, or schedule='pipedream' or "
