@@ -8,12 +8,12 @@ import torch
 
 from tests.harness.launch import launch
 from tests.harness.lightning_run import train
-from tests.unit.test_emulation_mode import (
+from tests.reference.async_cases import (
     BATCH,
     EPOCHS,
     OPTIONS,
-    _reference_from_checkpoint,
     emulated,
+    reference_from_checkpoint,
     run_epochs,
 )
 
@@ -28,7 +28,7 @@ def test_a_two_process_checkpoint_resumes_emulated_as_four_stages(tmp_path):
                               "strategy": {"schedule": "pipemare", "micro_batches": 2, **OPTIONS}})
     assert code == 0, output[-3000:]
     resumed = emulated("pipemare", 4, 2, ckpt_path=ckpt)
-    reference, model = _reference_from_checkpoint("pipemare", 4, ckpt)
+    reference, model = reference_from_checkpoint("pipemare", 4, ckpt)
     assert [m["train_loss"] for m in resumed["metrics"]] == pytest.approx(run_epochs(reference, [], None, 2, 1), rel=1e-5)
     for key, value in model.state_dict().items():
         torch.testing.assert_close(resumed["state"][key], value, rtol=1e-5, atol=1e-6, msg=key)
@@ -46,7 +46,7 @@ def test_a_two_process_sharded_checkpoint_resumes_emulated_as_four_stages(tmp_pa
     assert code == 0, output[-3000:]
     resumed = emulated("pipemare", 4, 2, ckpt_path=str(ckpt), strategy=sharded)
     consolidate_checkpoint(ckpt, tmp_path / "one.ckpt")
-    reference, model = _reference_from_checkpoint("pipemare", 4, str(tmp_path / "one.ckpt"))
+    reference, model = reference_from_checkpoint("pipemare", 4, str(tmp_path / "one.ckpt"))
     assert [m["train_loss"] for m in resumed["metrics"]] == pytest.approx(run_epochs(reference, [], None, 2, 1), rel=1e-5)
     for key, value in model.state_dict().items():
         torch.testing.assert_close(resumed["state"][key], value, rtol=1e-5, atol=1e-6, msg=key)

@@ -44,10 +44,10 @@ How it works, in short:
   ``.data`` (autograd's version counters do not move), and a backward reads whatever the storage
   holds when it runs, together with the activations its forward saved.
 - Mixed precision (``autocast=torch.bfloat16``, as Lightning's ``"bf16-mixed"``): every F and its loss
-  run under CPU autocast. A live schedule hands F(g) low-precision leaves, written from the live storage
-  before F(g) and again before B(g), so the backward reads B(g)'s weights in that precision (what the
-  live storage means in float32); their gradients reach the float32 masters as autocast's cast would
-  bring them.
+  run under autocast on the stages' device. A live schedule hands F(g) low-precision leaves, written
+  from the live storage before F(g) and again before B(g), so the backward reads B(g)'s weights in
+  that precision (what the live storage means in float32); their gradients reach the float32 masters
+  as autocast's cast would bring them.
 - Every backward adds its parameter gradients to the master's ``.grad``; STEP clips (optionally),
   calls ``optimizer.step()``, ``optimizer.zero_grad(set_to_none=True)`` and the scheduler.
 """
@@ -358,7 +358,7 @@ class AsyncEmulator:
         schedulers: optional step-interval lr scheduler per stage, stepped after each of its STEPs.
         clip_val: gradient clipping threshold applied per stage at every STEP (``None``: off).
         clip_algorithm: ``"norm"`` (stage-local norm) or ``"value"``.
-        autocast: run every forward and loss under CPU autocast to this dtype (``None``: float32).
+        autocast: run every forward and loss under autocast (on the input's device) to this dtype (``None``: float32).
     """
 
     def __init__(
@@ -554,7 +554,7 @@ class AsyncEmulator:
         weights, version = self._forward_weights(st, g)
         if self.autocast is not None and weights is st.live:  # low-precision leaves B(g) writes again
             weights = {name: w.detach().to(self.autocast).requires_grad_(w.requires_grad) for name, w in weights.items()}
-        with torch.autocast("cpu", dtype=self.autocast or torch.bfloat16, enabled=self.autocast is not None, cache_enabled=False):
+        with torch.autocast(x.device.type, dtype=self.autocast or torch.bfloat16, enabled=self.autocast is not None, cache_enabled=False):
             out = functional_call(st.module, weights, (x,))
             if not isinstance(out, Tensor):
                 raise TypeError(

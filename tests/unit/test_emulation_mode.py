@@ -10,76 +10,19 @@ import torch
 from torch import nn
 
 from lightning_pipe.engine import split_micro_batches
-from lightning_pipe.engine.policies import AsyncOptions, DoubleBufferOptions, PipeMareOptions, live
-from lightning_pipe.partition import resolve_balance, stage_bounds
+from lightning_pipe.engine.policies import AsyncOptions, DoubleBufferOptions, live
 from tests.harness.lightning_run import TrunkModel, make_data, muon_with_adam, train
-from tests.reference.async_reference import AsyncEmulator
-
-EPOCHS, BATCH = 2, 16
-OPTIONS = {"pipemare": {"lr_warmup_steps": 5}}
-
-
-def reference_stages(model: TrunkModel, stages: int) -> list[nn.Module]:
-    """The module cut like the strategy cuts it: code before the trunk on stage 0, the head on the last."""
-    bounds = stage_bounds(resolve_balance("uniform", model.model, stages))
-    parts = [list(model.model[a:b]) for a, b in bounds]
-    parts[0] = [model.pre, nn.ReLU(), *parts[0]]
-    parts[-1] = [*parts[-1], model.head]
-    return [nn.Sequential(*p) for p in parts]
-
-
-def stage_optimizers(model: TrunkModel, optimizer: torch.optim.SGD, stages: int) -> list[torch.optim.SGD]:
-    """Each reference stage's optimizer, continuing from the state ``optimizer`` (over the whole model)
-    holds for that stage's parameters: how the strategy hands over after a synchronous warm-up."""
-    optimizers = []
-    for module in reference_stages(model, stages):
-        stage = torch.optim.SGD(module.parameters(), lr=0.1, momentum=0.9)
-        for p in module.parameters():
-            stage.state[p] = optimizer.state[p]
-        optimizers.append(stage)
-    return optimizers
-
-
-def emulator_for(model: TrunkModel, schedule: str, stages: int, micro: int, clip: float | None, interval: str | None,
-                 optimizers: list | None = None, options: AsyncOptions | None = None, autocast: torch.dtype | None = None):
-    modules = reference_stages(model, stages)
-    optimizers = optimizers or [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in modules]
-    schedulers = [torch.optim.lr_scheduler.StepLR(o, step_size=2, gamma=0.5) for o in optimizers] if interval else []
-    emulator = AsyncEmulator(schedule, modules, optimizers, micro, lambda mb: mb[0],
-                             lambda out, mb: nn.functional.cross_entropy(out, mb[1]),
-                             options or AsyncOptions(PipeMareOptions(**OPTIONS["pipemare"])),
-                             schedulers if interval == "step" else None, clip_val=clip, autocast=autocast)
-    return emulator, schedulers
-
-
-def run_epochs(emulator, schedulers, interval, micro: int, epochs: int, samples: int = 96) -> list[float]:
-    x, y = make_data(samples).tensors
-    losses = []
-    for _ in range(epochs):
-        for start in range(0, len(x), BATCH):
-            batch = (x[start:start + BATCH], y[start:start + BATCH])
-            n = len(batch[1])
-            parts = split_micro_batches(batch, min(micro, n))  # a short last batch: one sample per micro-batch
-            losses.append(sum(loss * len(p[1]) / n for loss, p in zip(emulator.train_window(parts, [len(p[1]) / n for p in parts]), parts)))
-        emulator.drain()
-        if interval == "epoch":
-            for scheduler in schedulers:
-                scheduler.step()
-    return losses
-
-
-def reference(schedule: str, stages: int, micro: int, clip: float | None, interval: str | None,
-              samples: int = 96, autocast: torch.dtype | None = None) -> tuple[list[float], dict]:
-    model = TrunkModel(scheduler=interval or False)
-    emulator, schedulers = emulator_for(model, schedule, stages, micro, clip, interval, autocast=autocast)
-    return run_epochs(emulator, schedulers, interval, micro, EPOCHS, samples), model.state_dict()
-
-
-def emulated(schedule: str, stages: int, micro: int, **config) -> dict:
-    strategy = {"schedule": schedule, "micro_batches": micro, "stages": stages, **OPTIONS, **config.pop("strategy", {})}
-    return train({"devices": 1, "epochs": EPOCHS, "batch_size": BATCH, "strategy": strategy,
-                  "trainer": {"log_every_n_steps": 1, **config.pop("trainer", {})}, **config})
-
+from tests.reference.async_cases import (
+    BATCH,
+    EPOCHS,
+    emulated,
+    emulator_for,
+    reference,
+    reference_from_checkpoint,
+    reference_stages,
+    run_epochs,
+    stage_optimizers,
+)
 
 CASES = [
     (schedule, stages, micro)
@@ -256,33 +199,6 @@ def test_emulation_rejects_parameters_shared_across_stages():
         emulated("pipedream", 2, 2, model={"tie": True})
 
 
-def _reference_from_checkpoint(schedule: str, stages: int, ckpt: str) -> tuple[AsyncEmulator, TrunkModel]:
-    """The literal reference of a ``stages``-stage pipeline that starts where the checkpoint ends: its
-    weights, optimizer state (by parameter name), step counts and policy state (pipemare's velocity).
-    Its stages are the returned model's own layers, so the model holds the reference's weights."""
-    saved = torch.load(ckpt, weights_only=False)
-    model = TrunkModel()
-    model.load_state_dict(saved["state_dict"])
-    modules = reference_stages(model, stages)
-    full_name = {id(p): n for n, p in model.named_parameters()}
-    optimizer_state = saved["optimizer_states"][0]
-    index_of = {n: i for i, n in enumerate(optimizer_state["pipe_param_names"])}
-    optimizers = []
-    for module in modules:
-        optimizer = torch.optim.SGD(module.parameters(), lr=0.1, momentum=0.9)
-        for p in module.parameters():
-            optimizer.state[p] = {k: v.clone() for k, v in optimizer_state["state"][index_of[full_name[id(p)]]].items()}
-        optimizers.append(optimizer)
-    emulator, _ = emulator_for(model, schedule, stages, 2, None, None, optimizers=optimizers)
-    state = saved["pipe_async_state"]
-    emulator._windows_before_segment = state["batches_before_segment"]
-    for st in emulator._stages:
-        st.steps = state["steps"]
-        if st.delta is not None:
-            st.delta = {name: state["delta"][full_name[id(p)]].clone() for name, p in st.module.named_parameters()}
-    return emulator, model
-
-
 @pytest.mark.parametrize("schedule", ["pipemare", "xpipe"])
 def test_a_checkpoint_resumes_under_another_split(schedule, tmp_path):
     """The policy state is keyed by parameter name: a 2-stage checkpoint resumes as 4 stages and
@@ -290,7 +206,7 @@ def test_a_checkpoint_resumes_under_another_split(schedule, tmp_path):
     ckpt = str(tmp_path / "two-stages.ckpt")
     emulated(schedule, 2, 2, epochs=1, ckpt_out=ckpt)
     resumed = emulated(schedule, 4, 2, ckpt_path=ckpt)
-    reference, model = _reference_from_checkpoint(schedule, 4, ckpt)
+    reference, model = reference_from_checkpoint(schedule, 4, ckpt)
     losses = run_epochs(reference, [], None, 2, 1)
     assert [m["train_loss"] for m in resumed["metrics"]] == pytest.approx(losses, rel=1e-5)
     for key, value in model.state_dict().items():

@@ -11,7 +11,7 @@ from lightning_pipe.errors import CheckpointMismatchError, PipeConfigError
 from lightning_pipe.partition.materialize import MetaConstruction, has_meta_tensors, materialize
 from lightning_pipe.partition.split import PartitionedTrunk
 from tests.harness.lightning_run import train
-from tests.unit.test_emulation_mode import emulated, reference
+from tests.reference.async_cases import emulated, reference
 
 
 def build() -> nn.Module:

@@ -9,7 +9,7 @@ import torch
 
 from lightning_pipe import CheckpointMismatchError, consolidate_checkpoint
 from lightning_pipe.lightning import sharded_policy
-from tests.unit.test_emulation_mode import _reference_from_checkpoint, emulated, run_epochs
+from tests.reference.async_cases import emulated, reference_from_checkpoint, run_epochs
 
 NAMES = {"a.weight", "a.bias", "b.weight"}
 
@@ -60,7 +60,7 @@ def test_a_sharded_checkpoint_resumes_under_another_stage_count_and_split(schedu
     emulated(schedule, 2, 2, epochs=1, ckpt_out=str(ckpt), strategy=sharded)
     resumed = emulated(schedule, 4, 2, ckpt_path=str(ckpt), strategy=sharded)
     consolidate_checkpoint(ckpt, tmp_path / "one.ckpt")
-    reference, model = _reference_from_checkpoint(schedule, 4, str(tmp_path / "one.ckpt"))
+    reference, model = reference_from_checkpoint(schedule, 4, str(tmp_path / "one.ckpt"))
     assert [m["train_loss"] for m in resumed["metrics"]] == pytest.approx(run_epochs(reference, [], None, 2, 1), rel=1e-5)
     for key, value in model.state_dict().items():
         torch.testing.assert_close(resumed["state"][key], value, rtol=1e-5, atol=1e-6, msg=key)
