@@ -1,5 +1,6 @@
 """The one-GPU checks (issue 30): every schedule through the one-device emulation on CUDA computes what
-it computes on the CPU, and mixed precision trains through a synchronous and an asynchronous schedule.
+it computes on the CPU, mixed precision trains through a synchronous and an asynchronous schedule, and
+under bf16-mixed the schedules whose backwards read live weights compute their reference's rule.
 
 Skipped without CUDA. On a GPU machine: ``PYTHONPATH=. python -m pytest tests/gpu -q``. Its Python may
 lack jsonargparse and hypothesis: nothing here, in tests/conftest.py or in tests/harness/lightning_run.py
@@ -8,14 +9,17 @@ imports them (tests/unit/test_gpu_path.py checks it).
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import pytest
 import torch
 
+from lightning_pipe.engine.policies.saved_casts import BackwardCasts
 from lightning_pipe.errors import PipeConfigError
 from lightning_pipe.registry import names
 from tests.harness.lightning_run import train
+from tests.reference.async_cases import emulated, reference
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
@@ -63,6 +67,25 @@ def test_bf16_mixed_trains(schedule):
     assert all(math.isfinite(v) for v in losses(got))
     if schedule == "1f1b":  # synchronous: plain Lightning's numbers, up to bf16's rounding of micro-batch sums
         assert losses(got) == pytest.approx(losses(run("cuda", None, "bf16-mixed")), rel=5e-2)
+
+
+@pytest.mark.parametrize("schedule", ["pipemare", "xpipe"])
+def test_bf16_mixed_live_schedules_compute_their_reference_rule_on_cuda(schedule, monkeypatch):
+    """Under bf16-mixed, pipemare's and xpipe's backwards read the weights their storage holds when they run,
+    not the bfloat16 casts their forwards saved (engine/policies/saved_casts.py): on CUDA, with the kernels
+    and fused weight arithmetic of a GPU, the final weights are the reference's (bit for bit on the CPU,
+    tests/unit/test_emulation_mode.py), and ten times closer to them than the same run reading the
+    forwards' casts, which is PipeDream's stashing (3.4e-4 away on the CPU)."""
+    def weight_error(run: dict) -> float:
+        return max(float((run["state"][key].cpu() - value.cpu()).abs().max()) for key, value in want_state.items())
+
+    want_losses, want_state = reference(schedule, 4, 2, None, None, autocast=torch.bfloat16, device="cuda")
+    got = emulated(schedule, 4, 2, accelerator="cuda", trainer={"precision": "bf16-mixed"})
+    monkeypatch.setattr(BackwardCasts, "hooks", lambda self: contextlib.nullcontext())  # the forwards' casts
+    stashed = emulated(schedule, 4, 2, accelerator="cuda", trainer={"precision": "bf16-mixed"})
+    assert losses(got) == pytest.approx(want_losses, rel=1e-5)
+    assert weight_error(stashed) > 1e-4  # what the rule changes, seen on this device
+    assert weight_error(got) < weight_error(stashed) / 10
 
 
 def test_fp16_mixed_trains_through_1f1b_with_loss_scaling_as_on_one_device():
