@@ -43,7 +43,8 @@ class StageOutputError(LightningPipeError, TypeError):
 
 
 class TrunkUsageError(LightningPipeError, RuntimeError):
-    """The partitioned trunk was called outside a pipelined step."""
+    """The partitioned trunk was called outside a pipelined step, or the step uses it in a way stages cannot split
+    (a second loop, one block or a partial slice, a residual around the blocks)."""
 
 
 class MessageMismatchError(LightningPipeError, RuntimeError):

@@ -15,7 +15,9 @@ running a model with holes in it.
   code between blocks turns it into the next block's input exactly as it would have), this
   chunk's blocks run with the arguments the loop passes them, and the last one ends the step.
   The code before the loop (embeddings, masks, rotary tables) therefore runs on every stage, so
-  extra arguments of the blocks never travel between stages (docs/models.md).
+  extra arguments of the blocks never travel between stages (docs/models.md). Only a block's output
+  travels, so a loop that carries more from block to block (``x = x + block(x)``) cannot be split: the
+  first training step checks it (:meth:`PartitionedTrunk.check_first_input`).
 """
 
 from __future__ import annotations
@@ -95,6 +97,7 @@ class PartitionedTrunk:
         self.chunks = [nn.Sequential(*(trunk[i] for i in range(*self.bounds[vs]))) for vs in self.local]
         self._active: StagePass | None = None
         self._iterated = False
+        self._inputs_checked: set[int] = set()  # the chunks whose first block's input passed check_first_input
         if self.looped:
             trunk.__class__ = _looped_class(type(trunk))
             trunk._lightning_pipe = self  # type: ignore[union-attr]
@@ -147,7 +150,41 @@ class PartitionedTrunk:
             )
         self._iterated = True
         start, end = self.bounds[self.local[stage_pass.chunk]]
-        return (BlockCall(self, index, start, end, stage_pass) for index in range(len(self.trunk)))
+        replaced: list[Any] = []  # the loop's state at every stand-in after the first (check_first_input)
+        return (BlockCall(self, index, start, end, stage_pass, replaced) for index in range(len(self.trunk)))
+
+    def check_first_input(self, stage_pass: StagePass, index: int, hidden: Any, replaced: Sequence[Any]) -> None:
+        """Refuse a loop whose block ``index``, this chunk's first, receives more than the earlier blocks' outputs.
+
+        The stand-ins of blocks ``1 .. index - 1`` returned the received activation, so the loop's state they were
+        called with is not what one device computes. A loop that hands on only each block's output (``x = block(x)``,
+        ``x = norm(block(x))``, ``x = block(x) + x0`` with ``x0`` from before the loop) does not use that state again;
+        one that carries it from block to block (a residual around the blocks, ``x = x + block(x)``) reaches it from
+        block ``index``'s input through autograd's graph, so it is checked on the first step that records a graph.
+        (With ``index`` 1 nothing was replaced: the loop's state before block 0 is what one device has.)
+        """
+        if stage_pass.chunk in self._inputs_checked or not torch.is_grad_enabled():
+            return
+        self._inputs_checked.add(stage_pass.chunk)
+        received = {id(t) for t in _tensors([stage_pass.received])}  # handed on as it came: not stale
+        stale = {t.grad_fn for t in _tensors(replaced) if t.grad_fn is not None and id(t) not in received}
+        if not stale:
+            return
+        seen, queue = set(), [t.grad_fn for t in _tensors([hidden]) if t.grad_fn is not None]
+        while queue:
+            node = queue.pop()
+            if node in stale:
+                raise TrunkUsageError(
+                    f"{self.name}[{index}] receives a value the loop carried past the blocks before it, not only their "
+                    "outputs (a residual around the blocks: x = x + block(x)); "
+                    "the stages pass on only each block's output, so the pipeline would compute something else. Move "
+                    "that code into the blocks (a block whose forward returns x + layer(x)), or name another trunk "
+                    "with PipeStrategy(module=...)."
+                )
+            for child, _ in node.next_functions:
+                if child is not None and child not in seen:
+                    seen.add(child)
+                    queue.append(child)
 
     def item(self, index: Any) -> Any:
         """``trunk[index]`` inside a step: the whole-list slice (``self.layers[:n]``) loops as the
@@ -195,17 +232,24 @@ class BlockCall:
     loop derives the chunk's first input from it as it would from that block's output), runs the
     block (this chunk's blocks) or is never reached
     (blocks of later stages: the chunk's last block ended the step). Other attribute reads go to the
-    block, or to its saved plain attributes where this rank holds only a stub.
+    block, or to its saved plain attributes where this rank holds only a stub. ``replaced``: the loop's
+    state at the stand-ins after the first, shared by one loop's stand-ins (:meth:`PartitionedTrunk.check_first_input`).
     """
 
-    def __init__(self, partition: PartitionedTrunk, index: int, start: int, end: int, stage_pass: StagePass) -> None:
+    def __init__(self, partition: PartitionedTrunk, index: int, start: int, end: int, stage_pass: StagePass,
+                 replaced: list[Any]) -> None:
         self._partition, self._index, self._start, self._end, self._pass = partition, index, start, end, stage_pass
+        self._replaced = replaced
 
     def __call__(self, hidden: Any, *args: Any, **kwargs: Any) -> Any:
         index, stage_pass = self._index, self._pass
-        if index < self._start:  # the loop turns what the previous stage's last block returned into our input
-            return stage_pass.received
         partition = self._partition
+        if index < self._start:  # the loop turns what the previous stage's last block returned into our input
+            if index > 0:
+                self._replaced.append(hidden)
+            return stage_pass.received
+        if index == self._start and self._replaced:
+            partition.check_first_input(stage_pass, index, hidden, self._replaced)
         output = run_layers(partition.trunk._modules[str(index)], hidden, partition.recompute, *args, **kwargs)
         if index == self._end - 1 and stage_pass.stop:
             raise StageStop(output)
@@ -279,3 +323,12 @@ def _plain_attributes(block: nn.Module) -> dict[str, Any]:
     hidden = {"_parameters", "_buffers", "_modules", "training"}
     return {k: v for k, v in vars(block).items() if k not in hidden and not k.startswith("_")
             and not isinstance(v, (torch.Tensor, nn.Module))}
+
+
+def _tensors(values: Sequence[Any]) -> Iterator[torch.Tensor]:
+    """The tensors among ``values`` and inside the tuples and lists among them (a block's input or output)."""
+    for value in values:
+        if isinstance(value, torch.Tensor):
+            yield value
+        elif isinstance(value, (tuple, list)):
+            yield from _tensors(value)

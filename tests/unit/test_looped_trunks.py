@@ -75,9 +75,16 @@ class LoopLM(L.LightningModule):
             blocks = self.blocks[:BLOCKS]
         else:
             blocks = self.blocks
+        x0 = x
         for i, block in enumerate(blocks):
             if self.loop == "tuple":
                 x = block(x, mask, rope=rope, scale=1.0)[0]
+            elif self.loop == "norm":  # code between the blocks that reads only the block's output
+                x = F.layer_norm(block(x, mask, rope=rope), (D_MODEL,))
+            elif self.loop == "skip":  # ... and a value from before the loop, which every stage computes
+                x = block(x, mask, rope=rope) + 0.5 * x0
+            elif self.loop == "residual":  # the loop's state carried past each block: only a block's output travels
+                x = x + block(x, mask, rope=rope)
             elif self.loop == "per_block":  # arguments that differ per block are computed on every stage
                 x = block(x, mask, rope=rope, scale=(i + 1) / BLOCKS)
             else:
@@ -127,7 +134,8 @@ def assert_same(got: tuple[list[float], dict], want: tuple[list[float], dict], t
 @pytest.mark.parametrize("schedule,stages,extra,loop", [
     ("gpipe", 4, {}, "plain"), ("1f1b", 2, {}, "plain"), ("1f1b", 4, {"checkpoint_activations": True}, "plain"),
     ("interleaved_1f1b", 2, {"chunks_per_stage": 2}, "plain"), ("1f1b", 4, {}, "slice"), ("1f1b", 4, {}, "tuple"),
-    ("gpipe", 2, {}, "per_block"),
+    ("gpipe", 2, {}, "per_block"), ("1f1b", 4, {}, "norm"), ("interleaved_1f1b", 2, {"chunks_per_stage": 2}, "skip"),
+    ("1f1b", 2, {"balance": [1, 3]}, "residual"),  # block 1's input is block 0's output plus the embedding: exact
 ])
 def test_a_looped_module_list_trunk_equals_one_device(schedule, stages, extra, loop):
     one_device = fit(LoopLM(loop=loop), None)
@@ -148,6 +156,8 @@ def test_a_module_list_trunk_trains_exactly_like_the_same_blocks_in_a_sequential
 @pytest.mark.parametrize("loop,match", [
     ("twice", r"blocks was iterated twice in one step.*Loop over it once"),
     ("index", r"blocks\[0\] inside a pipelined step.*one loop over the whole list"),
+    ("residual", r"blocks\[2\] receives a value the loop carried past the blocks before it.*x = x \+ block\(x\).*"
+                 r"Move that code into the blocks"),
 ])
 def test_a_loop_that_cannot_be_split_says_what_to_change(loop, match):
     with pytest.raises(TrunkUsageError, match=match):
