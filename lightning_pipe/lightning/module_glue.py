@@ -92,7 +92,13 @@ class ModuleStages:
     def _run_step(self, micro_batch: Any, stage_pass: StagePass) -> Any:
         self.capture.batch_size = batch_size(micro_batch)
         with self.partition.acting(stage_pass):
-            return self.output_to_loss(self.step(micro_batch))
+            try:
+                output = self.output_to_loss(self.step(micro_batch))
+            except StageStop as done:
+                self.partition.check_step_output(stage_pass, done.output)
+                raise
+            self.partition.check_step_output(stage_pass, output)
+            return output
 
 
 def merge_outputs(outputs: Sequence[Any], sizes: Sequence[int]) -> Any:

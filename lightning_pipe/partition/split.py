@@ -16,8 +16,8 @@ running a model with holes in it.
   chunk's blocks run with the arguments the loop passes them, and the last one ends the step.
   The code before the loop (embeddings, masks, rotary tables) therefore runs on every stage, so
   extra arguments of the blocks never travel between stages (docs/models.md). Only a block's output
-  travels, so a loop that carries more from block to block (``x = x + block(x)``) cannot be split: the
-  first training step checks it (:meth:`PartitionedTrunk.check_first_input`).
+  travels, so a step that reads an earlier block's output again (``x = x + block(x)``) cannot be split:
+  the first training step checks it (:meth:`PartitionedTrunk.check_step_output`).
 """
 
 from __future__ import annotations
@@ -97,7 +97,8 @@ class PartitionedTrunk:
         self.chunks = [nn.Sequential(*(trunk[i] for i in range(*self.bounds[vs]))) for vs in self.local]
         self._active: StagePass | None = None
         self._iterated = False
-        self._inputs_checked: set[int] = set()  # the chunks whose first block's input passed check_first_input
+        self._outputs_checked: set[int] = set()  # the chunks whose step passed check_step_output
+        self._marked: dict[Any, int] | None = None  # while a step is checked: marked stand-in outputs -> block
         if self.looped:
             trunk.__class__ = _looped_class(type(trunk))
             trunk._lightning_pipe = self  # type: ignore[union-attr]
@@ -150,41 +151,59 @@ class PartitionedTrunk:
             )
         self._iterated = True
         start, end = self.bounds[self.local[stage_pass.chunk]]
-        replaced: list[Any] = []  # the loop's state at every stand-in after the first (check_first_input)
-        return (BlockCall(self, index, start, end, stage_pass, replaced) for index in range(len(self.trunk)))
+        # the first step that records a graph marks what stands in for blocks before start - 1 (check_step_output)
+        checking = torch.is_grad_enabled() and start >= 2 and stage_pass.chunk not in self._outputs_checked
+        self._marked = {} if checking else None
+        return (BlockCall(self, index, start, end, stage_pass) for index in range(len(self.trunk)))
 
-    def check_first_input(self, stage_pass: StagePass, index: int, hidden: Any, replaced: Sequence[Any]) -> None:
-        """Refuse a loop whose block ``index``, this chunk's first, receives more than the earlier blocks' outputs.
+    def stand_in_output(self, index: int, start: int, received: Any) -> Any:
+        """What the stand-in of block ``index`` (before ``start``) returns: the received activation, which the loop turns
+        into block ``start``'s input. While a step is checked, a view of it for the blocks before ``start - 1``, marked."""
+        if self._marked is None or index == start - 1:
+            return received
+        return tuple(self._mark(t, index) for t in received) if isinstance(received, tuple) else self._mark(received, index)
 
-        The stand-ins of blocks ``1 .. index - 1`` returned the received activation, so the loop's state they were
-        called with is not what one device computes. A loop that hands on only each block's output (``x = block(x)``,
-        ``x = norm(block(x))``, ``x = block(x) + x0`` with ``x0`` from before the loop) does not use that state again;
-        one that carries it from block to block (a residual around the blocks, ``x = x + block(x)``) reaches it from
-        block ``index``'s input through autograd's graph, so it is checked on the first step that records a graph.
-        (With ``index`` 1 nothing was replaced: the loop's state before block 0 is what one device has.)
+    def _mark(self, value: Any, index: int) -> Any:
+        if not isinstance(value, torch.Tensor) or not value.requires_grad:
+            return value
+        view = value.view_as(value)
+        self._marked[view.grad_fn] = index  # type: ignore[index]
+        return view
+
+    def check_step_output(self, stage_pass: StagePass, output: Any) -> None:
+        """Refuse a step whose output (the loss, or the activation this chunk sends) depends on what stood in for a
+        block before ``start - 1``.
+
+        Only the output of block ``start - 1`` reaches this chunk; the stand-ins of the blocks before it returned that
+        too, so a step that reads their outputs again (a residual around the blocks, ``x = x + block(x)``; a list of
+        every block's output) computes something else than one device. A loop that hands on only each block's output
+        (``x = block(x)``, ``x = norm(block(x))``, ``x = block(x) + x0`` with ``x0`` from before the loop) reads none.
+        Autograd's graph of the first step that records one shows which it is.
         """
-        if stage_pass.chunk in self._inputs_checked or not torch.is_grad_enabled():
+        marked, self._marked = self._marked, None
+        if not marked:
             return
-        self._inputs_checked.add(stage_pass.chunk)
-        received = {id(t) for t in _tensors([stage_pass.received])}  # handed on as it came: not stale
-        stale = {t.grad_fn for t in _tensors(replaced) if t.grad_fn is not None and id(t) not in received}
-        if not stale:
-            return
-        seen, queue = set(), [t.grad_fn for t in _tensors([hidden]) if t.grad_fn is not None]
+        self._outputs_checked.add(stage_pass.chunk)
+        seen: set[Any] = set()
+        queue = [t.grad_fn for t in _tensors([output]) if t.grad_fn is not None]
+        read: set[int] = set()
         while queue:
             node = queue.pop()
-            if node in stale:
-                raise TrunkUsageError(
-                    f"{self.name}[{index}] receives a value the loop carried past the blocks before it, not only their "
-                    "outputs (a residual around the blocks: x = x + block(x)); "
-                    "the stages pass on only each block's output, so the pipeline would compute something else. Move "
-                    "that code into the blocks (a block whose forward returns x + layer(x)), or name another trunk "
-                    "with PipeStrategy(module=...)."
-                )
+            if node in marked:
+                read.add(marked[node])
             for child, _ in node.next_functions:
                 if child is not None and child not in seen:
                     seen.add(child)
                     queue.append(child)
+        if read:
+            blocks = ", ".join(f"{self.name}[{i}]" for i in sorted(read))
+            raise TrunkUsageError(
+                f"the step reads the output of {blocks} again after the loop went past it (a residual around the "
+                "blocks: x = x + block(x), or a list of the blocks' outputs); those blocks run on another stage, and "
+                "only the output of the block before a stage's first block reaches that stage, so the pipeline would "
+                "compute something else. Move that code into the blocks (a block whose forward returns x + layer(x)), "
+                "or name another trunk with PipeStrategy(module=...)."
+            )
 
     def item(self, index: Any) -> Any:
         """``trunk[index]`` inside a step: the whole-list slice (``self.layers[:n]``) loops as the
@@ -232,24 +251,17 @@ class BlockCall:
     loop derives the chunk's first input from it as it would from that block's output), runs the
     block (this chunk's blocks) or is never reached
     (blocks of later stages: the chunk's last block ended the step). Other attribute reads go to the
-    block, or to its saved plain attributes where this rank holds only a stub. ``replaced``: the loop's
-    state at the stand-ins after the first, shared by one loop's stand-ins (:meth:`PartitionedTrunk.check_first_input`).
+    block, or to its saved plain attributes where this rank holds only a stub.
     """
 
-    def __init__(self, partition: PartitionedTrunk, index: int, start: int, end: int, stage_pass: StagePass,
-                 replaced: list[Any]) -> None:
+    def __init__(self, partition: PartitionedTrunk, index: int, start: int, end: int, stage_pass: StagePass) -> None:
         self._partition, self._index, self._start, self._end, self._pass = partition, index, start, end, stage_pass
-        self._replaced = replaced
 
     def __call__(self, hidden: Any, *args: Any, **kwargs: Any) -> Any:
         index, stage_pass = self._index, self._pass
         partition = self._partition
         if index < self._start:  # the loop turns what the previous stage's last block returned into our input
-            if index > 0:
-                self._replaced.append(hidden)
-            return stage_pass.received
-        if index == self._start and self._replaced:
-            partition.check_first_input(stage_pass, index, hidden, self._replaced)
+            return partition.stand_in_output(index, self._start, stage_pass.received)
         output = run_layers(partition.trunk._modules[str(index)], hidden, partition.recompute, *args, **kwargs)
         if index == self._end - 1 and stage_pass.stop:
             raise StageStop(output)

@@ -75,7 +75,7 @@ class LoopLM(L.LightningModule):
             blocks = self.blocks[:BLOCKS]
         else:
             blocks = self.blocks
-        x0 = x
+        x0, outputs = x, []
         for i, block in enumerate(blocks):
             if self.loop == "tuple":
                 x = block(x, mask, rope=rope, scale=1.0)[0]
@@ -85,11 +85,18 @@ class LoopLM(L.LightningModule):
                 x = block(x, mask, rope=rope) + 0.5 * x0
             elif self.loop == "residual":  # the loop's state carried past each block: only a block's output travels
                 x = x + block(x, mask, rope=rope)
+            elif self.loop in ("every_output", "last_two"):  # the blocks' outputs kept for after the loop
+                x = block(x, mask, rope=rope)
+                outputs.append(x)
             elif self.loop == "per_block":  # arguments that differ per block are computed on every stage
                 x = block(x, mask, rope=rope, scale=(i + 1) / BLOCKS)
             else:
                 assert block.kind == "attention"
                 x = block(x, mask, rope=rope, scale=1.0)
+        if self.loop == "every_output":  # reads blocks that ran on earlier stages
+            x = torch.stack(outputs).mean(0)
+        if self.loop == "last_two":  # with 2 stages of 2 blocks, both ran on the last stage
+            x = outputs[-1] + outputs[-2]
         if self.loop == "twice":
             for block in self.blocks:
                 x = block(x)
@@ -136,6 +143,7 @@ def assert_same(got: tuple[list[float], dict], want: tuple[list[float], dict], t
     ("interleaved_1f1b", 2, {"chunks_per_stage": 2}, "plain"), ("1f1b", 4, {}, "slice"), ("1f1b", 4, {}, "tuple"),
     ("gpipe", 2, {}, "per_block"), ("1f1b", 4, {}, "norm"), ("interleaved_1f1b", 2, {"chunks_per_stage": 2}, "skip"),
     ("1f1b", 2, {"balance": [1, 3]}, "residual"),  # block 1's input is block 0's output plus the embedding: exact
+    ("1f1b", 2, {}, "last_two"),
 ])
 def test_a_looped_module_list_trunk_equals_one_device(schedule, stages, extra, loop):
     one_device = fit(LoopLM(loop=loop), None)
@@ -156,8 +164,9 @@ def test_a_module_list_trunk_trains_exactly_like_the_same_blocks_in_a_sequential
 @pytest.mark.parametrize("loop,match", [
     ("twice", r"blocks was iterated twice in one step.*Loop over it once"),
     ("index", r"blocks\[0\] inside a pipelined step.*one loop over the whole list"),
-    ("residual", r"blocks\[2\] receives a value the loop carried past the blocks before it.*x = x \+ block\(x\).*"
+    ("residual", r"reads the output of blocks\[0\] again after the loop went past it.*x = x \+ block\(x\).*"
                  r"Move that code into the blocks"),
+    ("every_output", r"reads the output of blocks\[0\] again"),
 ])
 def test_a_loop_that_cannot_be_split_says_what_to_change(loop, match):
     with pytest.raises(TrunkUsageError, match=match):
