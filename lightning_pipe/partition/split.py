@@ -17,7 +17,8 @@ running a model with holes in it.
   The code before the loop (embeddings, masks, rotary tables) therefore runs on every stage, so
   extra arguments of the blocks never travel between stages (docs/models.md). Only a block's output
   travels, so a step that reads an earlier block's output again (``x = x + block(x)``) cannot be split:
-  the first training step checks it (:meth:`PartitionedTrunk.check_step_output`).
+  the first training step checks it, and that the step uses no trunk parameter outside the trunk's call
+  (:mod:`.step_check`).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from torch import nn
 
 from lightning_pipe.engine.stage import run_layers
 from lightning_pipe.errors import TrunkUsageError
+from lightning_pipe.partition.step_check import StepCheck
 
 
 class StageStop(BaseException):
@@ -97,8 +99,8 @@ class PartitionedTrunk:
         self.chunks = [nn.Sequential(*(trunk[i] for i in range(*self.bounds[vs]))) for vs in self.local]
         self._active: StagePass | None = None
         self._iterated = False
-        self._outputs_checked: set[int] = set()  # the chunks whose step passed check_step_output
-        self._marked: dict[Any, int] | None = None  # while a step is checked: marked stand-in outputs -> block
+        self._checked: set[int] = set()  # the chunks whose step passed check_step_output
+        self._check: StepCheck | None = None  # while a chunk's first step that records a graph runs
         if self.looped:
             trunk.__class__ = _looped_class(type(trunk))
             trunk._lightning_pipe = self  # type: ignore[union-attr]
@@ -123,15 +125,18 @@ class PartitionedTrunk:
     def acting(self, stage_pass: StagePass) -> Iterator[None]:
         """Within the block, a call (or iteration) of the trunk does ``stage_pass``."""
         self._active, self._iterated = stage_pass, False
+        self._check = StepCheck() if torch.is_grad_enabled() and stage_pass.chunk not in self._checked else None
         try:
             yield
         finally:
-            self._active = None
+            self._active = self._check = None
 
     # ------------------------------------------------------------------ nn.Sequential
     def _forward(self, value: Any) -> Any:
         stage_pass = self._require_active()
         output = self.run_chunk(stage_pass.chunk, value if stage_pass.first else stage_pass.received)
+        if self._check is not None:
+            self._check.note_chunk_output(output)
         if stage_pass.stop:
             raise StageStop(output)
         return output
@@ -151,59 +156,22 @@ class PartitionedTrunk:
             )
         self._iterated = True
         start, end = self.bounds[self.local[stage_pass.chunk]]
-        # the first step that records a graph marks what stands in for blocks before start - 1 (check_step_output)
-        checking = torch.is_grad_enabled() and start >= 2 and stage_pass.chunk not in self._outputs_checked
-        self._marked = {} if checking else None
         return (BlockCall(self, index, start, end, stage_pass) for index in range(len(self.trunk)))
 
-    def stand_in_output(self, index: int, start: int, received: Any) -> Any:
-        """What the stand-in of block ``index`` (before ``start``) returns: the received activation, which the loop turns
-        into block ``start``'s input. While a step is checked, a view of it for the blocks before ``start - 1``, marked."""
-        if self._marked is None or index == start - 1:
-            return received
-        return tuple(self._mark(t, index) for t in received) if isinstance(received, tuple) else self._mark(received, index)
-
-    def _mark(self, value: Any, index: int) -> Any:
-        if not isinstance(value, torch.Tensor) or not value.requires_grad:
-            return value
-        view = value.view_as(value)
-        self._marked[view.grad_fn] = index  # type: ignore[index]
-        return view
+    @property
+    def step_check(self) -> StepCheck | None:
+        """What the step notes while it is checked (its chunk's first step that records a graph), else ``None``."""
+        return self._check
 
     def check_step_output(self, stage_pass: StagePass, output: Any) -> None:
-        """Refuse a step whose output (the loss, or the activation this chunk sends) depends on what stood in for a
-        block before ``start - 1``.
-
-        Only the output of block ``start - 1`` reaches this chunk; the stand-ins of the blocks before it returned that
-        too, so a step that reads their outputs again (a residual around the blocks, ``x = x + block(x)``; a list of
-        every block's output) computes something else than one device. A loop that hands on only each block's output
-        (``x = block(x)``, ``x = norm(block(x))``, ``x = block(x) + x0`` with ``x0`` from before the loop) reads none.
-        Autograd's graph of the first step that records one shows which it is.
-        """
-        marked, self._marked = self._marked, None
-        if not marked:
+        """On the first step of ``stage_pass``'s chunk that records a graph: refuse a step that reads blocks another
+        stage ran or this stage's trunk parameters outside their call (:mod:`.step_check`)."""
+        check, self._check = self._check, None
+        if check is None:
             return
-        self._outputs_checked.add(stage_pass.chunk)
-        seen: set[Any] = set()
-        queue = [t.grad_fn for t in _tensors([output]) if t.grad_fn is not None]
-        read: set[int] = set()
-        while queue:
-            node = queue.pop()
-            if node in marked:
-                read.add(marked[node])
-            for child, _ in node.next_functions:
-                if child is not None and child not in seen:
-                    seen.add(child)
-                    queue.append(child)
-        if read:
-            blocks = ", ".join(f"{self.name}[{i}]" for i in sorted(read))
-            raise TrunkUsageError(
-                f"the step reads the output of {blocks} again after the loop went past it (a residual around the "
-                "blocks: x = x + block(x), or a list of the blocks' outputs); those blocks run on another stage, and "
-                "only the output of the block before a stage's first block reaches that stage, so the pipeline would "
-                "compute something else. Move that code into the blocks (a block whose forward returns x + layer(x)), "
-                "or name another trunk with PipeStrategy(module=...)."
-            )
+        self._checked.add(stage_pass.chunk)
+        owned = {id(p): name for name, p in self.trunk.named_parameters()}
+        check.verify(output, self.name, owned)
 
     def item(self, index: Any) -> Any:
         """``trunk[index]`` inside a step: the whole-list slice (``self.layers[:n]``) loops as the
@@ -260,9 +228,14 @@ class BlockCall:
     def __call__(self, hidden: Any, *args: Any, **kwargs: Any) -> Any:
         index, stage_pass = self._index, self._pass
         partition = self._partition
+        check = partition.step_check
         if index < self._start:  # the loop turns what the previous stage's last block returned into our input
-            return partition.stand_in_output(index, self._start, stage_pass.received)
+            if check is None or index == self._start - 1:
+                return stage_pass.received
+            return check.mark(stage_pass.received, index)  # any use of it after the loop is a wrong value
         output = run_layers(partition.trunk._modules[str(index)], hidden, partition.recompute, *args, **kwargs)
+        if check is not None:
+            check.note_chunk_output(output)
         if index == self._end - 1 and stage_pass.stop:
             raise StageStop(output)
         return output
@@ -336,11 +309,3 @@ def _plain_attributes(block: nn.Module) -> dict[str, Any]:
     return {k: v for k, v in vars(block).items() if k not in hidden and not k.startswith("_")
             and not isinstance(v, (torch.Tensor, nn.Module))}
 
-
-def _tensors(values: Sequence[Any]) -> Iterator[torch.Tensor]:
-    """The tensors among ``values`` and inside the tuples and lists among them (a block's input or output)."""
-    for value in values:
-        if isinstance(value, torch.Tensor):
-            yield value
-        elif isinstance(value, (tuple, list)):
-            yield from _tensors(value)
