@@ -21,6 +21,7 @@ from lightning_pipe.errors import (
     CheckpointMismatchError,
     LightningPipeError,
     MessageMismatchError,
+    MicroBatchNormWarning,
     PeerFailure,
     PipeConfigError,
     PipelineTimeout,
@@ -59,7 +60,7 @@ if find_spec("lightning") is not None:
 __all__ = [
     "AsyncQualityWarning", "AutoBalanceOptions", "AvgPipeOptions", "BalanceError", "CheckpointFileError",
     "CheckpointMismatchError", "DoubleBufferOptions",
-    "LightningPipeError", "MessageMismatchError", "PeerFailure",
+    "LightningPipeError", "MessageMismatchError", "MicroBatchNormWarning", "PeerFailure",
     "PipeConfigError", "PipeDreamOptions", "PipeMareOptions", "PipeStrategy", "PipelineTimeout", "PlanError", "ScheduleError",
     "SharedParameterError", "StageOutputError", "StartupFailure", "TrunkError", "TrunkUsageError", "XPipeOptions", "__version__",
     "consolidate_checkpoint", "load_stage_weights",

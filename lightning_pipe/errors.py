@@ -88,8 +88,14 @@ class AsyncQualityWarning(UserWarning):
     with ``PipeStrategy(quality_warning=False)`` or ``warnings.filterwarnings("ignore", category=AsyncQualityWarning)``."""
 
 
+class MicroBatchNormWarning(UserWarning):
+    """The module has BatchNorm layers, which normalise each micro-batch on its own: the pipeline then trains as one
+    device with ``accumulate_grad_batches=micro_batches`` on micro-batch-sized batches, not as one device on the whole
+    batch. Silence it with ``warnings.filterwarnings("ignore", category=MicroBatchNormWarning)``."""
+
+
 __all__ = [
     "AsyncQualityWarning", "BalanceError", "CheckpointFileError", "CheckpointMismatchError", "LightningPipeError",
-    "MessageMismatchError", "PeerFailure", "PipeConfigError", "PipelineTimeout", "PlanError", "ScheduleError",
+    "MessageMismatchError", "MicroBatchNormWarning", "PeerFailure", "PipeConfigError", "PipelineTimeout", "PlanError", "ScheduleError",
     "SharedParameterError", "StageOutputError", "StartupFailure", "TrunkError", "TrunkUsageError",
 ]

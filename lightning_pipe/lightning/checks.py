@@ -18,9 +18,10 @@ from typing import TYPE_CHECKING, Any
 from lightning.pytorch import LightningModule
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from torch import nn
 from torch.utils.data import DataLoader
 
-from lightning_pipe.errors import AsyncQualityWarning, PipeConfigError
+from lightning_pipe.errors import AsyncQualityWarning, MicroBatchNormWarning, PipeConfigError
 from lightning_pipe.partition import find_trunk, resolve_balance
 from lightning_pipe.partition.trunk import candidates_of
 from lightning_pipe.quality import quality_warning
@@ -138,6 +139,29 @@ def warn_quality(schedule: str, stages: int, optimizer: Any) -> None:
         warnings.warn(message, AsyncQualityWarning, stacklevel=2)
 
 
+_BATCH_NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm,
+                nn.LazyBatchNorm1d, nn.LazyBatchNorm2d, nn.LazyBatchNorm3d)
+
+
+def warn_batch_norm(module: nn.Module, micro_batches: int | str) -> None:
+    """Warn (:class:`MicroBatchNormWarning`) when ``module`` normalises over the batch (BatchNorm) and a batch is cut
+    into several micro-batches: each is normalised on its own, as one device would with that many accumulated smaller
+    batches, not as it would the whole batch. Said by rank 0 only, once (the launcher and ``connect`` both check)."""
+    if micro_batches == 1:
+        return
+    names = [name for name, m in module.named_modules() if isinstance(m, _BATCH_NORMS) and m.training]
+    if not names:
+        return
+    shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+    rank_zero_warn(
+        f"lightning_pipe: {shown} ({type(module.get_submodule(names[0])).__name__}) normalise each micro-batch on its "
+        f"own (micro_batches={micro_batches}), so the pipeline trains like one device with accumulate_grad_batches="
+        f"{micro_batches} on batches that small, not like one device on the whole batch (its statistics and running "
+        "averages differ). LayerNorm or GroupNorm normalise each sample and pipeline exactly; micro_batches=1 keeps "
+        "the batch whole (and the pipeline idle).", category=MicroBatchNormWarning,
+    )
+
+
 def check_model(options: PipeOptions, stages: int, pipelines: int, model: LightningModule, built: bool | None = None) -> list[int] | None:
     """Every check of the options against the module and the process count; returns the layer
     count of every virtual stage (``balance="auto"`` is checked as ``"uniform"``, then chosen at setup).
@@ -157,6 +181,8 @@ def check_model(options: PipeOptions, stages: int, pipelines: int, model: Lightn
             "pipelined; set Trainer(devices=N) to run N stages, or PipeStrategy(stages=N) to emulate N stages in this "
             "process (under torchrun, pass devices=<processes per node>).", category=UserWarning,
         )
+    if built:
+        warn_batch_norm(model, options.micro_batches)
     return check_module(
         model, options.module, "uniform" if options.balance == "auto" else options.balance,
         stages * options.chunks_per_stage, options.spec, stages,
