@@ -47,7 +47,7 @@ class CombinedOptimizer(torch.optim.Optimizer):
                     seen.add(id(p))
         self.optimizers = list(optimizers)
         params = [p for optimizer in optimizers for group in optimizer.param_groups for p in group["params"]]
-        super().__init__(params, {})
+        super().__init__([{"params": params}], {})  # one group, so members without parameters (a frozen stage's) work
         self._share()
 
     def _share(self) -> None:

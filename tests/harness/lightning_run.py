@@ -42,11 +42,13 @@ class TrunkModel(L.LightningModule):
 
     def __init__(self, width: int = 16, depth: int = 6, classes: int = 4, optimizer: str = "sgd", fail_at: int = -1,
                  fail_rank: int = -1, tie: bool = False, scheduler: bool | str = False, fail_hook: str | None = None,
-                 fault: dict | None = None, configure: bool = False, overflow: dict | None = None, late_use: int = -1):
+                 fault: dict | None = None, configure: bool = False, overflow: dict | None = None, late_use: int = -1,
+                 frozen: int = 0):
         super().__init__()
         self.save_hyperparameters()
         self.tie, self.scheduler = tie, scheduler
         self.width, self.depth, self.classes = width, depth, classes
+        self.frozen = frozen  # the input layer and this many trunk entries do not train (fine-tuning the rest)
         if not configure:  # configure=True: the layers are built in configure_model, as for a large model
             self.build()
         self.optimizer = optimizer
@@ -62,6 +64,8 @@ class TrunkModel(L.LightningModule):
         self.pre = nn.Linear(8, self.width)
         self.model = nn.Sequential(*[m for _ in range(self.depth) for m in (nn.Linear(self.width, self.width), nn.Tanh())])
         self.head = nn.Linear(self.width, self.classes)
+        for p in [*self.pre.parameters(), *self.model[:self.frozen].parameters()] if self.frozen else []:
+            p.requires_grad_(False)
 
     def forward(self, x):
         return self.output(self.model(torch.relu(self.pre(x))))

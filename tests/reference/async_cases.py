@@ -11,6 +11,8 @@ Nothing here imports jsonargparse or hypothesis (the GPU machine lacks them).
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -79,9 +81,11 @@ def run_epochs(emulator, schedulers, interval, micro: int, epochs: int, samples:
 
 
 def reference(schedule: str, stages: int, micro: int, clip: float | None, interval: str | None,
-              samples: int = 96, autocast: torch.dtype | None = None, device: str = "cpu") -> tuple[list[float], dict]:
-    """The reference's losses per step and final state over ``EPOCHS`` of the suite's model, on ``device``."""
-    model = TrunkModel(scheduler=interval or False).to(device)
+              samples: int = 96, autocast: torch.dtype | None = None, device: str = "cpu",
+              **model_options: Any) -> tuple[list[float], dict]:
+    """The reference's losses per step and final state over ``EPOCHS`` of the suite's model (``TrunkModel(**model_options)``),
+    on ``device``."""
+    model = TrunkModel(scheduler=interval or False, **model_options).to(device)
     emulator, schedulers = emulator_for(model, schedule, stages, micro, clip, interval, autocast=autocast)
     return run_epochs(emulator, schedulers, interval, micro, EPOCHS, samples, device), model.state_dict()
 

@@ -194,6 +194,28 @@ def test_resume_continues_like_an_uninterrupted_run(schedule, options, tmp_path)
     plain.load_state_dict({k: v for k, v in saved["optimizer_states"][0].items() if k != "pipe_param_names"})
 
 
+@pytest.mark.parametrize("schedule", ["pipedream", "pipedream_2bw", "pipemare", "xpipe"])
+def test_a_stage_with_nothing_to_train_equals_the_reference(schedule):
+    """Fine-tuning with the first stage frozen (its input layer and trunk layers): that stage's policy has no weights
+    to stash, predict or correct, and every step is the reference's rule for the rest."""
+    got = emulated(schedule, 2, 2, model={"frozen": 6})
+    want_losses, want_state = reference(schedule, 2, 2, None, None, frozen=6)
+    assert [m["train_loss"] for m in got["metrics"]] == pytest.approx(want_losses, rel=1e-5)
+    for key, value in want_state.items():
+        torch.testing.assert_close(got["state"][key], value, rtol=1e-5, atol=1e-6, msg=key)
+    assert torch.equal(got["state"]["model.0.weight"], TrunkModel().state_dict()["model.0.weight"])  # frozen
+
+
+@pytest.mark.parametrize("optimizer", ["adam_foreach", "muon"])
+def test_a_stage_with_nothing_to_train_gets_an_empty_share_of_any_optimizer(optimizer):
+    """The frozen stage's share of a CombinedOptimizer (Muon with Adam) or a fused Adam holds no parameter; the other
+    stage trains."""
+    got = emulated("pipemare", 2, 2, model={"frozen": 6, "optimizer": optimizer})
+    start = TrunkModel().state_dict()
+    assert torch.equal(got["state"]["model.0.weight"], start["model.0.weight"])
+    assert not torch.equal(got["state"]["model.6.weight"], start["model.6.weight"])
+
+
 def test_emulation_rejects_parameters_shared_across_stages():
     with pytest.raises(Exception, match="parameters pre.weight are used on several stages"):
         emulated("pipedream", 2, 2, model={"tie": True})

@@ -121,7 +121,7 @@ class _LivePolicy(WeightPolicy):
 
     def load(self, values: dict[str, Tensor], token: tuple[Any, ...]) -> None:
         """Copy ``values`` into the live storage unless it already holds what ``token`` names."""
-        if self._holding == token:
+        if self._holding == token or not self.params:
             return
         with torch.no_grad():  # one fused copy: a copy per parameter is a launch each (where storages cannot be exchanged)
             torch._foreach_copy_([p.data for p in self.params.values()], [values[name] for name in self.params])
@@ -184,8 +184,8 @@ class PipeMarePolicy(_LivePolicy):
     def backward(self, g: int) -> ContextManager[Any]:
         context = super().backward(g)
         tau = self._tau[g]
-        if self.delta is None or tau == 0:
-            if self.tracking_lag and self.delta is not None:  # no STEP since the forward: no lag
+        if not self.delta or tau == 0:  # (empty on a stage with nothing to train)
+            if self.tracking_lag and self.delta is not None:  # no STEP since the forward (or no weights): no lag
                 self._record_lag(0.0)
             self.load_masters()
             return context
@@ -258,7 +258,7 @@ class PipeMarePolicy(_LivePolicy):
                 torch._foreach_sub_(deltas[c], masters[c], alpha=1 - gamma)
 
     def _after_update(self) -> None:
-        if self.delta is not None:
+        if self.delta:
             gamma = self._gamma
             torch._foreach_add_(list(self.delta.values()), [self.masters[n].detach() for n in self.delta], alpha=1 - gamma)
             self._delta_norm = norm_of(self.delta.values())

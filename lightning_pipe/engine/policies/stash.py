@@ -39,8 +39,9 @@ class _SnapshotPolicy(WeightPolicy):
 
     def _snapshot(self) -> dict[str, nn.Parameter]:
         buffers = self._buffers()
-        with torch.no_grad():
-            torch._foreach_copy_(list(buffers.values()), [p.detach() for p in self.params.values()])
+        if buffers:  # (a stage with nothing to train has none)
+            with torch.no_grad():
+                torch._foreach_copy_(list(buffers.values()), [p.detach() for p in self.params.values()])
         return buffers
 
     def _version(self, g: int) -> int:
@@ -206,7 +207,7 @@ class DoubleBufferPolicy(_SnapshotPolicy):
         return buffers
 
     def _before_update(self) -> None:
-        if not self.lookahead:
+        if not self.lookahead or not self.params:
             return
         with torch.no_grad():
             if self.previous is None:
