@@ -308,4 +308,3 @@ def _plain_attributes(block: nn.Module) -> dict[str, Any]:
     hidden = {"_parameters", "_buffers", "_modules", "training"}
     return {k: v for k, v in vars(block).items() if k not in hidden and not k.startswith("_")
             and not isinstance(v, (torch.Tensor, nn.Module))}
-
