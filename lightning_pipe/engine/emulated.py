@@ -79,8 +79,9 @@ class EmulatedAsyncSegments(AsyncSegments):
         super().drain()
 
     def param_names(self, stage: int) -> list[list[str]]:
-        """Parameter names of every param group of ``stage``'s optimizer (masters named like their parameter)."""
+        """Parameter names of every param group of ``stage``'s optimizer (masters named like their parameter; frozen
+        parameters, which the policy leaves alone, too)."""
         policy, optimizer = self.policies[stage], self.optimizers[stage]
-        names = {id(p): n for n, p in policy.params.items()}
+        names = {id(p): n for n, p in policy.root.named_parameters()}
         names.update({id(m): n for n, m in getattr(policy, "masters", {}).items()})
         return [[names[id(p)] for p in group["params"]] for group in optimizer.param_groups]

@@ -92,6 +92,7 @@ class EmulatedAvgPipeRounds(AvgPipeRounds):
                 executor.policy = None
 
     def param_names(self, stage: int) -> list[list[str]]:
-        """Parameter names of every param group of ``stage``'s optimizer."""
-        names = {id(p): n for n, p in self.policies[stage].params.items()}
+        """Parameter names of every param group of ``stage``'s optimizer (frozen parameters, which the policy leaves
+        alone, too)."""
+        names = {id(p): n for n, p in self.policies[stage].root.named_parameters()}
         return [[names[id(p)] for p in group["params"]] for group in self.optimizers[stage].param_groups]

@@ -154,7 +154,7 @@ def stage_parameter_names(
     Trunk layers belong to the stage holding them. A parameter outside the trunk belongs to the
     stage whose part of the step gives it a gradient, found by running every stage once on
     ``micro_batch`` (with the random number generators, the module's buffers and torchmetrics
-    states restored afterwards); unused ones go to stage 0, as in the distributed run's checkpoints.
+    states restored afterwards); unused and frozen ones go to stage 0, as in the distributed run's checkpoints.
 
     Raises:
         SharedParameterError: a parameter outside the trunk is used on several stages.
@@ -189,7 +189,7 @@ def stage_parameter_names(
         _restore_metric_states(metrics)
     reject_shared(users, "which step at different times under an asynchronous schedule", SharedParameterError)
     names: list[set[str]] = [set() for _ in bounds]
-    for name, p in named:
+    for name, p in module.named_parameters():  # frozen ones too: a stage's optimizer share keeps them, as one device's does
         names[stage_of.get(id(p), users.get(name, [0])[0])].add(name)
     return names
 

@@ -3,6 +3,7 @@ reference of each asynchronous update rule, the distributed run, and (sync sched
 
 from __future__ import annotations
 
+import copy
 import functools
 
 import pytest
@@ -214,6 +215,25 @@ def test_a_stage_with_nothing_to_train_gets_an_empty_share_of_any_optimizer(opti
     start = TrunkModel().state_dict()
     assert torch.equal(got["state"]["model.0.weight"], start["model.0.weight"])
     assert not torch.equal(got["state"]["model.6.weight"], start["model.6.weight"])
+
+
+@pytest.mark.parametrize("schedule", ["pipemare", "avgpipe"])
+def test_a_run_with_a_frozen_stage_resumes_like_an_uninterrupted_one(schedule, tmp_path):
+    """The checkpoint's optimizer keeps the frozen parameters, as one device's does: the emulation resumes from it,
+    and a plain optimizer over the whole module loads it."""
+    config = {"model": {"frozen": 6},
+              "strategy": {"avgpipe": {"parallel_pipelines": 2, "advance_forward": 1}} if schedule == "avgpipe" else {}}
+    whole = emulated(schedule, 2, 2, **copy.deepcopy(config))
+    ckpt = str(tmp_path / "epoch1.ckpt")
+    emulated(schedule, 2, 2, epochs=1, ckpt_out=ckpt, **copy.deepcopy(config))
+    resumed = emulated(schedule, 2, 2, ckpt_path=ckpt, **copy.deepcopy(config))
+    for key, value in whole["state"].items():
+        torch.testing.assert_close(resumed["state"][key], value, rtol=1e-6, atol=1e-7, msg=key)
+    saved = torch.load(ckpt, weights_only=False)
+    fresh = TrunkModel(frozen=6)
+    fresh.load_state_dict(saved["state_dict"])
+    plain = torch.optim.SGD(fresh.parameters(), lr=0.1, momentum=0.9)
+    plain.load_state_dict({k: v for k, v in saved["optimizer_states"][0].items() if k != "pipe_param_names"})
 
 
 def test_emulation_rejects_parameters_shared_across_stages():
