@@ -30,7 +30,8 @@ class PlanError(PipeConfigError):
 
 
 class SharedParameterError(PipeConfigError):
-    """A parameter outside the trunk is used by several stages of a schedule that steps them apart."""
+    """A parameter outside the trunk is used by several stages of a schedule that steps them apart, or trunk layers
+    that share a parameter are split onto different stages."""
 
 
 # ---------------------------------------------------------------------------- schedules and stages

@@ -22,7 +22,8 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from lightning_pipe.errors import AsyncQualityWarning, MicroBatchNormWarning, PipeConfigError
-from lightning_pipe.partition import find_trunk, resolve_balance
+from lightning_pipe.partition import find_trunk, resolve_balance, stage_bounds
+from lightning_pipe.partition.split import check_shared_layers
 from lightning_pipe.partition.trunk import candidates_of
 from lightning_pipe.quality import quality_warning
 from lightning_pipe.registry import ScheduleSpec
@@ -91,8 +92,10 @@ def check_module(
     schedule.check(stages, micro_batches)
     if not built:
         return None
-    _, trunk = find_trunk(module, trunk_name)
-    return resolve_balance(balance, trunk, virtual_stages)
+    name, trunk = find_trunk(module, trunk_name)
+    counts = resolve_balance(balance, trunk, virtual_stages)
+    check_shared_layers(trunk, name, stage_bounds(counts))  # before any process starts (setup checks the final split)
+    return counts
 
 
 def check_meta_build(options: PipeOptions) -> None:

@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from lightning_pipe.engine.stage import run_layers
-from lightning_pipe.errors import TrunkUsageError
+from lightning_pipe.errors import SharedParameterError, TrunkUsageError
 from lightning_pipe.partition.step_check import StepCheck
 
 
@@ -90,6 +90,7 @@ class PartitionedTrunk:
         self.recompute = recompute
         self.looped = isinstance(trunk, nn.ModuleList)
         self.owned = owned = {i for vs in self.local for i in range(*self.bounds[vs])}
+        check_shared_layers(trunk, name, self.bounds)
         # plain attributes of every block (e.g. a Hugging Face layer's ``attention_type``), so that a loop
         # reading them works on the ranks that hold only a stub of that block
         self.attributes = [_plain_attributes(block) for block in trunk]
@@ -210,6 +211,26 @@ class PartitionedTrunk:
                 "or turn the graph off (e.g. TensorBoardLogger(log_graph=False))."
             )
         return self._active
+
+
+def check_shared_layers(trunk: nn.Sequential | nn.ModuleList, name: str, bounds: Sequence[tuple[int, int]]) -> None:
+    """Refuse a split that puts layers sharing a parameter (the same module at two positions, as ALBERT repeats its
+    block, or tied weights) on different virtual stages: each stage would train its own copy, apart from the other.
+
+    Raises:
+        SharedParameterError: naming the two layers, their stages and a ``balance`` that keeps them together.
+    """
+    first: dict[int, tuple[int, int]] = {}  # parameter -> (the first layer using it, its virtual stage)
+    for vs, (start, end) in enumerate(bounds):
+        for index in range(start, end):
+            for p in trunk[index].parameters():
+                seen = first.setdefault(id(p), (index, vs))
+                if seen[1] != vs:
+                    raise SharedParameterError(
+                        f"{name}[{seen[0]}] and {name}[{index}] share parameters (the same module, or tied weights), but "
+                        f"the split puts them on virtual stages {seen[1]} and {vs}, which would train their own copies "
+                        f"apart; choose a balance that keeps {name}[{seen[0]}:{index + 1}] on one stage, or untie them."
+                    )
 
 
 class BlockCall:

@@ -123,3 +123,21 @@ def test_a_killed_saves_leftovers_are_removed_by_the_next_save(tmp_path):
     unrelated.write_bytes(b"not ours")
     PipeStrategy().save_checkpoint({"state_dict": {"w": torch.ones(2)}}, tmp_path / "epoch=2.ckpt")
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["epoch=2.ckpt", mine.name, unrelated.name])
+
+
+def test_layers_sharing_a_parameter_must_stay_on_one_stage():
+    """The same module at two positions (ALBERT's repeated block) or tied weights: split apart, each stage would train
+    its own copy (on 2 processes the losses drifted from one device's by 5e-5 within 4 steps), so the cut refuses and
+    names a range to keep together; kept on one stage, it is cut."""
+    from lightning_pipe.errors import SharedParameterError
+
+    block = nn.Linear(4, 4)
+    shared = nn.Sequential(block, nn.Linear(4, 4), block, nn.Linear(4, 4))
+    with pytest.raises(SharedParameterError, match=r"model\[0\] and model\[2\] share parameters .* virtual stages 0 and 1"
+                                                   r".*keeps model\[0:3\] on one stage"):
+        PartitionedTrunk(shared, "model", stage_bounds([2, 2]), local=[0])
+    tied = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4))
+    tied[2].weight = tied[0].weight
+    with pytest.raises(SharedParameterError, match=r"model\[0\] and model\[2\]"):
+        PartitionedTrunk(tied, "model", stage_bounds([1, 2]), local=[1])
+    PartitionedTrunk(shared, "model", stage_bounds([3, 1]), local=[0])
