@@ -23,7 +23,7 @@ from torch.utils.data import DataLoader
 
 from lightning_pipe.errors import AsyncQualityWarning, MicroBatchNormWarning, PipeConfigError
 from lightning_pipe.partition import find_trunk, resolve_balance, stage_bounds
-from lightning_pipe.partition.split import check_shared_layers
+from lightning_pipe.partition.split import check_shared_layers, check_tied_outside
 from lightning_pipe.partition.trunk import candidates_of
 from lightning_pipe.quality import quality_warning
 from lightning_pipe.registry import ScheduleSpec
@@ -94,7 +94,9 @@ def check_module(
         return None
     name, trunk = find_trunk(module, trunk_name)
     counts = resolve_balance(balance, trunk, virtual_stages)
-    check_shared_layers(trunk, name, stage_bounds(counts))  # before any process starts (setup checks the final split)
+    if virtual_stages > 1:  # before any process starts (setup checks the final split again)
+        check_tied_outside(module, name)
+        check_shared_layers(trunk, name, stage_bounds(counts))
     return counts
 
 

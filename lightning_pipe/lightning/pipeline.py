@@ -28,7 +28,7 @@ from lightning_pipe.lightning.log_replay import LogCapture, combine, read_back_v
 from lightning_pipe.lightning.module_glue import ModuleStages, detach_to_cpu, merge_outputs, step_loss
 from lightning_pipe.partition import find_trunk, stage_bounds
 from lightning_pipe.partition.materialize import release_memory
-from lightning_pipe.partition.split import PartitionedTrunk
+from lightning_pipe.partition.split import PartitionedTrunk, check_tied_outside
 from lightning_pipe.planning.planner import Plan, format_bytes
 from lightning_pipe.registry import build_schedule
 from lightning_pipe.schedules.ir import locate_virtual_stage, virtual_stage_of
@@ -106,6 +106,8 @@ class StagePipeline:
         layers = [Layer(type(layer).__name__, sum(p.numel() for p in layer.parameters())) for layer in trunk]  # before the cut
         key_order = list(module.state_dict().keys())
         param_order = [n for n, _ in module.named_parameters()]
+        if len(counts) > 1:
+            check_tied_outside(module, name)
         partition = PartitionedTrunk(trunk, name, stage_bounds(counts), local, options.checkpoint_activations)
         outside = OutsideParameters(module, name, topology)
         pipeline = cls(context, module, partition, outside, list(counts), layers, key_order, param_order)

@@ -233,6 +233,27 @@ def check_shared_layers(trunk: nn.Sequential | nn.ModuleList, name: str, bounds:
                     )
 
 
+def check_tied_outside(module: nn.Module, trunk_name: str) -> None:
+    """Refuse a trunk parameter that a module outside the trunk holds too (a weight tied across the trunk's edge): the
+    trunk's layer trains on its stage and the code outside the trunk on the first or the last, each its own copy.
+
+    Raises:
+        SharedParameterError: naming both places.
+    """
+    prefix = trunk_name + "."
+    in_trunk: dict[int, str] = {}
+    outside: dict[int, str] = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        (in_trunk if name.startswith(prefix) else outside).setdefault(id(p), name)
+    tied = [(outside[i], name) for i, name in in_trunk.items() if i in outside]
+    if tied:
+        raise SharedParameterError(
+            f"{tied[0][0]} is tied to {tied[0][1]}, a parameter of the trunk {trunk_name}: the trunk's layer trains on its "
+            "stage and the code outside the trunk on the first or last stage, each its own copy, apart; untie them, or "
+            f"move that layer out of {trunk_name}."
+        )
+
+
 class BlockCall:
     """Stands in for block ``index`` of a looped trunk during one step.
 

@@ -141,3 +141,39 @@ def test_layers_sharing_a_parameter_must_stay_on_one_stage():
     with pytest.raises(SharedParameterError, match=r"model\[0\] and model\[2\]"):
         PartitionedTrunk(tied, "model", stage_bounds([1, 2]), local=[1])
     PartitionedTrunk(shared, "model", stage_bounds([3, 1]), local=[0])
+
+
+def test_a_weight_tied_across_the_trunks_edge_is_refused():
+    """A layer outside the trunk holding a trunk layer's weight: that layer trains on its stage, the outside code on
+    the first or last, each its own copy (on 2 processes the losses drifted from one device's), so fit stops before
+    any process starts; without the tie it trains."""
+    import lightning as L
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from lightning_pipe import PipeStrategy
+    from lightning_pipe.errors import SharedParameterError
+
+    class Tied(L.LightningModule):
+        def __init__(self, tie: bool) -> None:
+            super().__init__()
+            self.trunk = nn.Sequential(*[nn.Linear(4, 4) for _ in range(4)])
+            self.mid, self.head = nn.Linear(4, 4), nn.Linear(4, 2)
+            if tie:
+                self.mid.weight = self.trunk[0].weight
+
+        def training_step(self, batch, batch_idx):
+            return nn.functional.cross_entropy(self.head(self.mid(self.trunk(batch[0]))), batch[1])
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def fit(model: L.LightningModule) -> None:
+        data = TensorDataset(torch.randn(8, 4), torch.randint(0, 2, (8,)))
+        L.Trainer(strategy=PipeStrategy(schedule="1f1b", stages=2, micro_batches=2), accelerator="cpu", devices=1, max_steps=1,
+                  logger=False, enable_progress_bar=False, enable_checkpointing=False,
+                  enable_model_summary=False).fit(model, DataLoader(data, batch_size=4))
+
+    with pytest.raises(SharedParameterError, match=r"mid\.weight is tied to trunk\.0\.weight, a parameter of the trunk trunk"
+                                                   r".*untie them, or move that layer out of trunk"):
+        fit(Tied(tie=True))
+    fit(Tied(tie=False))
