@@ -100,6 +100,7 @@ class PartitionedTrunk:
         self.chunks = [nn.Sequential(*(trunk[i] for i in range(*self.bounds[vs]))) for vs in self.local]
         self._active: StagePass | None = None
         self._iterated = False
+        self._first_input: Any = None  # what the step's first call of a Sequential trunk passed
         self._checked: set[int] = set()  # the chunks whose step passed check_step_output
         self._check: StepCheck | None = None  # while a chunk's first step that records a graph runs
         if self.looped:
@@ -125,16 +126,24 @@ class PartitionedTrunk:
     @contextmanager
     def acting(self, stage_pass: StagePass) -> Iterator[None]:
         """Within the block, a call (or iteration) of the trunk does ``stage_pass``."""
-        self._active, self._iterated = stage_pass, False
+        self._active, self._iterated, self._first_input = stage_pass, False, None
         self._check = StepCheck() if torch.is_grad_enabled() and stage_pass.chunk not in self._checked else None
         try:
             yield
         finally:
-            self._active = self._check = None
+            self._active = self._check = self._first_input = None
 
     # ------------------------------------------------------------------ nn.Sequential
     def _forward(self, value: Any) -> Any:
         stage_pass = self._require_active()
+        if self._iterated and not _same_values(value, self._first_input):
+            # only the first call's activation travels between the stages: a later one would reuse it
+            raise TrunkUsageError(
+                f"{self.name} was called twice in one step on different inputs; a pipelined trunk runs once per step, and "
+                "only that call's activation travels between the stages. Call it once (two inputs of a siamese step: "
+                "on torch.cat([x1, x2]), then split its output), or keep the second use out of the trunk."
+            )
+        self._iterated, self._first_input = True, value
         output = self.run_chunk(stage_pass.chunk, value if stage_pass.first else stage_pass.received)
         if self._check is not None:
             self._check.note_chunk_output(output)
@@ -350,3 +359,13 @@ def _plain_attributes(block: nn.Module) -> dict[str, Any]:
     hidden = {"_parameters", "_buffers", "_modules", "training"}
     return {k: v for k, v in vars(block).items() if k not in hidden and not k.startswith("_")
             and not isinstance(v, (torch.Tensor, nn.Module))}
+
+
+def _same_values(a: Any, b: Any) -> bool:
+    """Whether two trunk inputs (tensors, or tuples of them) hold the same values: a step that calls the trunk again on
+    its input computes the same thing (one comparison, on that second call only)."""
+    if isinstance(a, tuple) and isinstance(b, tuple):
+        return len(a) == len(b) and all(_same_values(x, y) for x, y in zip(a, b))
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        return a is b or (a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b))
+    return a is b or (not isinstance(a, torch.Tensor) and not isinstance(b, torch.Tensor) and a == b)

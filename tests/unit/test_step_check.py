@@ -87,3 +87,35 @@ def test_a_check_marks_only_what_records_a_graph_and_stops_at_the_chunks_outputs
         check.verify(out.sum() + layer.weight.sum(), "trunk", {id(p): n for n, p in layer.named_parameters()})
     with pytest.raises(TrunkUsageError, match=r"reads the output of trunk\[0\] again"):
         check.verify(marked[0] * 2, "trunk", {})
+
+
+class TwoCalls(Penalized):
+    """Calls the model twice per step: on a second view of the batch (``"siamese"``), or again on the same input
+    (``"again"``, e.g. for a logged accuracy)."""
+
+    def __init__(self, calls: str) -> None:
+        super().__init__(None)
+        self.calls = calls
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        logits = self(x)
+        second = self(x.flip(0)) if self.calls == "siamese" else self(x)
+        loss = F.cross_entropy(logits, y) + 0.5 * F.cross_entropy(second, y.flip(0) if self.calls == "siamese" else y)
+        self.log("train_loss", loss)
+        return loss
+
+
+def test_a_second_call_of_the_trunk_on_another_input_is_refused():
+    """Only the first call's activation travels between the stages: the last stage would run its layers on it again
+    for the second input, so the step stops and says to concatenate the inputs."""
+    with pytest.raises(TrunkUsageError, match=r"trunk was called twice in one step on different inputs.*torch\.cat"):
+        fit(TwoCalls("siamese"), PipeStrategy(schedule="1f1b", stages=2, micro_batches=2))
+
+
+def test_a_second_call_on_the_same_input_equals_one_device():
+    want = fit(TwoCalls("again"), None)
+    got = fit(TwoCalls("again"), PipeStrategy(schedule="1f1b", stages=2, micro_batches=2))
+    assert got[0] == pytest.approx(want[0], rel=1e-5)
+    for key, value in want[1].items():
+        torch.testing.assert_close(got[1][key], value, rtol=1e-5, atol=1e-6, msg=key)
