@@ -99,7 +99,7 @@ class PartitionedTrunk:
                 trunk._modules[str(index)] = nn.Identity()
         self.chunks = [nn.Sequential(*(trunk[i] for i in range(*self.bounds[vs]))) for vs in self.local]
         self._active: StagePass | None = None
-        self._iterated = False
+        self._ran = False  # the trunk was called (iterated, for a ModuleList) in the current step
         self._first_input: Any = None  # what the step's first call of a Sequential trunk passed
         self._checked: set[int] = set()  # the chunks whose step passed check_step_output
         self._check: StepCheck | None = None  # while a chunk's first step that records a graph runs
@@ -126,7 +126,7 @@ class PartitionedTrunk:
     @contextmanager
     def acting(self, stage_pass: StagePass) -> Iterator[None]:
         """Within the block, a call (or iteration) of the trunk does ``stage_pass``."""
-        self._active, self._iterated, self._first_input = stage_pass, False, None
+        self._active, self._ran, self._first_input = stage_pass, False, None
         self._check = StepCheck() if torch.is_grad_enabled() and stage_pass.chunk not in self._checked else None
         try:
             yield
@@ -136,14 +136,14 @@ class PartitionedTrunk:
     # ------------------------------------------------------------------ nn.Sequential
     def _forward(self, value: Any) -> Any:
         stage_pass = self._require_active()
-        if self._iterated and not _same_values(value, self._first_input):
+        if self._ran and not _same_values(value, self._first_input):
             # only the first call's activation travels between the stages: a later one would reuse it
             raise TrunkUsageError(
                 f"{self.name} was called twice in one step on different inputs; a pipelined trunk runs once per step, and "
                 "only that call's activation travels between the stages. Call it once (two inputs of a siamese step: "
                 "on torch.cat([x1, x2]), then split its output), or keep the second use out of the trunk."
             )
-        self._iterated, self._first_input = True, value
+        self._ran, self._first_input = True, value
         output = self.run_chunk(stage_pass.chunk, value if stage_pass.first else stage_pass.received)
         if self._check is not None:
             self._check.note_chunk_output(output)
@@ -159,12 +159,12 @@ class PartitionedTrunk:
         if self._active is None:
             return (self.trunk._modules[str(i)] if i in self.owned else _MissingBlock(self, i) for i in range(len(self.trunk)))
         stage_pass = self._active
-        if self._iterated:
+        if self._ran:
             raise TrunkUsageError(
                 f"{self.name} was iterated twice in one step; a pipelined nn.ModuleList trunk runs its blocks once per "
                 "step, in one loop. Loop over it once, or keep the second use out of the list."
             )
-        self._iterated = True
+        self._ran = True
         start, end = self.bounds[self.local[stage_pass.chunk]]
         return (BlockCall(self, index, start, end, stage_pass) for index in range(len(self.trunk)))
 
