@@ -121,13 +121,7 @@ def slice_optimizer_state(
     """
     names = merged.get(NAMES_KEY)
     if names is None:
-        count = sum(len(g["params"]) for g in merged["param_groups"])
-        if count != len(full_order):
-            raise CheckpointMismatchError(
-                f"the checkpoint's optimizer has {count} parameters but the module has {len(full_order)}; "
-                "pipelines can only resume optimizers built from self.parameters()."
-            )
-        names = list(full_order)
+        names = _one_device_names(merged, local_names, full_order)
     index_of = {name: i for i, name in enumerate(names)}
     flat = [i for g in merged["param_groups"] for i in g["params"]]
     groups, state, next_index = [], {}, 0
@@ -143,6 +137,41 @@ def slice_optimizer_state(
             next_index += 1
         groups.append({**{k: v for k, v in group.items() if k not in ("params", NAMES_KEY)}, "params": indices})
     return {"state": state, "param_groups": groups}
+
+
+def _one_device_names(merged: Mapping[str, Any], local_names: list[list[str]], full_order: Sequence[str]) -> list[str]:
+    """The parameter names of a one-device optimizer state, which has none: where this optimizer holds as many
+    parameters in each param group (one process holding every stage: the same ``configure_optimizers`` built both),
+    its own names position by position, whatever order its groups list them in; otherwise ``self.parameters()``'s
+    order, which :func:`check_state_shapes` then verifies."""
+    sizes = [len(g["params"]) for g in merged["param_groups"]]
+    if sizes == [len(group) for group in local_names]:
+        return [name for group in local_names for name in group]
+    if sum(sizes) != len(full_order):
+        raise CheckpointMismatchError(
+            f"the checkpoint's optimizer has {sum(sizes)} parameters but the module has {len(full_order)}; "
+            "pipelines can only resume optimizers built from self.parameters()."
+        )
+    return list(full_order)
+
+
+def check_state_shapes(local: Mapping[str, Any], optimizer: torch.optim.Optimizer, names: list[list[str]]) -> None:
+    """Refuse per-parameter optimizer state whose tensors do not have their parameter's shape: a one-device
+    checkpoint whose param groups list the parameters in another order than ``self.parameters()`` (groups chosen by
+    name) was matched to the wrong parameters, which the optimizer's step would fail on, or silently use."""
+    state, index = local["state"], 0
+    for group, group_names in zip(optimizer.param_groups, names):
+        for p, name in zip(group["params"], group_names):
+            for field, value in state.get(index, {}).items():
+                if isinstance(value, torch.Tensor) and value.ndim > 0 and value.shape != p.shape:
+                    raise CheckpointMismatchError(
+                        f"the checkpoint's optimizer state {field!r} for {name} has shape {tuple(value.shape)}, not the "
+                        f"parameter's {tuple(p.shape)}: a one-device checkpoint whose param groups list the parameters in "
+                        "another order than self.parameters() can be resumed by one process (an emulated pipeline, "
+                        "devices=1) but not matched by name across processes; resume it emulated once and save, or load "
+                        "only its weights (model.load_state_dict(torch.load(path)['state_dict']))."
+                    )
+            index += 1
 
 
 _PARTIAL = re.compile(r"\.partial-(\d+)$")  # the temporary files of atomic_save, named after their writer
@@ -273,6 +302,7 @@ def load_optimizer_state(
     """Load this rank's slice of a merged (or one-device) optimizer state into ``optimizer``."""
     names = local_param_names(pipeline.module, runtime, optimizer)
     local = slice_optimizer_state(state, names, pipeline.param_order)
+    check_state_shapes(local, optimizer, names)
     if pipeline.absent:  # a stand-in is never stepped: no state (it would be allocated at its full size)
         flat = [name for group in names for name in group]
         local["state"] = {i: s for i, s in local["state"].items() if flat[i] not in pipeline.absent}
