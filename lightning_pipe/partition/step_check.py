@@ -16,8 +16,8 @@ checked:
   every stage's, unlike the real pipeline). The step's output must reach this stage's trunk parameters
   only through what its layers returned.
 
-Each chunk is checked once, on the first step that records a graph (evaluation alone is not checked); the
-two walks of the graph cost about as much as one step's backward bookkeeping, once.
+Each chunk is checked once, on the first step that records a graph (evaluation alone is not checked): two
+walks of the stage's graph in Python, about 60 us for two transformer blocks on a CPU core, once per run.
 """
 
 from __future__ import annotations
