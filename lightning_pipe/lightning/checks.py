@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from lightning.pytorch import LightningModule
+from lightning.pytorch.callbacks import StochasticWeightAveraging
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
@@ -132,6 +133,21 @@ def check_trainer(schedule: ScheduleSpec, accumulate_grad_batches: int, optimize
         )
     if optimizers != 1:
         raise PipeConfigError(f"schedule={schedule.name!r} supports exactly one optimizer; configure_optimizers returned {optimizers}.")
+
+
+def check_callbacks(callbacks: Sequence[Any], stages: int) -> None:
+    """Callbacks that need the whole model on every rank cannot run beside a pipeline of several stages (emulated
+    too, so that the emulation refuses what the processes would)."""
+    if stages == 1:
+        return
+    for callback in callbacks:
+        if isinstance(callback, StochasticWeightAveraging):
+            raise PipeConfigError(
+                "StochasticWeightAveraging keeps a copy of the whole model on every rank and averages it against the "
+                "rank's own parameters, which under a pipeline are one stage's (on several processes it fails on "
+                "mismatched shapes); drop the callback, or average the weights of saved checkpoints after training "
+                "(torch.optim.swa_utils.AveragedModel over lightning_pipe.consolidate_checkpoint's files)."
+            )
 
 
 def warn_quality(schedule: str, stages: int, optimizer: Any) -> None:

@@ -149,3 +149,21 @@ def test_asynchronous_schedules_refuse_data_parallel_pipelines(schedule):
     with pytest.raises(PipeConfigError, match=rf"schedule='{schedule}' steps each stage inside the pipeline"):
         connect(TrunkModel(), devices=4, schedule=schedule, stages=2, pipelines=2)
     connect(TrunkModel(), devices=4, schedule="avgpipe", stages=2, pipelines=2)  # its replicas average gradients
+
+
+def test_stochastic_weight_averaging_is_refused_beside_several_stages():
+    """SWA's copy of the whole model is averaged against a rank's own parameters, one stage's under a pipeline (on 2
+    processes Lightning's callback failed on mismatched shapes); the emulation refuses it as the processes would."""
+    import torch
+    from lightning.pytorch.callbacks import StochasticWeightAveraging
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from lightning_pipe.lightning.checks import check_callbacks
+
+    trainer = L.Trainer(strategy=PipeStrategy(schedule="1f1b", stages=2, micro_batches=2), accelerator="cpu", devices=1,
+                        max_steps=1, callbacks=[StochasticWeightAveraging(swa_lrs=0.05)], logger=False,
+                        enable_progress_bar=False, enable_checkpointing=False, enable_model_summary=False)
+    data = TensorDataset(torch.randn(16, 8), torch.randint(0, 4, (16,)))
+    with pytest.raises(PipeConfigError, match=r"StochasticWeightAveraging keeps a copy of the whole model.*AveragedModel"):
+        trainer.fit(TrunkModel(), DataLoader(data, batch_size=8))
+    check_callbacks([StochasticWeightAveraging(swa_lrs=0.05)], stages=1)  # whole model on every rank: fine
