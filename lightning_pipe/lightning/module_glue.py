@@ -103,7 +103,8 @@ class ModuleStages:
 
 def merge_outputs(outputs: Sequence[Any], sizes: Sequence[int]) -> Any:
     """Concatenate batched tensors, average scalar tensors by micro-batch size, recurse into
-    dicts, lists and tuples; anything else comes back as the list of per-micro-batch values."""
+    dicts, lists and tuples; join lists of one entry per sample (ids, texts: :func:`_per_sample`); anything else
+    comes back as the list of per-micro-batch values."""
     if len(outputs) == 1:
         return outputs[0]
     first = outputs[0]
@@ -116,9 +117,20 @@ def merge_outputs(outputs: Sequence[Any], sizes: Sequence[int]) -> Any:
         return torch.cat(list(outputs))
     if isinstance(first, Mapping):
         return type(first)({k: merge_outputs([o[k] for o in outputs], sizes) for k in first})
+    if isinstance(first, list) and _per_sample(outputs, sizes):
+        return [item for output in outputs for item in output]
     if isinstance(first, (list, tuple)) and not hasattr(first, "_fields"):
         return type(first)(merge_outputs(parts, sizes) for parts in zip(*outputs))
     return list(outputs)
+
+
+def _per_sample(outputs: Sequence[Any], sizes: Sequence[int]) -> bool:
+    """Whether every micro-batch's list holds one entry per sample (as many as its samples, and not the batched
+    tensors of a fixed structure such as ``[logits, hidden]``), so the batch's list is their concatenation."""
+    if not all(isinstance(o, list) and len(o) == n for o, n in zip(outputs, sizes)):
+        return False
+    return not all(isinstance(item, Tensor) and item.dim() > 0 and item.shape[0] == n
+                   for o, n in zip(outputs, sizes) for item in o)
 
 
 def detach_to_cpu(value: Any) -> Any:
