@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -53,11 +54,18 @@ class SequentialStage:
 
 
 def split_micro_batches(batch: Any, micro_batches: int) -> list[Any]:
-    """Split every tensor of a (nested) batch along dim 0 into ``micro_batches`` parts.
+    """Split every tensor of a (nested) batch along dim 0 into ``micro_batches`` parts, and every list of one plain
+    value per sample (texts, ids: as many entries as the batch has samples, none a tensor) into the same parts.
 
-    Non-tensor leaves are shared by all parts. Parts differ in size by at most one sample, like
+    Other non-tensor leaves are shared by all parts. Parts differ in size by at most one sample, like
     ``torch.tensor_split``.
     """
+    try:
+        samples = batch_size(batch)
+    except ValueError:
+        samples = -1
+    sizes = [samples // micro_batches + (i < samples % micro_batches) for i in range(micro_batches)] if samples >= 0 else []
+    starts = list(itertools.accumulate([0, *sizes]))
 
     def part(value: Any, index: int) -> Any:
         if isinstance(value, Tensor):
@@ -66,11 +74,18 @@ def split_micro_batches(batch: Any, micro_batches: int) -> list[Any]:
             return type(value)({k: part(v, index) for k, v in value.items()})
         if isinstance(value, tuple) and hasattr(value, "_fields"):  # namedtuple
             return type(value)(*(part(v, index) for v in value))
+        if isinstance(value, list) and _per_sample_values(value, samples):
+            return value[starts[index]:starts[index + 1]]
         if isinstance(value, (list, tuple)):
             return type(value)(part(v, index) for v in value)
         return value
 
     return [part(batch, i) for i in range(micro_batches)]
+
+
+def _per_sample_values(value: list[Any], samples: int) -> bool:
+    """A list of one plain (non-tensor, non-container) value per sample."""
+    return len(value) == samples > 1 and not any(isinstance(v, (Tensor, Mapping, list, tuple)) for v in value)
 
 
 def batch_size(batch: Any) -> int:
