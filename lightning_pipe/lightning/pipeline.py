@@ -288,7 +288,7 @@ class StagePipeline:
         with self.executor.current_weights():  # what a checkpoint saved now holds, under every schedule
             ran = self.flush(hook, args, kwargs, False, self.context.options.spec.flushed)
         merged = detach_to_cpu(merge_outputs(ran.outputs, ran.sizes)) if ran.outputs else None
-        merged, records = self.from_last_stage((merged, combine(ran.capture.records, self.module)))
+        merged, records = self.step_end_from_last_stage((merged, combine(ran.capture.records, self.module)))
         replay(self.module, records, owner=self.holds_last_stage, one_pipeline=self.context.num_pipelines == 1)
         return merged
 
@@ -310,7 +310,7 @@ class StagePipeline:
         if self.topology.stages > 1:  # the loss and the records in one transfer per device
             scalars = [loss] if isinstance(loss, Tensor) else []
             read = read_back_values(records, *scalars)
-            loss, records = self.from_last_stage((read[0] if read else loss, records))
+            loss, records = self.step_end_from_last_stage((read[0] if read else loss, records))
         replay(module, records, owner=self.holds_last_stage, one_pipeline=self.context.num_pipelines == 1)
         if isinstance(loss, Tensor):
             return loss.to(self.context.root_device, torch.get_default_dtype())
@@ -336,6 +336,19 @@ class StagePipeline:
             # host values through gloo (the object group), also when the pipeline's tensors travel on NCCL
             dist.broadcast_object_list(box, src=topology.pipeline_ranks[self.last_stage_device], group=topology.object_group)
         return box[0]
+
+    def step_end_from_last_stage(self, payload: Any) -> Any:
+        """:meth:`from_last_stage` at the end of a step, also carrying the last stage's ``trainer.should_stop``.
+
+        The step's code after the trunk runs on the last stage only, so a ``self.trainer.should_stop = True``
+        there (stopping at a loss threshold) must reach every stage: a stage that did not see it would start
+        the next step alone and wait for its peers forever.
+        """
+        trainer = self.module.trainer
+        payload, stop = self.from_last_stage((payload, trainer.should_stop))
+        if stop:
+            trainer.should_stop = True
+        return payload
 
     def gather_in_first_pipeline(self, obj: Any) -> list[Any] | None:
         """Every stage's ``obj`` on global rank 0 (``None`` elsewhere); only pipeline 0 takes part."""

@@ -165,6 +165,24 @@ def test_callbacks_and_loggers_behave_as_on_one_device(tmp_path):
         assert [v for _, v in tb_got[tag]] == pytest.approx([v for _, v in points], rel=1e-5, abs=1e-6), tag
 
 
+@pytest.mark.parametrize("schedule, model", [
+    ("1f1b", {"stop_at_step": 4}),
+    ("zbv", {"stop_at_step": 4}),  # the step's end runs on device 0 (the V's last stage)
+    ("1f1b", {"stop_in_validation": True}),
+])
+def test_should_stop_set_in_a_step_stops_every_stage_where_one_device_stops(schedule, model):
+    """``self.trainer.should_stop = True`` in the step's code after the trunk (after a number of steps, or
+    at a loss threshold), which only the last stage runs: every stage stops at the same step (a stage that
+    missed it would start the next step alone and hang), as one device does."""
+    config = {"epochs": 3, "evaluate": True, "model": model}
+    reference = train(config)
+    assert reference["global_step"] == (5 if "stop_at_step" in model else 6)
+    code, output, records = launch({**config, "devices": 2, "strategy": {"schedule": schedule, "micro_batches": 4}},
+                                   timeout=120)
+    assert code == 0, output[-3000:]
+    assert [r["global_step"] for r in records] == [reference["global_step"]] * 2
+
+
 def tensorboard_scalars(root) -> dict[str, list[tuple[int, float]]]:
     """Scalars of rank 0's TensorBoard event files (TFRecord framing: length, crc, event, crc)."""
     import struct

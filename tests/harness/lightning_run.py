@@ -43,7 +43,7 @@ class TrunkModel(L.LightningModule):
     def __init__(self, width: int = 16, depth: int = 6, classes: int = 4, optimizer: str = "sgd", fail_at: int = -1,
                  fail_rank: int = -1, tie: bool = False, scheduler: bool | str = False, fail_hook: str | None = None,
                  fault: dict | None = None, configure: bool = False, overflow: dict | None = None, late_use: int = -1,
-                 frozen: int = 0):
+                 frozen: int = 0, stop_at_step: int = -1, stop_in_validation: bool = False):
         super().__init__()
         self.save_hyperparameters()
         self.tie, self.scheduler = tie, scheduler
@@ -56,6 +56,8 @@ class TrunkModel(L.LightningModule):
         self.fault = fault  # {"kind": "stop" | "kill" | "sleep", "rank": r, "step": s}: see inject()
         self.overflow = overflow  # {"param": name, "step": s[, "rank": r]}: that parameter's gradient is inf at step s
         self.late_use = late_use  # from this step on, the head's code also trains the input layer's bias (-1: never)
+        self.stop_at_step = stop_at_step  # from this step on, training_step's code after the trunk sets trainer.should_stop
+        self.stop_in_validation = stop_in_validation  # validation_step sets trainer.should_stop (after the sanity check)
         self.val_acc = torchmetrics.classification.MulticlassAccuracy(num_classes=classes, average="micro")
         self.val_mae = torchmetrics.MeanAbsoluteError()
 
@@ -100,6 +102,8 @@ class TrunkModel(L.LightningModule):
         x, y = batch
         logits = self(x)
         self.log("val_loss", F.cross_entropy(logits, y), prog_bar=True)
+        if self.stop_in_validation and not self.trainer.sanity_checking:
+            self.trainer.should_stop = True
         self.val_acc(logits, y)
         self.log("val_acc", self.val_acc)
         self.val_mae(logits.softmax(1).max(1).values, torch.ones_like(y, dtype=torch.float))
@@ -145,6 +149,8 @@ class TrunkModel(L.LightningModule):
         self.log("train_loss", loss, prog_bar=True)
         self.log("train_acc", (logits.argmax(1) == y).float().mean())
         self.log("seen", float(len(y)), reduce_fx="sum")
+        if 0 <= self.stop_at_step <= self.global_step:
+            self.trainer.should_stop = True
         return loss
 
     def configure_optimizers(self):
