@@ -933,6 +933,14 @@ class PipeStrategy(DDPStrategy, metaclass=_NamesItsOptions):
 
     @override
     def all_gather(self, tensor: Tensor, group: Any | None = None, sync_grads: bool = False) -> Tensor:
+        """The whole world (``group=None``, or ``WORLD``, which ``LightningModule.all_gather`` passes) means the
+        data-parallel (stage) group, as in :meth:`reduce`: the step's code after the trunk (``self.all_gather`` in
+        ``validation_step``) runs on the last stage only, and every stage already holds the same replayed values.
+        With one pipeline the tensor is returned as it is, as on one device."""
+        if group is None or group is torch.distributed.group.WORLD:
+            if self.num_pipelines == 1:
+                return tensor
+            group = self._topology.stage_group if self._topology is not None else group
         with self._guard("every rank's tensor (all_gather)"):
             return super().all_gather(tensor, group, sync_grads)
 

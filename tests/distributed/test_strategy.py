@@ -183,6 +183,24 @@ def test_should_stop_set_in_a_step_stops_every_stage_where_one_device_stops(sche
     assert [r["global_step"] for r in records] == [reference["global_step"]] * 2
 
 
+@pytest.mark.parametrize("devices, pipelines", [(2, 1), (4, 2)])
+def test_all_gather_in_a_step_gathers_over_the_pipelines(devices, pipelines):
+    """``self.all_gather`` in ``validation_step`` runs on the last stages only: it gathers over the pipelines
+    (the data-parallel replicas), and with one pipeline returns the tensor as one device does. It used to wait
+    for the first stage, which never calls it, until ``timeout``."""
+    config = {"epochs": 1, "evaluate": True, "model": {"gather": True}}
+    reference = train(config)
+    code, output, records = launch({**config, "devices": devices, "stages": 2,
+                                    "strategy": {"schedule": "1f1b", "micro_batches": 4, "pipelines": pipelines}},
+                                   timeout=120)
+    assert code == 0, output[-3000:]
+    for record in records:
+        for got, want in zip(record["val_metrics"], reference["val_metrics"], strict=True):
+            assert got["val_gathered_size"] == pipelines * want["val_gathered_size"] == pipelines
+            assert got["val_gathered_mean"] == pytest.approx(want["val_gathered_mean"], rel=1e-5)
+            assert got["val_loss"] == pytest.approx(want["val_loss"], rel=1e-5)
+
+
 def tensorboard_scalars(root) -> dict[str, list[tuple[int, float]]]:
     """Scalars of rank 0's TensorBoard event files (TFRecord framing: length, crc, event, crc)."""
     import struct

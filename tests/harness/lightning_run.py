@@ -43,7 +43,8 @@ class TrunkModel(L.LightningModule):
     def __init__(self, width: int = 16, depth: int = 6, classes: int = 4, optimizer: str = "sgd", fail_at: int = -1,
                  fail_rank: int = -1, tie: bool = False, scheduler: bool | str = False, fail_hook: str | None = None,
                  fault: dict | None = None, configure: bool = False, overflow: dict | None = None, late_use: int = -1,
-                 frozen: int = 0, stop_at_step: int = -1, stop_in_validation: bool = False):
+                 frozen: int = 0, stop_at_step: int = -1, stop_in_validation: bool = False,
+                 gather: bool = False):
         super().__init__()
         self.save_hyperparameters()
         self.tie, self.scheduler = tie, scheduler
@@ -58,6 +59,7 @@ class TrunkModel(L.LightningModule):
         self.late_use = late_use  # from this step on, the head's code also trains the input layer's bias (-1: never)
         self.stop_at_step = stop_at_step  # from this step on, training_step's code after the trunk sets trainer.should_stop
         self.stop_in_validation = stop_in_validation  # validation_step sets trainer.should_stop (after the sanity check)
+        self.gather = gather  # validation_step logs the mean and the size of self.all_gather(its loss)
         self.val_acc = torchmetrics.classification.MulticlassAccuracy(num_classes=classes, average="micro")
         self.val_mae = torchmetrics.MeanAbsoluteError()
 
@@ -102,6 +104,9 @@ class TrunkModel(L.LightningModule):
         x, y = batch
         logits = self(x)
         self.log("val_loss", F.cross_entropy(logits, y), prog_bar=True)
+        if self.gather:
+            gathered = self.all_gather(F.cross_entropy(logits, y))
+            self.log_dict({"val_gathered_mean": gathered.mean(), "val_gathered_size": float(gathered.numel())})
         if self.stop_in_validation and not self.trainer.sanity_checking:
             self.trainer.should_stop = True
         self.val_acc(logits, y)
