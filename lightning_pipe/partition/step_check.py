@@ -62,10 +62,11 @@ class StepCheck:
             blocks = ", ".join(f"{trunk}[{i}]" for i in read)
             raise TrunkUsageError(
                 f"the step reads the output of {blocks} again after the loop went past it (a residual around the "
-                "blocks: x = x + block(x), or a list of the blocks' outputs); those blocks run on another stage, and "
-                "only the output of the block before a stage's first block reaches that stage, so the pipeline would "
-                "compute something else. Move that code into the blocks (a block whose forward returns x + layer(x)), "
-                "or name another trunk with PipeStrategy(module=...)."
+                "blocks: x = x + block(x), a list of the blocks' outputs, or an auxiliary loss summed over them); "
+                "those blocks run on another stage, and only the output of the block before a stage's first block "
+                "reaches that stage, so the pipeline would compute something else. Move that code into the blocks (a "
+                "block whose forward returns x + layer(x); one that carries the running auxiliary loss: x, aux = "
+                "block(x, aux)), or name another trunk with PipeStrategy(module=...)."
             )
         used = sorted({parameters[id(node.variable)] for node in _walk(roots, stop=self._chunk_outputs)
                        if id(getattr(node, "variable", None)) in parameters})

@@ -41,7 +41,7 @@ class Block(nn.Module):
         self.tuple_output = tuple_output
         self.kind = "attention"  # a plain attribute a loop may read (Hugging Face's ``attention_type``)
 
-    def forward(self, x, mask=None, rope=None, *, scale: float = 1.0):
+    def forward(self, x, mask=None, rope=None, *, scale: float = 1.0, aux=None):
         mask = causal_mask(x.shape[1]) if mask is None else mask
         cos, sin = rotary(x.shape[1]) if rope is None else rope
         half = D_MODEL // 2
@@ -49,6 +49,8 @@ class Block(nn.Module):
         h = torch.cat([h[..., :half] * cos - h[..., half:] * sin, h[..., :half] * sin + h[..., half:] * cos], -1)
         x = x + scale * self.attn(h, h, h, attn_mask=mask, need_weights=False)[0]
         x = x + self.mlp(self.ln2(x))
+        if aux is not None:  # a running auxiliary loss carried through the blocks (a mixture of experts' balance)
+            return x, aux + x.pow(2).mean()
         return (x,) if self.tuple_output else x
 
 
@@ -68,6 +70,7 @@ class LoopLM(L.LightningModule):
 
     def forward(self, idx):
         x = self.embed(idx)
+        self.aux_loss = torch.zeros(())  # read by training_step
         if isinstance(self.blocks, nn.Sequential):
             return self.head(self.blocks(x))
         mask, rope = causal_mask(idx.shape[1]), rotary(idx.shape[1])
@@ -75,7 +78,7 @@ class LoopLM(L.LightningModule):
             blocks = self.blocks[:BLOCKS]
         else:
             blocks = self.blocks
-        x0, outputs = x, []
+        x0, outputs, aux = x, [], torch.zeros(())
         for i, block in enumerate(blocks):
             if self.loop == "tuple":
                 x = block(x, mask, rope=rope, scale=1.0)[0]
@@ -88,6 +91,11 @@ class LoopLM(L.LightningModule):
             elif self.loop in ("every_output", "last_two"):  # the blocks' outputs kept for after the loop
                 x = block(x, mask, rope=rope)
                 outputs.append(x)
+            elif self.loop == "aux_sum":  # an auxiliary loss summed over the blocks' outputs, in the loop
+                x = block(x, mask, rope=rope)
+                aux = aux + x.pow(2).mean()
+            elif self.loop == "aux_carry":  # the same sum carried through the blocks: it crosses the stages with x
+                x, aux = block(x, mask, rope=rope, aux=aux)
             elif self.loop == "per_block":  # arguments that differ per block are computed on every stage
                 x = block(x, mask, rope=rope, scale=(i + 1) / BLOCKS)
             else:
@@ -102,11 +110,12 @@ class LoopLM(L.LightningModule):
                 x = block(x)
         if self.loop == "index":
             x = self.blocks[0](x)
+        self.aux_loss = aux
         return self.head(x)
 
     def training_step(self, batch, batch_idx):
         x, y = batch
-        loss = F.cross_entropy(self(x).flatten(0, 1), y.flatten())
+        loss = F.cross_entropy(self(x).flatten(0, 1), y.flatten()) + 0.1 * self.aux_loss
         self.log("train_loss", loss)
         return loss
 
@@ -143,7 +152,7 @@ def assert_same(got: tuple[list[float], dict], want: tuple[list[float], dict], t
     ("interleaved_1f1b", 2, {"chunks_per_stage": 2}, "plain"), ("1f1b", 4, {}, "slice"), ("1f1b", 4, {}, "tuple"),
     ("gpipe", 2, {}, "per_block"), ("1f1b", 4, {}, "norm"), ("interleaved_1f1b", 2, {"chunks_per_stage": 2}, "skip"),
     ("1f1b", 2, {"balance": [1, 3]}, "residual"),  # block 1's input is block 0's output plus the embedding: exact
-    ("1f1b", 2, {}, "last_two"),
+    ("1f1b", 2, {}, "last_two"), ("1f1b", 2, {}, "aux_carry"),
 ])
 def test_a_looped_module_list_trunk_equals_one_device(schedule, stages, extra, loop):
     one_device = fit(LoopLM(loop=loop), None)
@@ -167,6 +176,7 @@ def test_a_module_list_trunk_trains_exactly_like_the_same_blocks_in_a_sequential
     ("residual", r"reads the output of blocks\[0\] again after the loop went past it.*x = x \+ block\(x\).*"
                  r"Move that code into the blocks"),
     ("every_output", r"reads the output of blocks\[0\] again"),
+    ("aux_sum", r"reads the output of blocks\[0\] again.*auxiliary loss summed.*x, aux = block\(x, aux\)"),
 ])
 def test_a_loop_that_cannot_be_split_says_what_to_change(loop, match):
     with pytest.raises(TrunkUsageError, match=match):
