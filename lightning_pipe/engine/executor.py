@@ -43,6 +43,7 @@ from lightning_pipe.engine.p2p import (
     lane_tag,
 )
 from lightning_pipe.engine.policies import WeightPolicy
+from lightning_pipe.engine.recompute_guard import refuse_recomputation
 from lightning_pipe.engine.recorder import ActionRecorder
 from lightning_pipe.engine.split_backward import backward_input
 from lightning_pipe.engine.watchdog import Watchdog
@@ -459,7 +460,7 @@ class Executor:
         grads = None
         if vs < self._schedule.virtual_stages - 1:
             grads = self._local_gradients(action) if self._is_local(vs + 1) else self._take_gradients(action)
-        with self.policy.backward(mb) if self.policy else nullcontext():
+        with self.policy.backward(mb) if self.policy else nullcontext(), self._forwards_refused(chunk):
             roots, root_grads = self._backward_roots(flight, grads)
             if flight.probe is not None and action.kind is Kind.BACKWARD and roots and self.policy.params:
                 # the stale gradient on the same graph, kept for the regular backward, which runs unchanged
@@ -489,6 +490,12 @@ class Executor:
             flight.inputs = ()
         else:
             self._in_flight.pop(key)
+
+    def _forwards_refused(self, chunk: int) -> ContextManager[Any]:
+        """Around a backward under a policy that keeps no forward weights: a recomputed forward is refused."""
+        if self.policy is None or self.policy.keeps_forward_weights:
+            return nullcontext()
+        return refuse_recomputation(self._name(chunk), type(self.policy).__name__)
 
     def _policy_device(self) -> torch.device:
         """The device of the policy's weights (whose RNG stream a measured forward's recompute replays)."""

@@ -27,6 +27,7 @@ from lightning_pipe.errors import SharedParameterError
 from lightning_pipe.lightning import _compat
 from lightning_pipe.lightning.log_replay import LogCapture
 from lightning_pipe.partition.split import PartitionedTrunk, StagePass, StageStop
+from lightning_pipe.partition.step_check import reached_parameters
 
 
 def step_loss(output: Any, hook: str) -> Tensor:
@@ -189,11 +190,9 @@ def stage_parameter_names(
                 outputs = _differentiable(value)
                 if not outputs:
                     continue
-                grads = torch.autograd.grad(
-                    outputs, [p for _, p in outside], [torch.ones_like(t) for t in outputs], allow_unused=True
-                )
-                for (name, _), grad in zip(outside, grads):
-                    if grad is not None:
+                reached = reached_parameters(outputs, [p for _, p in outside])
+                for name, p in outside:
+                    if id(p) in reached:
                         users.setdefault(name, []).append(vs)
         with torch.no_grad():
             for name, b in module.named_buffers():

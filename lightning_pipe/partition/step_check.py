@@ -22,7 +22,7 @@ walks of the stage's graph in Python, about 60 us for two transformer blocks on 
 
 from __future__ import annotations
 
-from collections.abc import Container, Iterator, Mapping
+from collections.abc import Container, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -87,6 +87,19 @@ def tensors_in(value: Any) -> Iterator[torch.Tensor]:
     elif isinstance(value, (tuple, list)):
         for item in value:
             yield from tensors_in(item)
+
+
+def reached_parameters(outputs: Iterable[torch.Tensor], parameters: Iterable[torch.Tensor]) -> set[int]:
+    """The ids of those ``parameters`` whose gradient the graph of ``outputs`` reaches: those for which
+    ``torch.autograd.grad(outputs, parameters, allow_unused=True)`` would not return ``None``. Found by
+    walking the graph, which, unlike ``autograd.grad``, also works through a reentrant
+    ``torch.utils.checkpoint`` (Hugging Face's ``gradient_checkpointing_enable()``)."""
+    wanted = {id(p) for p in parameters}
+    outputs = list(outputs)
+    reached = {id(t) for t in outputs if id(t) in wanted}  # an output that is itself a parameter
+    roots = [t.grad_fn for t in outputs if t.grad_fn is not None]
+    reached |= {id(node.variable) for node in _walk(roots) if id(getattr(node, "variable", None)) in wanted}
+    return reached
 
 
 def _walk(roots: list[Any], stop: Container[Any] = ()) -> Iterator[Any]:
