@@ -54,11 +54,12 @@ class SequentialStage:
 
 
 def split_micro_batches(batch: Any, micro_batches: int) -> list[Any]:
-    """Split every tensor of a (nested) batch along dim 0 into ``micro_batches`` parts, and every list of one plain
-    value per sample (texts, ids: as many entries as the batch has samples, none a tensor) into the same parts.
+    """Split every tensor of a (nested) batch with one row per sample (dim 0 as long as the first tensor's) into
+    ``micro_batches`` parts along dim 0, and every list of one plain value per sample (texts, ids: as many entries
+    as the batch has samples, none a tensor) into the same parts.
 
-    Other non-tensor leaves are shared by all parts. Parts differ in size by at most one sample, like
-    ``torch.tensor_split``.
+    Other leaves are shared by all parts: plain values, 0-d tensors and tensors of another length (a collate's
+    class-weight vector). Parts differ in size by at most one sample, like ``torch.tensor_split``.
     """
     try:
         samples = batch_size(batch)
@@ -69,7 +70,7 @@ def split_micro_batches(batch: Any, micro_batches: int) -> list[Any]:
 
     def part(value: Any, index: int) -> Any:
         if isinstance(value, Tensor):
-            return value.tensor_split(micro_batches)[index]
+            return value.tensor_split(micro_batches)[index] if value.dim() and value.shape[0] == samples else value
         if isinstance(value, Mapping):
             return type(value)({k: part(v, index) for k, v in value.items()})
         if isinstance(value, tuple) and hasattr(value, "_fields"):  # namedtuple

@@ -93,3 +93,54 @@ def test_predict_returns_the_names_the_batch_carried():
     want, got = predict(None), predict(PipeStrategy(schedule="1f1b", stages=2, micro_batches=2))
     assert [o["ids"] for o in got] == [o["ids"] for o in want] == [[f"sample{i}" for i in range(4)],
                                                                     [f"sample{i}" for i in range(4, 8)]]
+
+
+def test_tensors_that_are_not_one_row_per_sample_are_shared_by_every_micro_batch():
+    batch = (torch.arange(7)[:, None], torch.tensor([1.0, 2.0, 0.5]), torch.tensor(0.5))
+    parts = split_micro_batches(batch, 3)
+    assert [p[0].flatten().tolist() for p in parts] == [[0, 1, 2], [3, 4], [5, 6]]
+    assert all(p[1] is batch[1] and p[2] is batch[2] for p in parts)
+
+
+class BiasedByTheCollate(L.LightningModule):
+    """A collate adds a class-prior vector (4 entries, not one per sample) and a 0-d temperature to each batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.trunk = nn.Sequential(*[nn.Linear(6, 6) for _ in range(3)], nn.Linear(6, 4))
+        self.losses: list[float] = []
+
+    def training_step(self, batch, batch_idx):
+        x, y, prior, temperature = batch
+        return F.cross_entropy(self.trunk(x) / temperature + prior.log(), y)
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        self.losses.append(float(outputs["loss"]))
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.5)
+
+
+def with_prior(samples: list) -> tuple:
+    x, y = torch.utils.data.default_collate(samples)
+    return x, y, torch.tensor([0.1, 0.2, 0.3, 0.4]), torch.tensor(2.0)
+
+
+def test_a_collate_s_class_prior_and_temperature_reach_every_micro_batch_whole():
+    """Split along with the samples, the prior's 4 entries crashed the loss; a 0-d tensor could not be split at all.
+    (A batch of 4 samples would split the prior too: a tensor as long as the batch counts as one row per sample.)"""
+    g = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(32, 6, generator=g), torch.randint(0, 4, (32,), generator=g))
+
+    def fit(strategy: PipeStrategy | None, batch_size: int) -> list[float]:
+        module = BiasedByTheCollate()
+        trainer = L.Trainer(accelerator="cpu", devices=1, max_epochs=1, logger=False, enable_checkpointing=False,
+                            enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,
+                            **({"strategy": strategy} if strategy else {}))
+        trainer.fit(module, DataLoader(data, batch_size=batch_size, collate_fn=with_prior))
+        return module.losses
+
+    for batch_size in (16, 8):
+        want = fit(None, batch_size)
+        assert fit(PipeStrategy(schedule="1f1b", stages=2, micro_batches=2), batch_size) == pytest.approx(want, rel=1e-5)
