@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from lightning.pytorch import LightningModule
-from lightning.pytorch.callbacks import StochasticWeightAveraging
+from lightning.pytorch.callbacks import GradientAccumulationScheduler, StochasticWeightAveraging
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
@@ -122,8 +122,9 @@ def _has_trunk(module: LightningModule, trunk_name: str | None) -> bool:
     return target is not None
 
 
-def check_trainer(schedule: ScheduleSpec, accumulate_grad_batches: int, optimizers: int) -> None:
-    """Schedules that step inside the pipeline do so once per mini-batch, with one optimizer."""
+def check_trainer(schedule: ScheduleSpec, accumulate_grad_batches: int, optimizers: int, callbacks: Sequence[Any] = ()) -> None:
+    """Schedules that step inside the pipeline do so once per mini-batch, with one optimizer; a
+    ``GradientAccumulationScheduler`` among ``callbacks`` would set ``accumulate_grad_batches`` later."""
     if not schedule.steps_inside:
         return
     if accumulate_grad_batches > 1:
@@ -131,6 +132,13 @@ def check_trainer(schedule: ScheduleSpec, accumulate_grad_batches: int, optimize
             f"schedule={schedule.name!r} steps every mini-batch, so accumulate_grad_batches={accumulate_grad_batches} has no "
             "meaning; use more micro_batches or a larger batch instead."
         )
+    for callback in callbacks:
+        if isinstance(callback, GradientAccumulationScheduler) and max(callback.scheduling.values()) > 1:
+            raise PipeConfigError(
+                f"schedule={schedule.name!r} steps every mini-batch, so GradientAccumulationScheduler"
+                f"({callback.scheduling}) would accumulate batches it has already stepped on; drop the callback, or "
+                "use a synchronous schedule such as '1f1b'."
+            )
     if optimizers != 1:
         raise PipeConfigError(f"schedule={schedule.name!r} supports exactly one optimizer; configure_optimizers returned {optimizers}.")
 

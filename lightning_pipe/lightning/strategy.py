@@ -607,7 +607,7 @@ class PipeStrategy(DDPStrategy, metaclass=_NamesItsOptions):
             checks.check_sharded_checkpoints(self.options, bool(trainer.checkpoint_callbacks))
             self.setup_optimizers(trainer)
             self._update_mixed_groups_per_tensor()
-            checks.check_trainer(self.options.spec, trainer.accumulate_grad_batches, len(self.optimizers))
+            checks.check_trainer(self.options.spec, trainer.accumulate_grad_batches, len(self.optimizers), trainer.callbacks)
             checks.check_callbacks(trainer.callbacks, self.num_stages)
             if self.options.quality_warning and self.is_global_zero:
                 checks.warn_quality(self.options.schedule, self.num_stages, self.optimizers[0])

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import lightning as L
 import pytest
+import torch
 from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_pipe
 from lightning_pipe import PipeConfigError, PipeStrategy
@@ -154,9 +156,7 @@ def test_asynchronous_schedules_refuse_data_parallel_pipelines(schedule):
 def test_stochastic_weight_averaging_is_refused_beside_several_stages():
     """SWA's copy of the whole model is averaged against a rank's own parameters, one stage's under a pipeline (on 2
     processes Lightning's callback failed on mismatched shapes); the emulation refuses it as the processes would."""
-    import torch
     from lightning.pytorch.callbacks import StochasticWeightAveraging
-    from torch.utils.data import DataLoader, TensorDataset
 
     from lightning_pipe.lightning.checks import check_callbacks
 
@@ -167,3 +167,20 @@ def test_stochastic_weight_averaging_is_refused_beside_several_stages():
     with pytest.raises(PipeConfigError, match=r"StochasticWeightAveraging keeps a copy of the whole model.*AveragedModel"):
         trainer.fit(TrunkModel(), DataLoader(data, batch_size=8))
     check_callbacks([StochasticWeightAveraging(swa_lrs=0.05)], stages=1)  # whole model on every rank: fine
+
+
+@pytest.mark.parametrize("schedule", ["pipemare", "pipedream_2bw", "avgpipe"])
+def test_a_gradient_accumulation_scheduler_is_refused_where_accumulation_is(schedule):
+    """The callback sets accumulate_grad_batches at an epoch's start, after the check of the Trainer's own value:
+    pipemare then trained its second epoch with Lightning accumulating batches the pipeline had stepped on."""
+    from lightning.pytorch.callbacks import GradientAccumulationScheduler
+
+    from lightning_pipe.lightning.checks import check_trainer
+    from lightning_pipe.registry import spec
+
+    trainer = L.Trainer(strategy=PipeStrategy(schedule=schedule, stages=2, micro_batches=2), accelerator="cpu",
+                        devices=1, max_steps=1, callbacks=[GradientAccumulationScheduler({0: 1, 1: 3})], logger=False,
+                        enable_progress_bar=False, enable_checkpointing=False, enable_model_summary=False)
+    with pytest.raises(PipeConfigError, match=r"GradientAccumulationScheduler\(\{0: 1, 1: 3\}\) would accumulate"):
+        trainer.fit(TrunkModel(), DataLoader(TensorDataset(torch.randn(16, 8), torch.randint(0, 4, (16,))), batch_size=8))
+    check_trainer(spec("1f1b"), 1, 1, [GradientAccumulationScheduler({0: 1, 1: 3})])  # a flushed step accumulates exactly
