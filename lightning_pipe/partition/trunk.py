@@ -30,7 +30,7 @@ class Candidate:
 
     path: str  #: dotted attribute path from the module
     container: Trunk
-    parameters: int  #: trainable parameters inside it (shared ones once)
+    parameters: int  #: trainable parameters inside it (shared ones once); every parameter when all are frozen
 
     def contains(self, other: Candidate) -> bool:
         return other.path.startswith(self.path + ".")
@@ -52,7 +52,11 @@ def find_trunk(module: nn.Module, name: str | None = None) -> tuple[str, Trunk]:
     """
     if name is not None:
         return name, _named(module, name)
-    candidates = sorted(candidates_of(module), key=lambda c: (-c.parameters, c.path.count("."), c.path))
+    trainable = True
+    found = candidates_of(module)
+    if not found:  # everything frozen for now (BackboneFinetuning unfreezes it later): count every parameter
+        trainable, found = False, candidates_of(module, trainable=False)
+    candidates = sorted(found, key=lambda c: (-c.parameters, c.path.count("."), c.path))
     owner = type(module).__name__
     if not candidates:
         raise TrunkError(
@@ -61,7 +65,7 @@ def find_trunk(module: nn.Module, name: str | None = None) -> tuple[str, Trunk]:
         )
     chosen = candidates[0]
     rivals = [c for c in candidates[1:] if not chosen.contains(c) and c.parameters >= CLOSE * chosen.parameters]
-    total = _count(module)
+    total = _count(module, trainable)
     if rivals:
         listing = "; ".join(c.describe() for c in [chosen, *rivals])
         raise TrunkError(
@@ -89,13 +93,13 @@ def container_name(trunk: nn.Module) -> str:
     return type(trunk).__name__
 
 
-def candidates_of(module: nn.Module) -> list[Candidate]:
+def candidates_of(module: nn.Module, trainable: bool = True) -> list[Candidate]:
     """Every ``nn.Sequential`` and ``nn.ModuleList`` below ``module`` with two or more entries and
-    trainable parameters."""
+    parameters (``trainable``: trainable ones; a frozen teacher beside the student is no candidate)."""
     found = []
     for path, child in module.named_modules():
         if path and isinstance(child, (nn.Sequential, nn.ModuleList)) and len(child) >= 2:
-            count = _count(child)
+            count = _count(child, trainable)
             if count:
                 found.append(Candidate(path, child, count))
     return found
@@ -106,8 +110,8 @@ def _outermost(candidates: list[Candidate]) -> list[Candidate]:
     return [c for c in candidates if not any(o.contains(c) for o in candidates)]
 
 
-def _count(module: nn.Module) -> int:
-    return sum(p.numel() for p in module.parameters() if p.requires_grad)
+def _count(module: nn.Module, trainable: bool = True) -> int:
+    return sum(p.numel() for p in module.parameters() if p.requires_grad or not trainable)
 
 
 def _named(module: nn.Module, name: str) -> Trunk:

@@ -100,3 +100,15 @@ def test_module_names_any_container_at_any_depth():
         find_trunk(NestedEncoder(), "encoder.blocks")
     with pytest.raises(TrunkError, match=r"ListBlocksSequentialHead.embed is a Embedding, not an nn.Sequential or nn.ModuleList"):
         find_trunk(ListBlocksSequentialHead(), "embed")
+
+
+def test_a_frozen_teacher_beside_the_student_is_no_candidate():
+    module = ListBlocksSequentialHead()
+    module.teacher = nn.Sequential(*(block() for _ in range(12))).requires_grad_(False)  # larger, but frozen
+    assert find_trunk(module)[0] == "blocks"
+
+
+def test_a_wholly_frozen_module_still_finds_its_blocks():
+    """BackboneFinetuning freezes the backbone before the strategy looks for the trunk, and unfreezes it later."""
+    module = ListBlocksSequentialHead().requires_grad_(False)
+    assert find_trunk(module)[0] == "blocks"

@@ -67,6 +67,7 @@ class AsyncRuntime(BaseRuntime):
             self.segments = AsyncSegments(options.schedule, row.policy, pipeline.executor, topology.stage, topology.stages,
                                           micro_batches)  # type: ignore[arg-type]
         self.warmup = FlushRuntime(pipeline, row.flushed)
+        self._started_with: tuple[tuple[int, ...], int] = ((), 0)  # _trained_parameters() when the policy was made
 
     def attach(self, pipeline: StagePipeline) -> None:
         super().attach(pipeline)
@@ -97,6 +98,9 @@ class AsyncRuntime(BaseRuntime):
         def launch(micro_batches: list[Any], stages: ModuleStages) -> list[Any]:
             if self.segments.policy is None:
                 self._start(stages, micro_batches[0])
+                self._started_with = self._trained_parameters()
+            else:
+                self._check_trained_parameters()
             every = context.options.grad_cosine_every
             cosine = every > 0 and module.trainer.global_step % every == 0
             for policy in self.segments.policies:  # weight_lag costs a pass over the weights: logged steps only
@@ -150,6 +154,29 @@ class AsyncRuntime(BaseRuntime):
         for config in trainer.lr_scheduler_configs:  # Lightning saves (and LearningRateMonitor reads) stage 0's
             if config.scheduler is scheduler:
                 config.scheduler = self.segments.schedulers[0]
+
+    def _trained_parameters(self) -> tuple[tuple[int, ...], int]:
+        """What the weight policy was made for: the optimizer's param-group sizes, and how many of the module's
+        parameters train (a pass over the parameters' flags: microseconds per step)."""
+        module = self.pipeline.module
+        groups = unwrapped(module.trainer.optimizers[0]).param_groups
+        return tuple(len(group["params"]) for group in groups), sum(p.requires_grad for p in module.parameters())
+
+    def _check_trained_parameters(self) -> None:
+        """Refuse a change of what trains after the policy was made: it keeps versions (or masters) of the
+        parameters that trained at the first asynchronous step, and would not step the others as the schedule says."""
+        (groups, trained), (groups_then, trained_then) = self._trained_parameters(), self._started_with
+        if (groups, trained) == (groups_then, trained_then):
+            return
+        schedule = self.context.options.schedule
+        raise PipeConfigError(
+            f"the parameters being trained changed after schedule={schedule!r} started (param groups of "
+            f"{list(groups_then)} tensors, {trained_then} trainable, are now {list(groups)} and {trained}: "
+            "BackboneFinetuning unfreezing a backbone, optimizer.add_param_group, a requires_grad switched), but its "
+            "weight policy holds the versions of the parameters that trained at its first step. Make the change "
+            "during the synchronous warm-up (PipeStrategy(sync_warmup_epochs=N), N the epoch it happens at), or use "
+            "a synchronous schedule such as '1f1b'."
+        )
 
     def _ends_segment(self, batch_idx: int) -> bool:
         """Whether this batch is the last one before the epoch (or the run) ends."""
