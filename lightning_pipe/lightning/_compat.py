@@ -185,6 +185,13 @@ def replace_summary(callback: Any, make: Callable[[Any, Any], Any]) -> None:
     callback._summary = make
 
 
+# ------------------------------------------------------------------------------- pruning
+def prunes_globally(callback: Any) -> bool:
+    """Whether a ``ModelPruning`` callback ranks every pruned tensor together (``use_global_unstructured``, its
+    default; kept as ``_use_global_unstructured``, no public reader)."""
+    return bool(callback._use_global_unstructured)
+
+
 # ------------------------------------------------------------------------------- torchmetrics
 #: A metric's bookkeeping besides its ``metric_state`` (which is public): how often it was updated, its cached
 #: ``compute()`` and ``forward``'s last batch value. Saving and restoring a metric around a replayed step must keep

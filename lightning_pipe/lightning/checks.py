@@ -16,13 +16,14 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from lightning.pytorch import LightningModule
-from lightning.pytorch.callbacks import GradientAccumulationScheduler, StochasticWeightAveraging
+from lightning.pytorch.callbacks import GradientAccumulationScheduler, ModelPruning, StochasticWeightAveraging
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 from torch.utils.data import DataLoader
 
 from lightning_pipe.errors import AsyncQualityWarning, MicroBatchNormWarning, PipeConfigError
+from lightning_pipe.lightning import _compat
 from lightning_pipe.partition import find_trunk, resolve_balance, stage_bounds
 from lightning_pipe.partition.split import check_shared_layers, check_tied_outside
 from lightning_pipe.partition.trunk import candidates_of
@@ -155,6 +156,13 @@ def check_callbacks(callbacks: Sequence[Any], stages: int) -> None:
                 "rank's own parameters, which under a pipeline are one stage's (on several processes it fails on "
                 "mismatched shapes); drop the callback, or average the weights of saved checkpoints after training "
                 "(torch.optim.swa_utils.AveragedModel over lightning_pipe.consolidate_checkpoint's files)."
+            )
+        if isinstance(callback, ModelPruning) and _compat.prunes_globally(callback):
+            raise PipeConfigError(
+                "ModelPruning(use_global_unstructured=True), its default, ranks the weights of every pruned layer "
+                "together, but each rank holds one stage's layers, so every stage would prune by its own threshold "
+                "(on 2 processes the pruned weights differed from one device's); use "
+                "ModelPruning(..., use_global_unstructured=False), which prunes each layer on its own, exactly."
             )
 
 

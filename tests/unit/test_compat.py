@@ -203,6 +203,13 @@ def test_route_gradient_clipping_is_what_clip_gradients_calls():
 
 
 # ------------------------------------------------------------------------------- model summary
+def test_model_pruning_internals():
+    from lightning.pytorch.callbacks import ModelPruning
+
+    assert _compat.prunes_globally(ModelPruning("l1_unstructured", amount=0.3)), _changed("ModelPruning._use_global_unstructured")
+    assert not _compat.prunes_globally(ModelPruning("l1_unstructured", amount=0.3, use_global_unstructured=False))
+
+
 def test_model_summary_internals():
     callback = ModelSummary(max_depth=3)
     assert _compat.summary_depth(callback) == 3, _changed("ModelSummary._max_depth")

@@ -184,3 +184,19 @@ def test_a_gradient_accumulation_scheduler_is_refused_where_accumulation_is(sche
     with pytest.raises(PipeConfigError, match=r"GradientAccumulationScheduler\(\{0: 1, 1: 3\}\) would accumulate"):
         trainer.fit(TrunkModel(), DataLoader(TensorDataset(torch.randn(16, 8), torch.randint(0, 4, (16,))), batch_size=8))
     check_trainer(spec("1f1b"), 1, 1, [GradientAccumulationScheduler({0: 1, 1: 3})])  # a flushed step accumulates exactly
+
+
+def test_global_model_pruning_is_refused_beside_several_stages():
+    """Each stage ranked only its own weights: on 2 processes the pruned weights differed from one device's. Pruning
+    each layer on its own is exact (checked by hand on 2 processes; the emulation equals one device either way)."""
+    from lightning.pytorch.callbacks import ModelPruning
+
+    from lightning_pipe.lightning.checks import check_callbacks
+
+    trainer = L.Trainer(strategy=PipeStrategy(schedule="1f1b", stages=2, micro_batches=2), accelerator="cpu", devices=1,
+                        max_steps=1, callbacks=[ModelPruning("l1_unstructured", amount=0.3)], logger=False,
+                        enable_progress_bar=False, enable_checkpointing=False, enable_model_summary=False)
+    with pytest.raises(PipeConfigError, match=r"use_global_unstructured=True.*use_global_unstructured=False"):
+        trainer.fit(TrunkModel(), DataLoader(TensorDataset(torch.randn(16, 8), torch.randint(0, 4, (16,))), batch_size=8))
+    check_callbacks([ModelPruning("l1_unstructured", amount=0.3, use_global_unstructured=False)], stages=2)
+    check_callbacks([ModelPruning("l1_unstructured", amount=0.3)], stages=1)
