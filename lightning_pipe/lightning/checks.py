@@ -16,7 +16,12 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from lightning.pytorch import LightningModule
-from lightning.pytorch.callbacks import GradientAccumulationScheduler, ModelPruning, StochasticWeightAveraging
+from lightning.pytorch.callbacks import (
+    GradientAccumulationScheduler,
+    ModelPruning,
+    StochasticWeightAveraging,
+    WeightAveraging,
+)
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
@@ -156,6 +161,14 @@ def check_callbacks(callbacks: Sequence[Any], stages: int) -> None:
                 "rank's own parameters, which under a pipeline are one stage's (on several processes it fails on "
                 "mismatched shapes); drop the callback, or average the weights of saved checkpoints after training "
                 "(torch.optim.swa_utils.AveragedModel over lightning_pipe.consolidate_checkpoint's files)."
+            )
+        if isinstance(callback, WeightAveraging):
+            raise PipeConfigError(
+                f"{type(callback).__name__} keeps an averaged copy of the whole module on every rank (made before the "
+                "pipeline is cut) and swaps it with the rank's own parameters, which under a pipeline are one stage's "
+                "(on several processes it fails on mismatched shapes at the first validation), and its checkpoints "
+                "would hold one rank's average; drop the callback (averaging per stage is not supported yet), or "
+                "average the weights of saved checkpoints after training."
             )
         if isinstance(callback, ModelPruning) and _compat.prunes_globally(callback):
             raise PipeConfigError(

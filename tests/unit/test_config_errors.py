@@ -200,3 +200,18 @@ def test_global_model_pruning_is_refused_beside_several_stages():
         trainer.fit(TrunkModel(), DataLoader(TensorDataset(torch.randn(16, 8), torch.randint(0, 4, (16,))), batch_size=8))
     check_callbacks([ModelPruning("l1_unstructured", amount=0.3, use_global_unstructured=False)], stages=2)
     check_callbacks([ModelPruning("l1_unstructured", amount=0.3)], stages=1)
+
+
+def test_weight_averaging_is_refused_beside_several_stages():
+    """EMAWeightAveraging's copy of the whole module, made before the cut, failed on 2 processes at the first validation
+    (mismatched shapes), as SWA's did; the emulation refuses it too."""
+    from lightning.pytorch.callbacks import EMAWeightAveraging
+
+    from lightning_pipe.lightning.checks import check_callbacks
+
+    trainer = L.Trainer(strategy=PipeStrategy(schedule="1f1b", stages=2, micro_batches=2), accelerator="cpu", devices=1,
+                        max_steps=1, callbacks=[EMAWeightAveraging(decay=0.9)], logger=False,
+                        enable_progress_bar=False, enable_checkpointing=False, enable_model_summary=False)
+    with pytest.raises(PipeConfigError, match=r"EMAWeightAveraging keeps an averaged copy of the whole module"):
+        trainer.fit(TrunkModel(), DataLoader(TensorDataset(torch.randn(16, 8), torch.randint(0, 4, (16,))), batch_size=8))
+    check_callbacks([EMAWeightAveraging(decay=0.9)], stages=1)
