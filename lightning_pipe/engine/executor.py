@@ -86,6 +86,12 @@ def _check_output(value: Any, where: str) -> Activation:
     if isinstance(value, list):
         value = tuple(value)
     if isinstance(value, Tensor) or (isinstance(value, tuple) and value and all(isinstance(t, Tensor) for t in value)):
+        if any(t.is_nested for t in (value if isinstance(value, tuple) else (value,))):
+            raise StageOutputError(
+                f"{where} returned a nested tensor, which cannot cross a pipeline boundary (nn.TransformerEncoder makes "
+                "one in evaluation, from a src_key_padding_mask without a mask); build the encoder with "
+                "nn.TransformerEncoder(..., enable_nested_tensor=False)."
+            )
         return value
     raise StageOutputError(
         f"{where} returned {type(value).__name__}; a pipeline stage must return a tensor or a tuple of "

@@ -185,13 +185,19 @@ class PartitionedTrunk:
 
     def item(self, index: Any) -> Any:
         """``trunk[index]`` inside a step: the whole-list slice (``self.layers[:n]``) loops as the
-        list does; a partial slice or one block cannot be split into stages."""
+        list does; one block can be read (``nn.TransformerEncoder`` reads ``self.layers[0].self_attn.batch_first``)
+        but not called; a partial slice cannot be split into stages."""
         if self._active is None:
             return None
         count = len(self.trunk)
         if isinstance(index, slice) and range(count)[index] == range(count):
             return _WholeList(self)
-        raise TrunkUsageError(
+        if isinstance(index, int) and -count <= index < count:
+            return _IndexedBlock(self, index % count)
+        raise self.indexed_call_error(index)
+
+    def indexed_call_error(self, index: Any) -> TrunkUsageError:
+        return TrunkUsageError(
             f"{self.name}[{index!r}] inside a pipelined step: the stages split {self.name} by position, so its blocks "
             f"must be run in one loop over the whole list (for block in self.{self.name.split('.')[-1]}: ...). "
             "Move blocks that run on their own out of the list, or name another trunk with PipeStrategy(module=...)."
@@ -199,9 +205,12 @@ class PartitionedTrunk:
 
     def block_attribute(self, index: int, name: str) -> Any:
         """Attribute ``name`` of block ``index``: the block's own where this process holds it, else the
-        plain attribute saved at the cut (a stub has no other)."""
+        plain attribute saved at the cut (a stub has no other; its submodules' plain attributes too), and the
+        train/eval mode the module is in now."""
         if index in self.owned:
             return getattr(self.trunk._modules[str(index)], name)
+        if name == "training":  # the stub follows module.train() / eval() as the block would
+            return self.trunk._modules[str(index)].training
         try:
             return self.attributes[index][name]
         except KeyError:
@@ -311,6 +320,27 @@ class _MissingBlock:
         return f"{self._partition.name}[{self._index}] (held by another process)"
 
 
+class _IndexedBlock:
+    """``trunk[index]`` inside a step: its attributes read as the block's (or a stub's saved ones); a call raises,
+    as the stages run the blocks only in one loop over the whole list."""
+
+    def __init__(self, partition: PartitionedTrunk, index: int) -> None:
+        self._partition, self._index = partition, index
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        raise self._partition.indexed_call_error(self._index)
+
+    def __getattr__(self, name: str) -> Any:
+        return self._partition.block_attribute(self._index, name)
+
+
+class _SavedAttributes:
+    """A stub's submodule as the cut saw it: its plain attributes (``self_attn.batch_first``) and its submodules'."""
+
+    def __init__(self, values: dict[str, Any]) -> None:
+        self.__dict__.update(values)
+
+
 class _WholeList:
     """``trunk[:]`` inside a step: loops like the trunk."""
 
@@ -357,8 +387,9 @@ def _looped_class(cls: type) -> type:
 
 def _plain_attributes(block: nn.Module) -> dict[str, Any]:
     hidden = {"_parameters", "_buffers", "_modules", "training"}
-    return {k: v for k, v in vars(block).items() if k not in hidden and not k.startswith("_")
-            and not isinstance(v, (torch.Tensor, nn.Module))}
+    plain = {k: v for k, v in vars(block).items() if k not in hidden and not k.startswith("_")
+             and not isinstance(v, (torch.Tensor, nn.Module))}
+    return {**plain, **{name: _SavedAttributes(_plain_attributes(child)) for name, child in block.named_children()}}
 
 
 def _same_values(a: Any, b: Any) -> bool:

@@ -13,7 +13,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_pipe import PipeStrategy
-from lightning_pipe.errors import TrunkUsageError
+from lightning_pipe.errors import StageOutputError, TrunkUsageError
 from tests.harness.lightning_run import Losses
 
 VOCAB, CONTEXT, D_MODEL, BLOCKS, STEPS, BATCH = 24, 12, 16, 4, 4, 8
@@ -209,6 +209,15 @@ def test_a_stage_holding_a_stub_still_answers_the_blocks_plain_attributes():
     assert outside[3] is blocks[3] and outside[0].kind == "kind0" and "(0): Identity()" in repr(blocks)
     with pytest.raises(TrunkUsageError, match="runs only inside a pipelined step"):
         outside[0](received)
+    # inside a step a block read by index (nn.TransformerEncoder reads self.layers[0].self_attn.batch_first) answers
+    # its submodules' plain attributes and the module's mode, and refuses to run
+    with partition.acting(StagePass(0, first=False, received=received, stop=False)):
+        first = blocks[0]
+        assert first.attn.batch_first is True and first.training is True and blocks[-1].kind == "kind3"
+        blocks.eval()
+        assert first.training is False
+        with pytest.raises(TrunkUsageError, match=r"blocks\[0\] inside a pipelined step"):
+            first(received)
 
 
 def test_a_partial_slice_is_refused():
@@ -258,3 +267,55 @@ def test_balance_auto_splits_a_looped_trunk_and_trains_like_one_device():
     one_device = fit(LoopLM(), None)
     pipelined = fit(LoopLM(), PipeStrategy(schedule="1f1b", stages=2, micro_batches=4, balance="auto"))
     assert_same(pipelined, one_device)
+
+
+class TorchEncoder(L.LightningModule):
+    """PyTorch's own nn.TransformerEncoder, whose forward reads ``self.layers[0]`` before it loops over the layers."""
+
+    def __init__(self, nested: bool = False) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(VOCAB, D_MODEL)
+        layer = nn.TransformerEncoderLayer(D_MODEL, 2, 2 * D_MODEL, dropout=0.0, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, num_layers=BLOCKS, norm=nn.LayerNorm(D_MODEL),
+                                             enable_nested_tensor=nested)
+        self.head = nn.Linear(D_MODEL, VOCAB)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        h = self.encoder(self.embed(x), mask=nn.Transformer.generate_square_subsequent_mask(x.shape[1]), is_causal=True)
+        loss = F.cross_entropy(self.head(h).flatten(0, 1), y.flatten())
+        self.log("train_loss", loss)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        padding = torch.zeros_like(x, dtype=torch.bool)
+        padding[:, -2:] = True  # a padding mask alone: the encoder's fast path in evaluation
+        h = self.encoder(self.embed(x), src_key_padding_mask=padding)
+        self.log("val_loss", F.cross_entropy(self.head(h).flatten(0, 1), y.flatten()))
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.3, momentum=0.9)  # Adam would magnify rounding in ~0 gradients
+
+
+def test_torch_s_transformer_encoder_splits_and_trains_like_one_device():
+    def run(strategy: PipeStrategy | None) -> tuple[list[float], dict, float]:
+        losses, module = Losses(), TorchEncoder()
+        trainer = L.Trainer(accelerator="cpu", devices=1, max_epochs=1, logger=False, enable_checkpointing=False,
+                            enable_progress_bar=False, enable_model_summary=False, callbacks=[losses],
+                            use_distributed_sampler=False, **({"strategy": strategy} if strategy else {}))
+        trainer.fit(module, DataLoader(windows(), batch_size=BATCH), DataLoader(windows(), batch_size=BATCH))
+        return losses.losses, module.state_dict(), float(trainer.callback_metrics["val_loss"])
+
+    *want, want_val = run(None)
+    *got, got_val = run(PipeStrategy(schedule="1f1b", stages=2, micro_batches=2))
+    assert_same(tuple(got), tuple(want))
+    assert got_val == pytest.approx(want_val, rel=1e-5)
+
+
+def test_a_nested_tensor_at_a_stage_boundary_says_how_to_avoid_it():
+    trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False, enable_model_summary=False,
+                        strategy=PipeStrategy(schedule="1f1b", stages=2, micro_batches=2))
+    with pytest.raises(StageOutputError, match=r"nested tensor.*enable_nested_tensor=False"):
+        trainer.validate(TorchEncoder(nested=True), DataLoader(windows(), batch_size=BATCH))
