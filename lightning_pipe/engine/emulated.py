@@ -21,7 +21,7 @@ from torch import nn
 from lightning_pipe.engine.async_segments import AsyncSegments
 from lightning_pipe.engine.local import LocalPipeline
 from lightning_pipe.engine.policies import AsyncOptions, Clip, WeightPolicy
-from lightning_pipe.engine.stage_optimizers import HyperparameterMirror, stage_optimizer, stage_scheduler
+from lightning_pipe.engine.stage_optimizers import HyperparameterMirror, group_names, stage_optimizer, stage_scheduler
 from lightning_pipe.schedules import validate_async
 
 
@@ -81,7 +81,6 @@ class EmulatedAsyncSegments(AsyncSegments):
     def param_names(self, stage: int) -> list[list[str]]:
         """Parameter names of every param group of ``stage``'s optimizer (masters named like their parameter; frozen
         parameters, which the policy leaves alone, too)."""
-        policy, optimizer = self.policies[stage], self.optimizers[stage]
-        names = {id(p): n for n, p in policy.root.named_parameters()}
-        names.update({id(m): n for n, m in getattr(policy, "masters", {}).items()})
-        return [[names[id(p)] for p in group["params"]] for group in optimizer.param_groups]
+        policy = self.policies[stage]
+        masters = {id(m): n for n, m in getattr(policy, "masters", {}).items()}
+        return group_names(self.optimizers[stage], policy.root, masters)

@@ -26,7 +26,7 @@ from torch import nn
 from lightning_pipe.engine.avgpipe_rounds import AvgPipeRounds
 from lightning_pipe.engine.local import LocalPipeline, LocalTransport
 from lightning_pipe.engine.policies import AvgPipeOptions, Clip, ElasticAveraging
-from lightning_pipe.engine.stage_optimizers import HyperparameterMirror, stage_optimizer
+from lightning_pipe.engine.stage_optimizers import HyperparameterMirror, group_names, stage_optimizer
 
 
 class EmulatedAvgPipeRounds(AvgPipeRounds):
@@ -94,5 +94,4 @@ class EmulatedAvgPipeRounds(AvgPipeRounds):
     def param_names(self, stage: int) -> list[list[str]]:
         """Parameter names of every param group of ``stage``'s optimizer (frozen parameters, which the policy leaves
         alone, too)."""
-        names = {id(p): n for n, p in self.policies[stage].root.named_parameters()}
-        return [[names[id(p)] for p in group["params"]] for group in self.optimizers[stage].param_groups]
+        return group_names(self.optimizers[stage], self.policies[stage].root)

@@ -10,13 +10,21 @@ scheduler would change its own optimizer.
 from __future__ import annotations
 
 import copy
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import Tensor
 
 from lightning_pipe.optim import CombinedOptimizer
+
+
+def group_names(optimizer: torch.optim.Optimizer, module: torch.nn.Module, aliases: Mapping[int, str] | None = None) -> list[list[str]]:
+    """The parameter names of each of ``optimizer``'s param groups: ``module``'s own names (frozen parameters too), and
+    ``aliases`` (``id`` -> name) for tensors it steps in their place (a live policy's master copies)."""
+    names = {id(p): n for n, p in module.named_parameters()}
+    names.update(aliases or {})
+    return [[names[id(p)] for p in group["params"]] for group in optimizer.param_groups]
 
 
 def stage_optimizer(optimizer: torch.optim.Optimizer, names: set[str], name_of: dict[int, str]) -> torch.optim.Optimizer:

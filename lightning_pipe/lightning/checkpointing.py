@@ -23,6 +23,7 @@ from lightning.fabric.plugins import CheckpointIO
 from lightning.fabric.utilities.apply_func import apply_to_collection
 from torch import Tensor, nn
 
+from lightning_pipe.engine.stage_optimizers import group_names
 from lightning_pipe.errors import CheckpointFileError, CheckpointMismatchError
 
 if TYPE_CHECKING:
@@ -160,8 +161,8 @@ def check_state_shapes(local: Mapping[str, Any], optimizer: torch.optim.Optimize
     checkpoint whose param groups list the parameters in another order than ``self.parameters()`` (groups chosen by
     name) was matched to the wrong parameters, which the optimizer's step would fail on, or silently use."""
     state, index = local["state"], 0
-    for group, group_names in zip(optimizer.param_groups, names):
-        for p, name in zip(group["params"], group_names):
+    for group, names_in_group in zip(optimizer.param_groups, names):
+        for p, name in zip(group["params"], names_in_group):
             for field, value in state.get(index, {}).items():
                 if isinstance(value, torch.Tensor) and value.ndim > 0 and value.shape != p.shape:
                     raise CheckpointMismatchError(
@@ -240,10 +241,7 @@ def module_state(pipeline: StagePipeline) -> dict[str, Any]:
 
 def local_param_names(module: nn.Module, runtime: Runtime | None, optimizer: torch.optim.Optimizer) -> list[list[str]]:
     """The parameter names of each of ``optimizer``'s param groups (master copies named like their parameter)."""
-    names = {id(p): n for n, p in module.named_parameters()}
-    if runtime is not None:
-        names.update(runtime.parameter_names())
-    return [[names[id(p)] for p in group["params"]] for group in optimizer.param_groups]
+    return group_names(optimizer, module, runtime.parameter_names() if runtime is not None else None)
 
 
 def optimizer_state(pipeline: StagePipeline, runtime: Runtime | None, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
