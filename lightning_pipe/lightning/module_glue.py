@@ -190,7 +190,7 @@ def stage_parameter_names(
                 outputs = _differentiable(value)
                 if not outputs:
                     continue
-                reached = reached_parameters(outputs, [p for _, p in outside])
+                reached = reached_parameters(outputs, {id(p) for _, p in outside})
                 for name, p in outside:
                     if id(p) in reached:
                         users.setdefault(name, []).append(vs)

@@ -68,8 +68,7 @@ class StepCheck:
                 "block whose forward returns x + layer(x); one that carries the running auxiliary loss: x, aux = "
                 "block(x, aux)), or name another trunk with PipeStrategy(module=...)."
             )
-        used = sorted({parameters[id(node.variable)] for node in _walk(roots, stop=self._chunk_outputs)
-                       if id(getattr(node, "variable", None)) in parameters})
+        used = sorted(parameters[i] for i in _reached(roots, parameters, stop=self._chunk_outputs))
         if used:
             names = ", ".join(f"{trunk}.{name}" for name in used[:3]) + (f" and {len(used) - 3} more" if len(used) > 3 else "")
             raise TrunkUsageError(
@@ -89,17 +88,20 @@ def tensors_in(value: Any) -> Iterator[torch.Tensor]:
             yield from tensors_in(item)
 
 
-def reached_parameters(outputs: Iterable[torch.Tensor], parameters: Iterable[torch.Tensor]) -> set[int]:
-    """The ids of those ``parameters`` whose gradient the graph of ``outputs`` reaches: those for which
-    ``torch.autograd.grad(outputs, parameters, allow_unused=True)`` would not return ``None``. Found by
-    walking the graph, which, unlike ``autograd.grad``, also works through a reentrant
-    ``torch.utils.checkpoint`` (Hugging Face's ``gradient_checkpointing_enable()``)."""
-    wanted = {id(p) for p in parameters}
+def reached_parameters(outputs: Iterable[torch.Tensor], wanted: Container[int]) -> set[int]:
+    """The ids among ``wanted`` (parameter ids) of the parameters whose gradient the graph of ``outputs`` reaches:
+    those for which ``torch.autograd.grad(outputs, parameters, allow_unused=True)`` would not return ``None``. Found
+    by walking the graph, which, unlike ``autograd.grad``, also works through a reentrant ``torch.utils.checkpoint``
+    (Hugging Face's ``gradient_checkpointing_enable()``)."""
     outputs = list(outputs)
     reached = {id(t) for t in outputs if id(t) in wanted}  # an output that is itself a parameter
-    roots = [t.grad_fn for t in outputs if t.grad_fn is not None]
-    reached |= {id(node.variable) for node in _walk(roots) if id(getattr(node, "variable", None)) in wanted}
-    return reached
+    return reached | _reached([t.grad_fn for t in outputs if t.grad_fn is not None], wanted)
+
+
+def _reached(roots: list[Any], wanted: Container[int], stop: Container[Any] = ()) -> set[int]:
+    """The ids among ``wanted`` of the parameters (leaf nodes) reachable from the autograd nodes ``roots``, not going
+    below the nodes in ``stop``."""
+    return {id(node.variable) for node in _walk(roots, stop) if id(getattr(node, "variable", None)) in wanted}
 
 
 def _walk(roots: list[Any], stop: Container[Any] = ()) -> Iterator[Any]:
