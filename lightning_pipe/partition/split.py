@@ -304,34 +304,32 @@ class BlockCall:
         return self._partition.block_attribute(self._index, name)
 
 
-class _MissingBlock:
-    """Outside a step, a block another process holds: its plain attributes read, a call raises."""
+class _BlockView:
+    """Block ``index`` where it must not run: its attributes read as the block's (or a stub's saved ones)."""
 
     def __init__(self, partition: PartitionedTrunk, index: int) -> None:
         self._partition, self._index = partition, index
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        self._partition._require_active()
-
     def __getattr__(self, name: str) -> Any:
         return self._partition.block_attribute(self._index, name)
+
+
+class _MissingBlock(_BlockView):
+    """Outside a step, a block another process holds: its plain attributes read, a call raises."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self._partition._require_active()
 
     def __repr__(self) -> str:
         return f"{self._partition.name}[{self._index}] (held by another process)"
 
 
-class _IndexedBlock:
-    """``trunk[index]`` inside a step: its attributes read as the block's (or a stub's saved ones); a call raises,
-    as the stages run the blocks only in one loop over the whole list."""
-
-    def __init__(self, partition: PartitionedTrunk, index: int) -> None:
-        self._partition, self._index = partition, index
+class _IndexedBlock(_BlockView):
+    """``trunk[index]`` inside a step: its attributes read; a call raises, as the stages run the blocks only in one
+    loop over the whole list."""
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         raise self._partition.indexed_call_error(self._index)
-
-    def __getattr__(self, name: str) -> Any:
-        return self._partition.block_attribute(self._index, name)
 
 
 class _SavedAttributes:
