@@ -39,6 +39,7 @@ from lightning_pipe.engine.p2p import (
     Header,
     MessageTransport,
     ShapeCache,
+    flatten_activation,
     is_differentiable,
     lane_tag,
 )
@@ -51,7 +52,8 @@ from lightning_pipe.errors import MessageMismatchError, StageOutputError
 from lightning_pipe.schedules.ir import Action, Kind, Schedule
 
 StageFn = Callable[[Any, Any], Any]
-Activation = Tensor | tuple[Tensor, ...]
+#: What crosses a stage boundary: a tensor, or tensors in tuples nested to any depth (``None`` entries allowed).
+Activation = Tensor | tuple[Any, ...]
 
 
 @dataclass
@@ -79,24 +81,37 @@ class _PendingReceive:
 
 
 def _as_tensors(value: Activation) -> tuple[Tensor, ...]:
-    return value if isinstance(value, tuple) else (value,)
+    flat = flatten_activation(value)
+    assert flat is not None, "activations are checked (_check_output) before they are stored or sent"
+    return flat[0]
 
 
 def _check_output(value: Any, where: str) -> Activation:
-    if isinstance(value, list):
-        value = tuple(value)
-    if isinstance(value, Tensor) or (isinstance(value, tuple) and value and all(isinstance(t, Tensor) for t in value)):
-        if any(t.is_nested for t in (value if isinstance(value, tuple) else (value,))):
-            raise StageOutputError(
-                f"{where} returned a nested tensor, which cannot cross a pipeline boundary (nn.TransformerEncoder makes "
-                "one in evaluation, from a src_key_padding_mask without a mask); build the encoder with "
-                "nn.TransformerEncoder(..., enable_nested_tensor=False)."
-            )
-        return value
-    raise StageOutputError(
-        f"{where} returned {type(value).__name__}; a pipeline stage must return a tensor or a tuple of "
-        "tensors. Move the layer that builds this value next to the layer that consumes it (change balance)."
-    )
+    flat = flatten_activation(value)
+    if flat is None:
+        raise StageOutputError(
+            f"{where} returned {_describe(value)}; a pipeline stage must return a tensor, or tensors in tuples or "
+            "lists (None entries allowed). Move the layer that builds this value next to the layer that consumes it "
+            "(change balance)."
+        )
+    if any(t.is_nested for t in flat[0]):
+        raise StageOutputError(
+            f"{where} returned a nested tensor, which cannot cross a pipeline boundary (nn.TransformerEncoder makes "
+            "one in evaluation, from a src_key_padding_mask without a mask); build the encoder with "
+            "nn.TransformerEncoder(..., enable_nested_tensor=False)."
+        )
+    return value
+
+
+def _describe(value: Any) -> str:
+    """A stage output's type, and for a container the first entry that cannot cross a boundary."""
+    if isinstance(value, (tuple, list)) and not hasattr(value, "_fields"):
+        bad = next((v for v in value if flatten_activation(v) is None and v is not None), None)
+        if bad is not None:
+            return f"a {type(value).__name__} holding {_describe(bad)}"
+        if not value or all(v is None for v in value):
+            return f"a {type(value).__name__} without tensors"
+    return type(value).__name__
 
 
 @runtime_checkable
@@ -545,7 +560,7 @@ class Executor:
         source = self._in_flight.pop(key) if self._schedule.forward_only else self._in_flight[key]
         tensors = [t.detach().requires_grad_(is_differentiable(m))
                    for t, m in zip(_as_tensors(source.output), source.header.metas)]
-        return tuple(tensors) if source.header.is_tuple else tensors[0]
+        return source.header.rebuild(tensors)
 
     def _local_gradients(self, backward: Action) -> list[Tensor]:
         _, chunk = self._schedule.locate(self._virtual_stage(backward.chunk) + 1)
@@ -648,7 +663,7 @@ class Executor:
         tensors = []
         for (_, tensor), meta in zip(pending.payload, pending.decoded.metas):
             tensors.append(tensor.requires_grad_() if is_differentiable(meta) else tensor)
-        return tuple(tensors) if pending.decoded.is_tuple else tensors[0]
+        return pending.decoded.rebuild(tensors)
 
     def _take_gradients(self, backward: Action) -> list[Tensor]:
         pending = self._take(Action(Kind.RECV_GRADIENT, backward.micro_batch, backward.chunk, backward.replica))

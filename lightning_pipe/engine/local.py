@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 
 from lightning_pipe.engine.executor import Executor
-from lightning_pipe.engine.p2p import ACTIVATION_TAG, GRADIENT_TAG, TAGS_PER_LANE, Header, TensorMeta
+from lightning_pipe.engine.p2p import ACTIVATION_TAG, GRADIENT_TAG, TAGS_PER_LANE, Header, TensorMeta, flatten_activation
 from lightning_pipe.engine.watchdog import Watchdog
 from lightning_pipe.errors import MessageMismatchError
 from lightning_pipe.schedules.communication import peer
@@ -97,9 +97,11 @@ class LocalTransport:
         return message
 
     # ``lane`` is accepted for the Transport interface; a channel here is already one link's queue
-    def send_activation(self, value: Tensor | tuple[Tensor, ...], dst: int, lane: int = 0,
+    def send_activation(self, value: Any, dst: int, lane: int = 0,
                         header: bool = True, micro_batch: int = -1) -> list[tuple[Any, Tensor]]:
-        tensors = tuple(t.detach() for t in (value if isinstance(value, tuple) else (value,)))
+        flat = flatten_activation(value)
+        assert flat is not None, "stage outputs are checked before they are sent"
+        tensors = tuple(t.detach() for t in flat[0])
         # the header stays in host memory: it is decoded here, in this process, so a copy to the device and
         # the .tolist() back would only cost a host synchronisation per header (issue 30)
         encoded = Header.of(value).encode(torch.device("cpu")) if header else None

@@ -74,21 +74,72 @@ class TensorMeta:
     requires_grad: bool
 
 
+#: Codes of :func:`flatten_activation`'s structure: a tensor, a ``None``; a count ``n >= 0`` is a tuple of ``n`` entries.
+TENSOR, NONE = -1, -2
+
+
+def flatten_activation(value: Any) -> tuple[tuple[Tensor, ...], tuple[int, ...]] | None:
+    """The tensors of a stage output in order, and its structure in prefix order (:data:`TENSOR`,
+    :data:`NONE`, or a tuple's length before its entries), or ``None`` if ``value`` holds anything else.
+    Tuples and lists nest to any depth, so ``nn.LSTM``'s ``(output, (h, c))`` or a block's
+    ``(hidden, None)`` crosses a stage boundary as it is; a list arrives as a tuple."""
+    tensors: list[Tensor] = []
+    structure: list[int] = []
+
+    def visit(item: Any) -> bool:
+        if isinstance(item, Tensor):
+            tensors.append(item)
+            structure.append(TENSOR)
+        elif item is None:
+            structure.append(NONE)
+        elif isinstance(item, (tuple, list)) and not hasattr(item, "_fields"):  # a namedtuple would lose its type
+            structure.append(len(item))
+            return all(visit(entry) for entry in item)
+        else:
+            return False
+        return True
+
+    return (tuple(tensors), tuple(structure)) if visit(value) and tensors else None
+
+
+def rebuild_activation(tensors: Sequence[Tensor], structure: Sequence[int]) -> Any:
+    """The inverse of :func:`flatten_activation`: ``tensors`` placed back into ``structure``."""
+    remaining, codes = iter(tensors), iter(structure)
+
+    def build() -> Any:
+        code = next(codes)
+        if code == TENSOR:
+            return next(remaining)
+        if code == NONE:
+            return None
+        return tuple(build() for _ in range(code))
+
+    return build()
+
+
 @dataclass(frozen=True)
 class Header:
-    """What an activation message carries: its tensors' metadata and whether it was a tuple."""
+    """What an activation message carries: its tensors' metadata and the structure they came in
+    (:func:`flatten_activation`)."""
 
     metas: tuple[TensorMeta, ...]
-    is_tuple: bool
+    structure: tuple[int, ...] = (TENSOR,)
 
     @classmethod
-    def of(cls, value: Tensor | tuple[Tensor, ...]) -> Header:
-        tensors = value if isinstance(value, tuple) else (value,)
+    def of(cls, value: Any) -> Header:
+        flat = flatten_activation(value)
+        if flat is None:
+            raise TypeError(f"a stage output must be tensors in tuples or lists (or None), not {type(value).__name__}")
+        tensors, structure = flat
         metas = tuple(TensorMeta(tuple(t.shape), t.dtype, t.requires_grad) for t in tensors)
-        return cls(metas, isinstance(value, tuple))
+        return cls(metas, structure)
+
+    def rebuild(self, tensors: Sequence[Tensor]) -> Any:
+        """The received ``tensors`` in the sender's structure."""
+        return rebuild_activation(tensors, self.structure)
 
     def encode(self, device: torch.device) -> Tensor:
-        slots = [int(self.is_tuple), len(self.metas)]
+        slots = [len(self.structure), *self.structure, len(self.metas)]
         for meta in self.metas:
             if meta.dtype not in _DTYPE_CODE:
                 raise TypeError(f"pipeline activations of dtype {meta.dtype} are not supported.")
@@ -105,14 +156,16 @@ class Header:
     @classmethod
     def decode(cls, header: Tensor) -> Header:
         slots = header.tolist()
-        is_tuple, count = bool(slots[0]), slots[1]
-        metas, i = [], 2
+        length = slots[0]
+        structure = tuple(slots[1 : 1 + length])
+        count, i = slots[1 + length], 2 + length
+        metas = []
         for _ in range(count):
             code, requires_grad, ndim = slots[i : i + 3]
             shape = tuple(slots[i + 3 : i + 3 + ndim])
             metas.append(TensorMeta(shape, _DTYPES[code], bool(requires_grad)))
             i += 3 + ndim
-        return cls(tuple(metas), is_tuple)
+        return cls(tuple(metas), structure)
 
 
 def signature(micro_batch: Any) -> tuple[Any, ...]:
@@ -353,12 +406,14 @@ class Transport:
         return [(self.isend(buffer, dst, tag), buffer) for buffer in buffers]
 
     def send_activation(
-        self, value: Tensor | tuple[Tensor, ...], dst: int, lane: int = 0, header: bool = True, micro_batch: int = -1,
+        self, value: Any, dst: int, lane: int = 0, header: bool = True, micro_batch: int = -1,
     ) -> list[tuple[dist.Work, Tensor]]:
         """Post the header (unless the receiver knows the shapes: ``header=False``) and every tensor of
         ``value`` (of ``micro_batch``, which a size trailer names) on ``lane`` (:func:`lane_tag`); return
         requests with the buffers they use."""
-        tensors = value if isinstance(value, tuple) else (value,)
+        flat = flatten_activation(value)
+        assert flat is not None, "stage outputs are checked before they are sent"
+        tensors = flat[0]
         out = []
         if header:
             encoded = Header.of(value).encode(self.device)

@@ -22,6 +22,7 @@ from torch import Tensor, nn
 from torchmetrics import Metric
 
 from lightning_pipe.engine.outside import reject_shared
+from lightning_pipe.engine.p2p import flatten_activation
 from lightning_pipe.engine.stage import batch_size
 from lightning_pipe.errors import SharedParameterError
 from lightning_pipe.lightning import _compat
@@ -146,13 +147,15 @@ def detach_to_cpu(value: Any) -> Any:
 
 
 def _differentiable(value: Any) -> list[Tensor]:
-    tensors = value if isinstance(value, tuple) else (value,)
-    return [t for t in tensors if isinstance(t, Tensor) and t.requires_grad]
+    flat = flatten_activation(value)
+    return [t for t in flat[0] if t.requires_grad] if flat is not None else []
 
 
 def _detached(value: Any) -> Any:
-    if isinstance(value, tuple):
+    if isinstance(value, (tuple, list)):
         return tuple(_detached(t) for t in value)
+    if not isinstance(value, Tensor):
+        return value
     if value.dtype.is_floating_point or value.dtype.is_complex:
         return value.detach().requires_grad_(value.requires_grad)
     return value.detach()

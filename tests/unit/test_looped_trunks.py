@@ -54,6 +54,13 @@ class Block(nn.Module):
         return (x,) if self.tuple_output else x
 
 
+class WeightlessBlock(Block):
+    """Returns ``(hidden, None)``: a Hugging Face block's ``(hidden, attention weights)`` when the weights are not asked for."""
+
+    def forward(self, x, mask=None, rope=None, *, scale: float = 1.0, aux=None):
+        return super().forward(x, mask, rope, scale=scale), None
+
+
 class LoopLM(L.LightningModule):
     """Embedding, a trunk of blocks, head. ``trunk="list"`` loops over an nn.ModuleList passing the
     mask, the rotary table and a constant to every block (``loop`` picks the loop's shape);
@@ -64,7 +71,7 @@ class LoopLM(L.LightningModule):
         torch.manual_seed(0)
         self.loop, self.optimizer_kind = loop, optimizer
         self.embed = nn.Embedding(VOCAB, D_MODEL)
-        blocks = [Block(tuple_output=loop == "tuple") for _ in range(BLOCKS)]
+        blocks = [(WeightlessBlock if loop == "with_none" else Block)(tuple_output=loop == "tuple") for _ in range(BLOCKS)]
         self.blocks = nn.ModuleList(blocks) if trunk == "list" else nn.Sequential(*blocks)
         self.head = nn.Sequential(nn.Dropout(0.0), nn.LayerNorm(D_MODEL), nn.Linear(D_MODEL, VOCAB))
 
@@ -82,6 +89,8 @@ class LoopLM(L.LightningModule):
         for i, block in enumerate(blocks):
             if self.loop == "tuple":
                 x = block(x, mask, rope=rope, scale=1.0)[0]
+            elif self.loop == "with_none":
+                x, _ = block(x, mask, rope=rope)
             elif self.loop == "norm":  # code between the blocks that reads only the block's output
                 x = F.layer_norm(block(x, mask, rope=rope), (D_MODEL,))
             elif self.loop == "skip":  # ... and a value from before the loop, which every stage computes
@@ -131,7 +140,7 @@ def windows() -> TensorDataset:
     return TensorDataset(ids[:, :-1], ids[:, 1:])
 
 
-def fit(model: LoopLM, strategy: PipeStrategy | None) -> tuple[list[float], dict]:
+def fit(model: L.LightningModule, strategy: PipeStrategy | None) -> tuple[list[float], dict]:
     losses = Losses()
     trainer = L.Trainer(accelerator="cpu", devices=1, max_epochs=1, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, callbacks=[losses],
@@ -152,12 +161,45 @@ def assert_same(got: tuple[list[float], dict], want: tuple[list[float], dict], t
     ("interleaved_1f1b", 2, {"chunks_per_stage": 2}, "plain"), ("1f1b", 4, {}, "slice"), ("1f1b", 4, {}, "tuple"),
     ("gpipe", 2, {}, "per_block"), ("1f1b", 4, {}, "norm"), ("interleaved_1f1b", 2, {"chunks_per_stage": 2}, "skip"),
     ("1f1b", 2, {"balance": [1, 3]}, "residual"),  # block 1's input is block 0's output plus the embedding: exact
-    ("1f1b", 2, {}, "last_two"), ("1f1b", 2, {}, "aux_carry"),
+    ("1f1b", 2, {}, "last_two"), ("1f1b", 2, {}, "aux_carry"), ("1f1b", 2, {}, "with_none"),
 ])
 def test_a_looped_module_list_trunk_equals_one_device(schedule, stages, extra, loop):
     one_device = fit(LoopLM(loop=loop), None)
     pipelined = fit(LoopLM(loop=loop), PipeStrategy(schedule=schedule, stages=stages, micro_batches=4, **extra))
     assert_same(pipelined, one_device)
+
+
+class StackedLSTM(L.LightningModule):
+    """A language model whose trunk is an nn.ModuleList of nn.LSTM layers: each returns ``(output, (h, c))``,
+    a nested tuple, which crosses the stage boundary as it is."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(VOCAB, D_MODEL)
+        self.layers = nn.ModuleList(nn.LSTM(D_MODEL, D_MODEL, batch_first=True) for _ in range(BLOCKS))
+        self.head = nn.Linear(D_MODEL, VOCAB)
+
+    def forward(self, idx):
+        x = self.embed(idx)
+        for lstm in self.layers:
+            x, (_, _) = lstm(x)
+        return self.head(x)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = F.cross_entropy(self(x).flatten(0, 1), y.flatten())
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.3, momentum=0.9)
+
+
+@pytest.mark.parametrize("schedule,extra", [("1f1b", {}), ("interleaved_1f1b", {"chunks_per_stage": 2}), ("zb_h1", {})])
+def test_stacked_lstm_layers_returning_nested_tuples_train_like_one_device(schedule, extra):
+    assert_same(fit(StackedLSTM(), PipeStrategy(schedule=schedule, stages=2, micro_batches=4, **extra)),
+                fit(StackedLSTM(), None))
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "pipemare", "pipedream_2bw", "xpipe"])

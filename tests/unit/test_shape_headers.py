@@ -120,3 +120,35 @@ def test_the_strategy_passes_always_to_every_emulated_stage():
                         enable_progress_bar=False, enable_model_summary=False)
     trainer.fit(Module(), loader)
     assert trainer.global_step == 2
+
+
+@pytest.mark.parametrize("value", [
+    torch.zeros(2, 3),
+    (torch.zeros(2, 3), torch.ones(2, dtype=torch.long)),
+    (torch.zeros(2, 3), (torch.ones(1, 2, 3), torch.ones(1, 2, 3))),  # nn.LSTM's (output, (h, c))
+    (torch.zeros(2, 3), None),  # a block's (hidden, attention weights) without the weights
+    [torch.zeros(2), [None, (torch.ones(3),)]],
+])
+def test_a_header_carries_the_structure_of_nested_stage_outputs(value):
+    header = Header.decode(Header.of(value).encode(torch.device("cpu")))
+    rebuilt = header.rebuild([torch.full(meta.shape, 7.0, dtype=meta.dtype) for meta in header.metas])
+
+    def shape_of(item):  # lists arrive as tuples
+        if isinstance(item, (tuple, list)):
+            return tuple(shape_of(entry) for entry in item)
+        return None if item is None else (tuple(item.shape), item.dtype)
+
+    assert shape_of(rebuilt) == shape_of(value)
+
+
+@pytest.mark.parametrize("value,match", [
+    ((torch.zeros(2), "text"), r"returned a tuple holding str"),
+    ((None, None), r"returned a tuple without tensors"),
+    ({"hidden": torch.zeros(2)}, r"returned dict"),
+])
+def test_a_stage_output_that_cannot_cross_a_boundary_is_named(value, match):
+    pipeline = LocalPipeline(2)
+    pipeline.chunks = [lambda inputs, micro_batch: value,  # noqa: ARG005 - a first stage returning ``value``
+                       SequentialStage(nn.Identity(), loss_fn=lambda out, mb: out.sum())]
+    with pytest.raises(StageOutputError, match=match):
+        pipeline.run(build_schedule("gpipe", 2, 1), [torch.zeros(2, 3)])
