@@ -49,6 +49,7 @@ from lightning_pipe.errors import CheckpointMismatchError, LightningPipeError, P
 from lightning_pipe.lightning import _compat, auto, checkpointing, checks, loss_scaling, preemption, sharded, startup
 from lightning_pipe.lightning import options as options_module
 from lightning_pipe.lightning.context import PipeContext
+from lightning_pipe.lightning.hook_logs import OptimizerHookLogs
 from lightning_pipe.lightning.launcher import PipeLauncher
 from lightning_pipe.lightning.model_summary import freeze_model_summaries
 from lightning_pipe.lightning.options import PipeOptions
@@ -345,6 +346,8 @@ class PipeStrategy(DDPStrategy, metaclass=_NamesItsOptions):
         self._runtime: Runtime | None = None
         self._tracer: RunTracer | None = None
         self._metrics: StageMetrics | None = None
+        self._hook_logs: OptimizerHookLogs | None = None  # merges what on_before_optimizer_step logs per stage
+        self._batch_rows = 0  # the rows of the batch the step is training on
         self._generation = 0
         self._loading: Any = None  # the checkpoint file being restored, for error messages
         self._preemption: Preemption | None = None
@@ -618,6 +621,7 @@ class PipeStrategy(DDPStrategy, metaclass=_NamesItsOptions):
             if self._runtime is None:
                 self._runtime = make_runtime(self._pipeline, self._sharded)
             self._runtime.attach(self._pipeline)
+            self._hook_logs = self._pipeline.optimizer_hook_logs(trainer.callbacks)
         self.setup_precision_plugin()
         scaler = loss_scaling.scaler_of(self.precision_plugin)
         if fitting:
@@ -717,7 +721,8 @@ class PipeStrategy(DDPStrategy, metaclass=_NamesItsOptions):
         finally:
             if self._tracer is not None:
                 self._tracer.end_step()
-        self._metrics.end(self._runtime.stage_diagnostics, batch_size(args[0]))
+        self._batch_rows = batch_size(args[0])
+        self._metrics.end(self._runtime.stage_diagnostics, self._batch_rows)
         return loss
 
     @override
@@ -734,7 +739,10 @@ class PipeStrategy(DDPStrategy, metaclass=_NamesItsOptions):
         """Schedules that step inside the pipeline only run the closure (training_step and backward)."""
         if self._runtime is not None and self._runtime.steps_inside:
             return closure()
-        return super().optimizer_step(optimizer, closure, model, **kwargs)
+        if self._hook_logs is None:
+            return super().optimizer_step(optimizer, closure, model, **kwargs)
+        step = super().optimizer_step  # what on_before_optimizer_step logs on each stage, merged (hook_logs)
+        return self._hook_logs.step(lambda wrapped: step(optimizer, wrapped, model, **kwargs), closure, lambda: self._batch_rows)
 
     def _drain(self) -> None:
         if self._runtime is not None:

@@ -218,3 +218,22 @@ def tensorboard_scalars(root) -> dict[str, list[tuple[int, float]]]:
             for value in event.summary.value:
                 scalars.setdefault(value.tag, []).append((event.step, value.simple_value))
     return scalars
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zbv"])  # zbv: the last stage is device 0
+def test_grad_norm_logged_before_the_optimizer_step_covers_every_stage(schedule):
+    """Lightning's ``self.log_dict(grad_norm(self, 2))`` in ``on_before_optimizer_step`` runs on every rank with its
+    own stage's gradients: every rank (and so rank 0's loggers) now sees every parameter's norm and the whole
+    model's total, as one device logs them. Before, each rank logged its own stage's, with a total over it alone."""
+    config = {"epochs": 1, "model": {"log_grad_norms": True}}
+    reference = train(config)
+    norms = [{k: v for k, v in step.items() if k.startswith("grad_")} for step in reference["metrics"]]
+    assert "grad_2.0_norm_total" in norms[0] and "grad_2.0_norm/head.weight" in norms[0]
+    code, output, records = launch({**config, "devices": 2, "strategy": {"schedule": schedule, "micro_batches": 4}},
+                                   timeout=120)
+    assert code == 0, output[-3000:]
+    for record in records:
+        got = [{k: v for k, v in step.items() if k.startswith("grad_")} for step in record["metrics"]]
+        assert [sorted(step) for step in got] == [sorted(step) for step in norms]
+        for got_step, want_step in zip(got, norms, strict=True):
+            assert got_step == pytest.approx(want_step, rel=1e-5)

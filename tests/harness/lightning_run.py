@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 import torchmetrics
 from lightning.fabric.plugins import TorchCheckpointIO
+from lightning.pytorch.utilities import grad_norm
 from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
@@ -44,7 +45,7 @@ class TrunkModel(L.LightningModule):
                  fail_rank: int = -1, tie: bool = False, scheduler: bool | str = False, fail_hook: str | None = None,
                  fault: dict | None = None, configure: bool = False, overflow: dict | None = None, late_use: int = -1,
                  frozen: int = 0, stop_at_step: int = -1, stop_in_validation: bool = False,
-                 gather: bool = False):
+                 gather: bool = False, log_grad_norms: bool = False):
         super().__init__()
         self.save_hyperparameters()
         self.tie, self.scheduler = tie, scheduler
@@ -60,6 +61,7 @@ class TrunkModel(L.LightningModule):
         self.stop_at_step = stop_at_step  # from this step on, training_step's code after the trunk sets trainer.should_stop
         self.stop_in_validation = stop_in_validation  # validation_step sets trainer.should_stop (after the sanity check)
         self.gather = gather  # validation_step logs the mean and the size of self.all_gather(its loss)
+        self.log_grad_norms = log_grad_norms  # on_before_optimizer_step logs Lightning's grad_norm(self, 2)
         self.val_acc = torchmetrics.classification.MulticlassAccuracy(num_classes=classes, average="micro")
         self.val_mae = torchmetrics.MeanAbsoluteError()
 
@@ -157,6 +159,10 @@ class TrunkModel(L.LightningModule):
         if 0 <= self.stop_at_step <= self.global_step:
             self.trainer.should_stop = True
         return loss
+
+    def on_before_optimizer_step(self, optimizer):
+        if self.log_grad_norms:  # Lightning's recipe for tracking gradients
+            self.log_dict(grad_norm(self, norm_type=2))
 
     def configure_optimizers(self):
         if self.optimizer == "adam":

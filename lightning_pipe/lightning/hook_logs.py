@@ -1,0 +1,119 @@
+"""What the hooks around the optimizer step log, merged over the stages of a pipeline.
+
+``on_before_optimizer_step`` (and ``configure_gradient_clipping``) run on every rank after the backward, each
+with its own stage's parameters and gradients. Lightning's recipe for tracking gradients,
+``self.log_dict(grad_norm(self, norm_type=2))`` there, would log on each rank the norms of its own stage only,
+and the loggers (rank 0, the first stage) would show the first stage's parameters and a "total" over that
+stage alone. So what these hooks log is captured on every stage, gathered over the pipeline, and replayed on
+every rank as one set (docs/faq.md):
+
+* a name logged by one stage, with its value (each parameter's gradient norm);
+* a name logged by several stages with one value (a learning rate), with that value;
+* Lightning's ``grad_{p}_norm_total``, as the p-norm of the stages' totals: the whole model's;
+* any other name whose values differ (a statistic of the stage's own parameters), as the last stage's value,
+  with a warning that says how to keep the stages apart.
+
+The hooks run on every rank of the pipeline alike, so the gather happens at every optimizer step, and only when
+the LightningModule or a callback overrides one of them.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+from typing import Any
+
+from lightning.pytorch import Callback, LightningModule
+from lightning.pytorch.utilities import rank_zero_warn
+from lightning.pytorch.utilities.model_helpers import is_overridden
+
+from lightning_pipe.lightning.log_replay import LogCapture, LoggedValue, combine, replay
+
+#: The hooks that run between the backward and the optimizer's update, on every rank (Lightning's ``_after_closure``).
+HOOKS = ("on_before_optimizer_step", "configure_gradient_clipping")
+#: Lightning's ``grad_norm`` names the norm of all the norms it returns ``grad_{p}_norm_total`` (p as a float, or ``inf``).
+_GRAD_NORM_TOTAL = re.compile(r"grad_(?P<order>inf|\d+(\.\d*)?)_norm_total")
+
+
+def logs_around_optimizer_step(module: LightningModule, callbacks: Sequence[Callback]) -> bool:
+    """Whether the module or a callback overrides a hook that runs just before the optimizer's update."""
+    overridden = any(is_overridden(hook, module, LightningModule) for hook in HOOKS)
+    return overridden or any(is_overridden("on_before_optimizer_step", callback, Callback) for callback in callbacks)
+
+
+class OptimizerHookLogs:
+    """Capture ``self.log`` in the hooks of one optimizer step and replay the stages' merged values.
+
+    Args:
+        module: the LightningModule (its ``log`` is captured).
+        every_stage: a collective over the pipeline: this device's records in, every device's out, in stage order.
+        device: this rank's position in its pipeline.
+        last_device: the position of the device holding the last virtual stage (whose value a name keeps when the
+            stages' differ, as the step's logged values are the last stage's).
+        one_pipeline: the job is one pipeline (see :func:`~.log_replay.replay`).
+    """
+
+    def __init__(self, module: LightningModule, every_stage: Callable[[list[LoggedValue]], list[list[LoggedValue]]],
+                 device: int, last_device: int, one_pipeline: bool) -> None:
+        self.module = module
+        self.every_stage = every_stage
+        self.device, self.last_device = device, last_device
+        self.one_pipeline = one_pipeline
+        self._warned: set[str] = set()
+
+    def step(self, optimizer_step: Callable[[Callable[[], Any]], Any], closure: Callable[[], Any],
+             batch_size: Callable[[], int]) -> Any:
+        """Run ``optimizer_step`` with a closure that starts capturing once the training step and backward are
+        done, so that only the hooks between them and the update are captured; then merge and replay."""
+        capture = LogCapture(self.module)
+        capturing = False
+
+        def closure_then_capture() -> Any:
+            nonlocal capturing
+            result = closure()
+            if not capturing:  # an optimizer may evaluate the closure more than once
+                capture.batch_size = batch_size()  # known once the training step has run
+                capture.__enter__()
+                capturing = True
+            return result
+
+        try:
+            result = optimizer_step(closure_then_capture)
+        finally:
+            if capturing:
+                capture.__exit__(None, None, None)
+        for device, record in self.merge(self.every_stage(combine(capture.records, self.module))):
+            replay(self.module, [record], owner=device == self.device, one_pipeline=self.one_pipeline)
+        return result
+
+    def merge(self, stages: Sequence[Sequence[LoggedValue]]) -> list[tuple[int, LoggedValue]]:
+        """One record per name, with the device it comes from, from every device's records (module docstring)."""
+        by_name: dict[str, dict[int, LoggedValue]] = {}
+        for device, records in enumerate(stages):
+            for record in records:
+                by_name.setdefault(record.name, {})[device] = record
+        merged = []
+        for name, logged in by_name.items():
+            device = self.last_device if self.last_device in logged else max(logged)
+            values = [record.value for record in logged.values()]
+            total = _GRAD_NORM_TOTAL.fullmatch(name)
+            if total is not None and len(values) > 1 and None not in values:
+                order = float(total["order"])
+                norm = max(values) if order == float("inf") else sum(v ** order for v in values) ** (1 / order)
+                merged.append((device, replace(logged[device], value=norm)))
+                continue
+            if any(value != values[0] for value in values[1:]):
+                self._warn_differs(name)
+            merged.append((device, logged[device]))
+        return merged
+
+    def _warn_differs(self, name: str) -> None:
+        if name not in self._warned:
+            self._warned.add(name)
+            rank_zero_warn(
+                f"self.log({name!r}) around the optimizer step got a different value on each pipeline stage (each "
+                "stage holds only its own parameters and gradients); the last stage's is logged. Log one name per "
+                f"stage (f'{name}/stage{{self.trainer.strategy.topology.stage}}') to keep them all; Lightning's "
+                "grad_norm(self, p) gives every parameter's norm and their total over the whole model."
+            )

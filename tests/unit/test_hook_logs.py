@@ -1,0 +1,61 @@
+"""How the values each stage logs around the optimizer step are merged (lightning_pipe/lightning/hook_logs.py):
+one record per name, Lightning's grad_norm total as the whole model's norm, and a warning where stages disagree."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from lightning.pytorch import Callback, LightningModule
+
+from lightning_pipe.lightning.hook_logs import OptimizerHookLogs, logs_around_optimizer_step
+from lightning_pipe.lightning.log_replay import LoggedValue
+
+
+def merger(last_device: int = 1) -> OptimizerHookLogs:
+    return OptimizerHookLogs(LightningModule(), lambda records: [records], device=0, last_device=last_device,
+                             one_pipeline=True)
+
+
+def merged_values(stages: list[dict[str, float]], last_device: int = 1) -> dict[str, tuple[int, float]]:
+    records = [[LoggedValue(name, value, 8) for name, value in stage.items()] for stage in stages]
+    return {record.name: (device, record.value) for device, record in merger(last_device).merge(records)}
+
+
+def test_each_stage_s_own_names_are_kept_with_the_stage_that_logged_them():
+    got = merged_values([{"grad_2.0_norm/pre.weight": 3.0}, {"grad_2.0_norm/head.weight": 4.0}])
+    assert got == {"grad_2.0_norm/pre.weight": (0, 3.0), "grad_2.0_norm/head.weight": (1, 4.0)}
+
+
+@pytest.mark.parametrize("order,want", [("2.0", 5.0), ("1.0", 7.0), ("inf", 4.0)])
+def test_lightning_s_grad_norm_total_is_the_norm_of_the_stages_totals(order, want):
+    name = f"grad_{order}_norm_total"
+    got = merged_values([{name: 3.0}, {name: 4.0}])
+    assert got[name][1] == pytest.approx(want)
+    whole = torch.tensor([3.0, 4.0])  # two stages of one parameter each: the model's norm is that of the two
+    assert torch.linalg.vector_norm(whole, float(order)).item() == pytest.approx(want)
+
+
+def test_a_value_every_stage_logs_alike_is_logged_once_without_a_warning(recwarn):
+    assert merged_values([{"lr": 0.1}, {"lr": 0.1}, {"lr": 0.1}], last_device=2) == {"lr": (2, 0.1)}
+    assert not recwarn.list
+
+
+def test_values_that_differ_keep_the_last_stage_s_and_say_how_to_log_them_apart():
+    with pytest.warns(UserWarning, match=r"self.log\('weight_norm'\).*different value on each pipeline stage.*"
+                                         r"weight_norm/stage\{self.trainer.strategy.topology.stage\}"):
+        got = merged_values([{"weight_norm": 1.0}, {"weight_norm": 2.0}], last_device=0)  # zbv: device 0 is last
+    assert got == {"weight_norm": (0, 1.0)}
+
+
+def test_the_gather_runs_only_where_a_hook_that_could_log_is_overridden():
+    class Tracks(LightningModule):
+        def on_before_optimizer_step(self, optimizer):
+            pass
+
+    class Watches(Callback):
+        def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+            pass
+
+    assert not logs_around_optimizer_step(LightningModule(), [])
+    assert logs_around_optimizer_step(Tracks(), [])
+    assert logs_around_optimizer_step(LightningModule(), [Watches()])
