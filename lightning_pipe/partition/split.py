@@ -100,6 +100,7 @@ class PartitionedTrunk:
         self.chunks = [nn.Sequential(*(trunk[i] for i in range(*self.bounds[vs]))) for vs in self.local]
         self._active: StagePass | None = None
         self._ran = False  # the trunk was called (iterated, for a ModuleList) in the current step
+        self._next_index = 0  # the block a call by index (self.blocks[i](x)) must run next in the current step
         self._first_input: Any = None  # what the step's first call of a Sequential trunk passed
         self._checked: set[int] = set()  # the chunks whose step passed check_step_output
         self._check: StepCheck | None = None  # while a chunk's first step that records a graph runs
@@ -126,7 +127,7 @@ class PartitionedTrunk:
     @contextmanager
     def acting(self, stage_pass: StagePass) -> Iterator[None]:
         """Within the block, a call (or iteration) of the trunk does ``stage_pass``."""
-        self._active, self._ran, self._first_input = stage_pass, False, None
+        self._active, self._ran, self._first_input, self._next_index = stage_pass, False, None, 0
         self._check = StepCheck() if torch.is_grad_enabled() and stage_pass.chunk not in self._checked else None
         try:
             yield
@@ -159,7 +160,7 @@ class PartitionedTrunk:
         if self._active is None:
             return (self.trunk._modules[str(i)] if i in self.owned else _MissingBlock(self, i) for i in range(len(self.trunk)))
         stage_pass = self._active
-        if self._ran:
+        if self._ran or self._next_index:
             raise TrunkUsageError(
                 f"{self.name} was iterated twice in one step; a pipelined nn.ModuleList trunk runs its blocks once per "
                 "step, in one loop. Loop over it once, or keep the second use out of the list."
@@ -196,11 +197,24 @@ class PartitionedTrunk:
             return _IndexedBlock(self, index % count)
         raise self.indexed_call_error(index)
 
+    def call_by_index(self, index: int, *args: Any, **kwargs: Any) -> Any:
+        """``trunk[index](...)`` inside a step: a loop by index (``for i in range(len(self.blocks)): x =
+        self.blocks[i](x)``) runs as the loop over the list does, provided it calls every block once, in order."""
+        stage_pass = self._require_active()
+        if self._ran or index != self._next_index:
+            raise self.indexed_call_error(index)
+        self._next_index += 1
+        start, end = self.bounds[self.local[stage_pass.chunk]]
+        return BlockCall(self, index, start, end, stage_pass)(*args, **kwargs)
+
     def indexed_call_error(self, index: Any) -> TrunkUsageError:
+        expected = (f"{self.name}[{self._next_index}] is the block to call next" if isinstance(index, int) and not self._ran
+                    else f"the step already looped over {self.name}")
         return TrunkUsageError(
-            f"{self.name}[{index!r}] inside a pipelined step: the stages split {self.name} by position, so its blocks "
-            f"must be run in one loop over the whole list (for block in self.{self.name.split('.')[-1]}: ...). "
-            "Move blocks that run on their own out of the list, or name another trunk with PipeStrategy(module=...)."
+            f"{self.name}[{index!r}] inside a pipelined step ({expected}): the stages split {self.name} by position, so "
+            f"its blocks must run once each, in order, in one pass: for block in self.{self.name.split('.')[-1]}: ... "
+            f"(or by index, {self.name.split('.')[-1]}[0], [1], ...). Move blocks that run on their own out of the list, "
+            "or name another trunk with PipeStrategy(module=...)."
         )
 
     def block_attribute(self, index: int, name: str) -> Any:
@@ -325,11 +339,11 @@ class _MissingBlock(_BlockView):
 
 
 class _IndexedBlock(_BlockView):
-    """``trunk[index]`` inside a step: its attributes read; a call raises, as the stages run the blocks only in one
-    loop over the whole list."""
+    """``trunk[index]`` inside a step: its attributes read; a call runs it as the loop over the list would, if it is the
+    next block in order (:meth:`PartitionedTrunk.call_by_index`)."""
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        raise self._partition.indexed_call_error(self._index)
+        return self._partition.call_by_index(self._index, *args, **kwargs)
 
 
 class _SavedAttributes:

@@ -86,6 +86,11 @@ class LoopLM(L.LightningModule):
         else:
             blocks = self.blocks
         x0, outputs, aux = x, [], torch.zeros(())
+        if self.loop in ("by_index", "reversed"):  # a loop over the positions: self.blocks[i](x)
+            order = range(BLOCKS) if self.loop == "by_index" else reversed(range(BLOCKS))
+            for i in order:
+                x = self.blocks[i](x, mask, rope=rope)
+            blocks = []
         for i, block in enumerate(blocks):
             if self.loop == "tuple":
                 x = block(x, mask, rope=rope, scale=1.0)[0]
@@ -162,6 +167,7 @@ def assert_same(got: tuple[list[float], dict], want: tuple[list[float], dict], t
     ("gpipe", 2, {}, "per_block"), ("1f1b", 4, {}, "norm"), ("interleaved_1f1b", 2, {"chunks_per_stage": 2}, "skip"),
     ("1f1b", 2, {"balance": [1, 3]}, "residual"),  # block 1's input is block 0's output plus the embedding: exact
     ("1f1b", 2, {}, "last_two"), ("1f1b", 2, {}, "aux_carry"), ("1f1b", 2, {}, "with_none"),
+    ("1f1b", 4, {}, "by_index"), ("interleaved_1f1b", 2, {"chunks_per_stage": 2}, "by_index"),
 ])
 def test_a_looped_module_list_trunk_equals_one_device(schedule, stages, extra, loop):
     one_device = fit(LoopLM(loop=loop), None)
@@ -214,7 +220,8 @@ def test_a_module_list_trunk_trains_exactly_like_the_same_blocks_in_a_sequential
 
 @pytest.mark.parametrize("loop,match", [
     ("twice", r"blocks was iterated twice in one step.*Loop over it once"),
-    ("index", r"blocks\[0\] inside a pipelined step.*one loop over the whole list"),
+    ("index", r"blocks\[0\] inside a pipelined step \(the step already looped over blocks\).*once each, in order"),
+    ("reversed", r"blocks\[3\] inside a pipelined step \(blocks\[0\] is the block to call next\)"),
     ("residual", r"reads the output of blocks\[0\] again after the loop went past it.*x = x \+ block\(x\).*"
                  r"Move that code into the blocks"),
     ("every_output", r"reads the output of blocks\[0\] again"),
@@ -252,13 +259,14 @@ def test_a_stage_holding_a_stub_still_answers_the_blocks_plain_attributes():
     with pytest.raises(TrunkUsageError, match="runs only inside a pipelined step"):
         outside[0](received)
     # inside a step a block read by index (nn.TransformerEncoder reads self.layers[0].self_attn.batch_first) answers
-    # its submodules' plain attributes and the module's mode, and refuses to run
+    # its submodules' plain attributes and the module's mode; called, it runs as the loop would, once and in order
     with partition.acting(StagePass(0, first=False, received=received, stop=False)):
         first = blocks[0]
         assert first.attn.batch_first is True and first.training is True and blocks[-1].kind == "kind3"
         blocks.eval()
         assert first.training is False
-        with pytest.raises(TrunkUsageError, match=r"blocks\[0\] inside a pipelined step"):
+        assert first(received) is received  # a block of the earlier stage: the received activation
+        with pytest.raises(TrunkUsageError, match=r"blocks\[0\] inside a pipelined step \(blocks\[1\] is the block to call next\)"):
             first(received)
 
 
