@@ -33,16 +33,21 @@ messages of random sizes and dtypes between two processes and compares them byte
 
 Limits: Linux (``/dev/shm``) on x86-64. A peer that dies is noticed from ``/proc`` within
 :data:`LIVENESS_PERIOD` seconds; a hung one by the wait's timeout, as with gloo. Files are unlinked as
-soon as both ends have mapped them, and what a killed job leaves is removed by the surviving end at
-exit, so no file outlives a job.
+soon as both ends have mapped them, and what a killed rank leaves is removed by the surviving end at
+exit. A job killed outright (every rank SIGKILLed: no exit handler runs) leaves its messages in flight;
+each rank's hello file (its process id, start time and process namespace) stays while its transport
+lives, so the next job on the host finds the files of jobs none of whose ranks is alive and removes them
+(:func:`remove_dead_jobs_files`).
 """
 
 from __future__ import annotations
 
 import glob
+import logging
 import mmap
 import os
 import platform
+import re
 import secrets
 import threading
 import time
@@ -81,31 +86,89 @@ def available() -> str | None:
     return None
 
 
+log = logging.getLogger(__name__)
+_HELLO = re.compile(r"lightning-pipe-(?P<token>[0-9a-f]+)-hello-\d+")
+
+
+def hello_path(token: str, rank: int) -> str:
+    """The file in which ``rank`` of the job ``token`` names its process (:func:`reachable_peers`)."""
+    return os.path.join(SHM_DIR, f"lightning-pipe-{token}-hello-{rank}")
+
+
 def reachable_peers(token: str) -> dict[int, int]:
     """Collective over the default process group: the ranks whose messages can go through shared
-    memory, with their process ids. Each rank leaves a file in ``/dev/shm`` naming its process (id and
-    start time) and looks for the others': a peer counts when its file is there (the same host, not a
-    container with a ``/dev/shm`` of its own) and this rank sees that very process (one process table,
-    so a wait can tell when the peer is gone)."""
+    memory, with their process ids. Each rank leaves a file in ``/dev/shm`` naming its process (id,
+    start time, process namespace) and looks for the others': a peer counts when its file is there (the
+    same host, not a container with a ``/dev/shm`` of its own) and this rank sees that very process (one
+    process table, so a wait can tell when the peer is gone). The file stays for the transport's life
+    (:func:`remove_dead_jobs_files` reads it)."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    path = os.path.join(SHM_DIR, f"lightning-pipe-{token}-hello-{{}}")
-    with open(path.format(rank), "w") as hello:
-        hello.write(f"{os.getpid()} {_start_time(os.getpid())}")
+    with open(hello_path(token, rank), "w") as hello:
+        hello.write(f"{os.getpid()} {_start_time(os.getpid())} {_pid_namespace()}")
     try:
         dist.barrier()
         peers = {}
         for peer in range(world):
             try:
-                with open(path.format(peer)) as hello:
-                    pid, start = hello.read().split()
+                with open(hello_path(token, peer)) as hello:
+                    pid, start, _ = hello.read().split()
             except FileNotFoundError:
                 continue
             if peer != rank and _start_time(int(pid)) == start:
                 peers[peer] = int(pid)
         dist.barrier()
-    finally:
-        _unlink(path.format(rank))
+    except BaseException:
+        _unlink(hello_path(token, rank))
+        raise
     return peers
+
+
+def remove_dead_jobs_files() -> int:
+    """Remove the files of jobs that were killed outright: every ``lightning-pipe-<token>-*`` file whose job's
+    hello files all name processes of this process namespace that are gone. A job with a live rank, or a rank
+    in another namespace (a container sharing ``/dev/shm`` whose processes this one cannot see), is left alone,
+    as are files with no hello file. Returns how many files were removed."""
+    try:
+        names = os.listdir(SHM_DIR)
+    except OSError:
+        return 0
+    ranks: dict[str, list[str]] = {}
+    for name in names:
+        match = _HELLO.fullmatch(name)
+        if match is not None:
+            ranks.setdefault(match["token"], []).append(name)
+    namespace, removed = _pid_namespace(), 0
+    for token, hellos in ranks.items():
+        if any(_may_be_alive(os.path.join(SHM_DIR, hello), namespace) for hello in hellos):
+            continue
+        prefix = f"lightning-pipe-{token}-"
+        for name in names:
+            if name.startswith(prefix):
+                _unlink(os.path.join(SHM_DIR, name))
+                removed += 1
+    if removed:
+        log.info(f"lightning_pipe: removed {removed} file(s) that killed jobs left in {SHM_DIR}")
+    return removed
+
+
+def _may_be_alive(hello: str, namespace: str) -> bool:
+    """Whether the process a hello file names may still run (or cannot be told apart from one that does)."""
+    try:
+        with open(hello) as file:
+            pid, start, where = file.read().split()
+    except FileNotFoundError:
+        return False  # its job is ending right now
+    except (OSError, ValueError):  # being written, or not ours to read
+        return True
+    return where != namespace or _start_time(int(pid)) == start
+
+
+def _pid_namespace() -> str:
+    """This process's PID namespace (process ids name the same processes only within one)."""
+    try:
+        return os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return "unknown"
 
 
 def _start_time(pid: int) -> str | None:
@@ -362,9 +425,12 @@ class SharedMemoryTransport(Transport):
     def create(cls, device: torch.device, **kwargs: Any) -> SharedMemoryTransport:
         """Collective over the default process group: agree on a token, find the ranks that share
         memory with this one, and return this rank's transport (``kwargs`` as for the constructor)."""
+        remove_dead_jobs_files()
         token = [secrets.token_hex(8)]
         dist.broadcast_object_list(token, src=0)
-        return cls(device, dist.get_rank(), reachable_peers(token[0]), token[0], **kwargs)
+        transport = cls(device, dist.get_rank(), reachable_peers(token[0]), token[0], **kwargs)
+        transport._created.add(hello_path(token[0], dist.get_rank()))  # removed with the transport's files at exit
+        return transport
 
     def _shares_memory(self, peer: int, tensor: Tensor) -> bool:
         return tensor.device.type == "cpu" and peer in self.peers
@@ -441,7 +507,8 @@ class SharedMemoryTransport(Transport):
 
     def _remove_files_of(self, peer: int) -> None:
         """Remove what a dead ``peer`` made for its channels with this rank and can no longer remove: a
-        slot it created for a message it never finished, a control file this rank never opened."""
+        slot it created for a message it never finished, a control file this rank never opened, its hello file."""
+        _unlink(hello_path(self.token, peer))
         prefix = os.path.join(SHM_DIR, f"lightning-pipe-{self.token}")
         for pattern in (f"{prefix}-{peer}-{self.rank}-*", f"{prefix}-{self.rank}-{peer}-*"):
             for path in glob.glob(pattern):

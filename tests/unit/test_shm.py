@@ -123,3 +123,29 @@ def test_a_full_dev_shm_names_the_fix_instead_of_a_bus_error(monkeypatch):
     with pytest.raises(RuntimeError, match=r"MiB free, too little .* --shm-size\) or use PipeStrategy\(transport='process_group'\)"):
         sender.isend(torch.zeros(10), 1, tag=0)
     assert not glob.glob(os.path.join(shm.SHM_DIR, f"lightning-pipe-{sender.token}-*"))
+
+
+def test_the_files_of_a_job_killed_outright_are_removed_by_the_next_one(tmp_path, monkeypatch):
+    """Every rank SIGKILLed leaves the messages in flight in /dev/shm; the next job removes the files of jobs whose
+    ranks are all gone, and leaves those of a live job, of ranks in another process namespace, and unknown files."""
+    monkeypatch.setattr(shm, "SHM_DIR", str(tmp_path))
+    dead_pid, here = exited_pid(), shm._pid_namespace()
+    alive = f"{os.getpid()} {shm._start_time(os.getpid())} {here}"
+    jobs = {
+        "dead": [f"{dead_pid} 12345 {here}", f"{os.getpid()} 1 {here}"],  # a gone process; a reused process id
+        "live": [f"{dead_pid} 12345 {here}", alive],  # one rank still runs
+        "elsewhere": [f"{dead_pid} 12345 pid:[1]"],  # a process this namespace cannot see
+    }
+    tokens = {job: secrets.token_hex(8) for job in jobs}
+    for job, hellos in jobs.items():
+        for rank, hello in enumerate(hellos):
+            (tmp_path / f"lightning-pipe-{tokens[job]}-hello-{rank}").write_text(hello)
+        (tmp_path / f"lightning-pipe-{tokens[job]}-0-1-7-slot0-gen0").write_bytes(b"\0" * 64)
+    (tmp_path / "lightning-pipe-0123456789abcdef-0-1-7").write_bytes(b"")  # no hello file: not known to be dead
+    (tmp_path / "someone-else").write_bytes(b"")
+
+    assert shm.remove_dead_jobs_files() == 3
+    left = sorted(p.name for p in tmp_path.iterdir())
+    assert not any(tokens["dead"] in name for name in left)
+    assert sum(tokens["live"] in name for name in left) == 3 and sum(tokens["elsewhere"] in name for name in left) == 2
+    assert "someone-else" in left and "lightning-pipe-0123456789abcdef-0-1-7" in left
