@@ -27,6 +27,7 @@ from lightning_pipe.engine.stage import batch_size
 from lightning_pipe.errors import SharedParameterError
 from lightning_pipe.lightning import _compat
 from lightning_pipe.lightning.log_replay import LogCapture
+from lightning_pipe.lightning.logger_calls import LoggerCalls
 from lightning_pipe.partition.split import PartitionedTrunk, StagePass, StageStop
 from lightning_pipe.partition.step_check import reached_parameters
 
@@ -52,6 +53,7 @@ class ModuleStages:
         virtual_stages: total virtual stages of the pipeline.
         capture: records ``self.log`` calls of the step.
         output_to_loss: extracts the loss from the step's output (``None`` for forward-only use).
+        logger_calls: records the step's calls to the loggers, if given.
     """
 
     def __init__(
@@ -61,12 +63,14 @@ class ModuleStages:
         virtual_stages: int,
         capture: LogCapture,
         output_to_loss: Callable[[Any], Any],
+        logger_calls: LoggerCalls | None = None,
     ) -> None:
         self.step = step
         self.partition = partition
         self.virtual_stages = virtual_stages
         self.capture = capture
         self.output_to_loss = output_to_loss
+        self.logger_calls = logger_calls
 
     def chunk_callables(self) -> list[Callable[[Any, Any], Any]]:
         return [self._callable(chunk, vs) for chunk, vs in enumerate(self.partition.local)]
@@ -93,6 +97,8 @@ class ModuleStages:
 
     def _run_step(self, micro_batch: Any, stage_pass: StagePass) -> Any:
         self.capture.batch_size = batch_size(micro_batch)
+        if self.logger_calls is not None:
+            self.logger_calls.begin_micro_batch(micro_batch)
         with self.partition.acting(stage_pass):
             try:
                 output = self.output_to_loss(self.step(micro_batch))

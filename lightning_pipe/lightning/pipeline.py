@@ -26,6 +26,7 @@ from lightning_pipe.engine.stand_ins import is_absent, release, replace_outside,
 from lightning_pipe.errors import PipeConfigError
 from lightning_pipe.lightning.hook_logs import OptimizerHookLogs, logs_around_optimizer_step
 from lightning_pipe.lightning.log_replay import LogCapture, combine, read_back_values, replay
+from lightning_pipe.lightning.logger_calls import LoggerCall, LoggerCalls, make_calls
 from lightning_pipe.lightning.module_glue import ModuleStages, detach_to_cpu, merge_outputs, step_loss
 from lightning_pipe.partition import find_trunk, stage_bounds
 from lightning_pipe.partition.materialize import release_memory
@@ -50,6 +51,7 @@ class Ran:
     sizes: list[int]  #: samples per micro-batch
     size: int  #: samples in the batch
     capture: LogCapture  #: the ``self.log`` calls of the step
+    logger_calls: list[LoggerCall]  #: the step's calls to the loggers (:mod:`.logger_calls`)
 
 
 @dataclass(frozen=True)
@@ -244,20 +246,20 @@ class StagePipeline:
         module = self.module
         batch, rest = args[0], args[1:]
         micro_batches = split(batch)
-        capture = LogCapture(module)
+        capture, logger_calls = LogCapture(module), LoggerCalls(module)
         user_step = getattr(module, hook)
         stages = ModuleStages(
             lambda mb: user_step(mb, *rest, **kwargs), self.partition, self.virtual_stages, capture,
-            (lambda out: step_loss(out, hook)) if training else (lambda out: out),
+            (lambda out: step_loss(out, hook)) if training else (lambda out: out), logger_calls,
         )
         self.executor.chunks = stages.chunk_callables()
         try:
-            with capture:
+            with capture, logger_calls:
                 outputs = launch(micro_batches, stages)
         except BaseException as error:
             self.watchdog.report(error)
             raise
-        return Ran(outputs, [batch_size(mb) for mb in micro_batches], batch_size(batch), capture)
+        return Ran(outputs, [batch_size(mb) for mb in micro_batches], batch_size(batch), capture, logger_calls.calls)
 
     def flush(self, hook: str, args: tuple, kwargs: dict, training: bool, schedule: str,
               last_backward: Callable[[], Any] | None = None, chunk_last_backward: Callable[[], Any] | None = None,
@@ -289,8 +291,10 @@ class StagePipeline:
         with self.executor.current_weights():  # what a checkpoint saved now holds, under every schedule
             ran = self.flush(hook, args, kwargs, False, self.context.options.spec.flushed)
         merged = detach_to_cpu(merge_outputs(ran.outputs, ran.sizes)) if ran.outputs else None
-        merged, records = self.step_end_from_last_stage((merged, combine(ran.capture.records, self.module)))
+        merged, records, calls = self.step_end_from_last_stage((merged, combine(ran.capture.records, self.module),
+                                                                 ran.logger_calls))
         replay(self.module, records, owner=self.holds_last_stage, one_pipeline=self.context.num_pipelines == 1)
+        self._make_logger_calls(calls)
         return merged
 
     def replayed_loss(self, ran: Ran) -> Tensor:
@@ -307,15 +311,21 @@ class StagePipeline:
         loss: Tensor | float = 0.0
         if ran.outputs:  # micro-batch weights as Python scalars: no host-to-device copy
             loss = torch.stack([l.detach().reshape(()).double() * (s / ran.size) for l, s in zip(ran.outputs, ran.sizes)]).sum()
-        records = combine(ran.capture.records, module, read_back=False)
+        records, calls = combine(ran.capture.records, module, read_back=False), ran.logger_calls
         if self.topology.stages > 1:  # the loss and the records in one transfer per device
             scalars = [loss] if isinstance(loss, Tensor) else []
             read = read_back_values(records, *scalars)
-            loss, records = self.step_end_from_last_stage((read[0] if read else loss, records))
+            loss, records, calls = self.step_end_from_last_stage((read[0] if read else loss, records, calls))
         replay(module, records, owner=self.holds_last_stage, one_pipeline=self.context.num_pipelines == 1)
+        self._make_logger_calls(calls)
         if isinstance(loss, Tensor):
             return loss.to(self.context.root_device, torch.get_default_dtype())
         return torch.full((), loss, device=self.context.root_device)
+
+    def _make_logger_calls(self, calls: list[LoggerCall]) -> None:
+        """The step's calls to the loggers, made where the loggers write (:mod:`.logger_calls`)."""
+        if calls and self.context.is_global_zero:
+            make_calls(calls, self.module.trainer.loggers)
 
     @property
     def last_stage_device(self) -> int:

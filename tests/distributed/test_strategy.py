@@ -118,11 +118,12 @@ def test_two_pipelines_equal_one_device_at_double_batch(schedule, accumulate):
 
 def test_callbacks_and_loggers_behave_as_on_one_device(tmp_path):
     """ModelCheckpoint (monitor, top-k, last, every n steps), EarlyStopping, LearningRateMonitor, CSV and
-    TensorBoard loggers (rank 0 writes what one device writes)."""
+    TensorBoard loggers (rank 0 writes what one device writes), and the step's own calls to the loggers
+    (``self.logger.log_metrics``, ``self.loggers[1].experiment.add_scalar``), made on the last stage, reach them."""
     import csv
     import os
 
-    common = {"epochs": 6, "batch_size": 16, "evaluate": False, "model": {"scheduler": True},
+    common = {"epochs": 6, "batch_size": 16, "evaluate": False, "model": {"scheduler": True, "logger_calls": True},
               "trainer": {"val_check_interval": 1.0, "log_every_n_steps": 1}}
 
     def run(root, pipeline):
@@ -151,7 +152,7 @@ def test_callbacks_and_loggers_behave_as_on_one_device(tmp_path):
     extra = {key for key in got[0] if key.startswith("pipe/")}
     assert {"pipe/stage0/bubble", "pipe/stage1/compute_ms"} <= extra
     got = [{k: v for k, v in row.items() if k not in extra} for row in got]
-    assert len(got) == len(want) and got[0].keys() == want[0].keys()
+    assert len(got) == len(want) and got[0].keys() == want[0].keys() and "first_logit" in want[0]
     for g, w in zip(got, want):
         for key in w:
             if w[key] == "":
@@ -159,7 +160,7 @@ def test_callbacks_and_loggers_behave_as_on_one_device(tmp_path):
             else:
                 assert float(g[key]) == pytest.approx(float(w[key]), rel=1e-5, abs=1e-6), key
     tb_got, tb_want = tensorboard_scalars(tmp_path / "pipe"), tensorboard_scalars(tmp_path / "one")
-    assert {k for k in tb_got if not k.startswith("pipe/")} == tb_want.keys() and "train_loss" in tb_got
+    assert {k for k in tb_got if not k.startswith("pipe/")} == tb_want.keys() and {"train_loss", "first_logit_tb"} <= tb_got.keys()
     for tag, points in tb_want.items():
         assert [s for s, _ in tb_got[tag]] == [s for s, _ in points], tag
         assert [v for _, v in tb_got[tag]] == pytest.approx([v for _, v in points], rel=1e-5, abs=1e-6), tag

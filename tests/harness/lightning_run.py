@@ -45,7 +45,7 @@ class TrunkModel(L.LightningModule):
                  fail_rank: int = -1, tie: bool = False, scheduler: bool | str = False, fail_hook: str | None = None,
                  fault: dict | None = None, configure: bool = False, overflow: dict | None = None, late_use: int = -1,
                  frozen: int = 0, stop_at_step: int = -1, stop_in_validation: bool = False,
-                 gather: bool = False, log_grad_norms: bool = False):
+                 gather: bool = False, log_grad_norms: bool = False, logger_calls: bool = False):
         super().__init__()
         self.save_hyperparameters()
         self.tie, self.scheduler = tie, scheduler
@@ -62,6 +62,7 @@ class TrunkModel(L.LightningModule):
         self.stop_in_validation = stop_in_validation  # validation_step sets trainer.should_stop (after the sanity check)
         self.gather = gather  # validation_step logs the mean and the size of self.all_gather(its loss)
         self.log_grad_norms = log_grad_norms  # on_before_optimizer_step logs Lightning's grad_norm(self, 2)
+        self.logger_calls = logger_calls  # training_step calls its loggers itself, after the trunk (each micro-batch)
         self.val_acc = torchmetrics.classification.MulticlassAccuracy(num_classes=classes, average="micro")
         self.val_mae = torchmetrics.MeanAbsoluteError()
 
@@ -158,6 +159,10 @@ class TrunkModel(L.LightningModule):
         self.log("seen", float(len(y)), reduce_fx="sum")
         if 0 <= self.stop_at_step <= self.global_step:
             self.trainer.should_stop = True
+        if self.logger_calls:  # the batch's first logit, straight to the CSV logger and to TensorBoard's writer
+            first = float(logits[0, 0])
+            self.logger.log_metrics({"first_logit": first}, step=self.global_step)
+            self.loggers[1].experiment.add_scalar("first_logit_tb", first, self.global_step)
         return loss
 
     def on_before_optimizer_step(self, optimizer):
