@@ -60,13 +60,12 @@ class _Recording:
     ``isinstance`` sees the real class (``isinstance(self.logger, WandbLogger)``)."""
 
     def __init__(self, target: Any, recorder: LoggerCalls, logger: int, path: tuple[str, ...]) -> None:
-        object.__setattr__(self, "_target", target)
-        object.__setattr__(self, "_recorder", recorder)
-        object.__setattr__(self, "_where", (logger, path))
+        self._target, self._recorder = target, recorder
+        self._where = (logger, path)  # the logger's index and the attributes from it to the target
 
     @property  # type: ignore[misc]
-    def __class__(self) -> type:  # noqa: D105 - isinstance() falls back on it
-        return type(object.__getattribute__(self, "_target"))
+    def __class__(self) -> type:  # isinstance() falls back on it
+        return type(self._target)
 
     def __getattr__(self, name: str) -> Any:
         value = getattr(self._target, name)

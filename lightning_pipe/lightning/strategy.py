@@ -736,7 +736,8 @@ class PipeStrategy(DDPStrategy, metaclass=_NamesItsOptions):
 
     @override
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
-        """Schedules that step inside the pipeline only run the closure (training_step and backward)."""
+        """Schedules that step inside the pipeline only run the closure (training_step and backward); the others
+        step as Lightning does, with what the hooks before the update log merged over the stages (:mod:`.hook_logs`)."""
         if self._runtime is not None and self._runtime.steps_inside:
             return closure()
         if self._hook_logs is None:
