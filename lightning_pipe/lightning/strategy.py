@@ -19,13 +19,16 @@ from __future__ import annotations
 import difflib
 import inspect
 import logging
+import os
 from collections.abc import Generator
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
+from functools import partial
 from typing import Any, ContextManager, Literal
 
 import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.utilities.seed import pl_worker_init_function
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.plugins.precision import Precision
@@ -441,6 +444,19 @@ class PipeStrategy(DDPStrategy, metaclass=_NamesItsOptions):
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         return {"num_replicas": self.num_pipelines, "rank": self.global_rank // self.num_stages}
+
+    @override
+    def process_dataloader(self, dataloader: object) -> object:
+        """Seed the DataLoader's workers by pipeline, not by rank, under ``seed_everything(..., workers=True)``.
+
+        Lightning seeds each worker from the global rank, so the stages of one pipeline drew different random
+        numbers in their workers: a random masking or label mix in the dataset or collate gave the first stage
+        inputs that did not match the last stage's labels. Every stage of a pipeline now seeds its workers as
+        the data-parallel replica it is part of (pipeline 0 as one device's rank 0).
+        """
+        if int(os.environ.get("PL_SEED_WORKERS", 0)) and getattr(dataloader, "worker_init_fn", False) is None:
+            dataloader.worker_init_fn = partial(pl_worker_init_function, rank=self.global_rank // self.num_stages)  # type: ignore[attr-defined]
+        return super().process_dataloader(dataloader)
 
     # ------------------------------------------------------------------ before any process starts
     @override

@@ -207,6 +207,7 @@ class Recorder(L.Callback):
         self.returned: list[float] = []
         self.first_grads: dict[str, torch.Tensor] = {}
         self.scales: list[float] = []
+        self.labels: list[list[int]] = []  # every training batch's labels, as this rank's DataLoader gave them
 
     def on_before_optimizer_step(self, trainer, module, optimizer):
         if not self.first_grads:
@@ -222,6 +223,7 @@ class Recorder(L.Callback):
         if scaler is not None:  # fp16 loss scaling: the scale after this step's update
             self.scales.append(float(scaler.get_scale()))
         self.returned.append(float(outputs["loss"]))
+        self.labels.append(batch[1].tolist())
 
 
 class Losses(L.Callback):
@@ -267,9 +269,17 @@ def make_data(n: int = 96, seed: int = 0) -> TensorDataset:
     return TensorDataset(x, y)
 
 
+def masking_collate(items: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stack the samples and replace a random third of the labels by 0, as a masked language model's collate masks tokens
+    (random numbers drawn in the DataLoader's worker)."""
+    x, y = torch.stack([x for x, _ in items]), torch.stack([y for _, y in items])
+    return x, torch.where(torch.rand(len(y)) < 0.3, torch.zeros_like(y), y)
+
+
 def train(config: dict[str, Any]) -> dict[str, Any]:
     """Train per ``config``; return this rank's record."""
-    L.seed_everything(0, verbose=False)
+    masking_workers = config.get("masking_workers", False)  # a worker's random masking, seeded by seed_everything(workers=True)
+    L.seed_everything(0, verbose=False, workers=masking_workers)
     if "hf" in config:  # a tiny Hugging Face model (tests/harness/hf_models.py) on random token windows
         from tests.harness.hf_models import HFCausalLM, token_windows
 
@@ -333,7 +343,8 @@ def train(config: dict[str, Any]) -> dict[str, Any]:
     pipelines = config.get("pipelines_in_sampler", 1)
     if pipelines > 1:
         sampler = DistributedSampler(dataset, num_replicas=pipelines, rank=trainer.global_rank // config["stages"], shuffle=False)
-    loader = DataLoader(dataset, batch_size=config.get("batch_size", 16), shuffle=False, sampler=sampler)
+    loader = DataLoader(dataset, batch_size=config.get("batch_size", 16), shuffle=False, sampler=sampler,
+                        **({"num_workers": 1, "collate_fn": masking_collate} if masking_workers else {}))
     eval_loader = DataLoader(data(40, seed=1), batch_size=config.get("eval_batch_size", 12))
     evaluate = config.get("evaluate", False)
     validate_during_fit = evaluate or bool(config.get("full_callbacks"))
@@ -344,6 +355,7 @@ def train(config: dict[str, Any]) -> dict[str, Any]:
     finally:
         if groups is not None:
             groups.restore()
+        os.environ.pop("PL_SEED_WORKERS", None)  # a pool's worker runs the next job in the same process
     return {**results, **record_of(recorder, trainer, model)}
 
 
@@ -395,6 +407,7 @@ def record_of(recorder: Recorder, trainer: L.Trainer, model: L.LightningModule) 
         "rank": trainer.global_rank,
         "metrics": recorder.metrics,
         "returned": recorder.returned,
+        "labels": recorder.labels,
         "scales": recorder.scales,
         "grads": recorder.first_grads,
         "state": {k: whole(v) for k, v in model.state_dict().items()},
