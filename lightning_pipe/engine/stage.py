@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import itertools
+import zlib
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import checkpoint
 
 
@@ -87,6 +89,26 @@ def split_micro_batches(batch: Any, micro_batches: int) -> list[Any]:
 def _per_sample_values(value: list[Any], samples: int) -> bool:
     """A list of one plain (non-tensor, non-container) value per sample."""
     return len(value) == samples > 1 and not any(isinstance(v, (Tensor, Mapping, list, tuple)) for v in value)
+
+
+def batch_fingerprint(batch: Any) -> int | None:
+    """A checksum of what the stages of a pipeline must agree on in a batch they each load: its integer and boolean
+    CPU tensors (labels, token ids, masks) and plain values; ``None`` if it holds none. Floating-point tensors are
+    left out: a random augmentation of the inputs may differ between stages without harm (the first stage alone
+    uses them), a label may not."""
+    parts: list[int] = []
+    for leaf in tree_leaves(batch):
+        if isinstance(leaf, Tensor):
+            if leaf.is_floating_point() or leaf.is_complex() or leaf.device.type != "cpu":
+                continue
+            flat = leaf.reshape(-1).to(torch.int64)
+            weights = torch.arange(flat.numel(), dtype=torch.int64) % 65521 + 1  # positions count, not only values
+            parts += [int((flat * weights).sum()), flat.numel()]
+        elif isinstance(leaf, str):
+            parts.append(zlib.crc32(leaf.encode()))  # str hashes differ between processes
+        elif isinstance(leaf, (bool, int)):
+            parts.append(int(leaf))
+    return hash(tuple(parts)) if parts else None
 
 
 def batch_size(batch: Any) -> int:

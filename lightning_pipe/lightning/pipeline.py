@@ -96,6 +96,7 @@ class StagePipeline:
         self.param_order = param_order
         self.executor: Executor | LocalPipeline | None = None
         self.seen_batch = False  # a short batch is an error only before the first one
+        self.batch_fingerprint: int | None = None  # of the batch this rank loaded for the step (engine.stage.batch_fingerprint)
 
     @classmethod
     def cut(cls, context: PipeContext, module: LightningModule, counts: list[int]) -> StagePipeline:
@@ -364,14 +365,23 @@ class StagePipeline:
                                  one_pipeline=self.context.num_pipelines == 1)
 
     def step_end_from_last_stage(self, payload: Any) -> Any:
-        """:meth:`from_last_stage` at the end of a step, also carrying the last stage's ``trainer.should_stop``.
+        """:meth:`from_last_stage` at the end of a step, also carrying the last stage's ``trainer.should_stop`` and the
+        fingerprint of its batch, which every stage checks against its own.
 
         The step's code after the trunk runs on the last stage only, so a ``self.trainer.should_stop = True``
         there (stopping at a loss threshold) must reach every stage: a stage that did not see it would start
         the next step alone and wait for its peers forever.
         """
         trainer = self.module.trainer
-        payload, stop = self.from_last_stage((payload, trainer.should_stop))
+        payload, stop, fingerprint = self.from_last_stage((payload, trainer.should_stop, self.batch_fingerprint))
+        if self.batch_fingerprint is not None and fingerprint is not None and fingerprint != self.batch_fingerprint:
+            raise PipeConfigError(
+                f"stage {self.topology.stage} loaded another batch than the last stage: the integer tensors (labels, token "
+                "ids) differ, so the last stage's labels do not belong to the inputs the first stage used. Every rank of "
+                "a pipeline must load the same batches; a dataset that shards itself by rank must shard by pipeline: "
+                "rank=trainer.global_rank // trainer.strategy.num_stages, world_size=trainer.strategy.num_pipelines "
+                "(docs/faq.md)."
+            )
         if stop:
             trainer.should_stop = True
         return payload

@@ -46,6 +46,7 @@ from lightning_pipe.engine.policies import AvgPipeOptions, DoubleBufferOptions, 
 from lightning_pipe.engine.policies import live as live_policies
 from lightning_pipe.engine.policies.options import Averaging, Prediction
 from lightning_pipe.engine.sharding import ShardedLayers, pipeline_mesh, single_tensor_updates_where_mixed
+from lightning_pipe.engine.stage import batch_fingerprint
 from lightning_pipe.engine.stand_ins import move_stand_ins
 from lightning_pipe.engine.watchdog import FAILURE_GRACE
 from lightning_pipe.errors import CheckpointMismatchError, LightningPipeError, PipeConfigError
@@ -444,6 +445,14 @@ class PipeStrategy(DDPStrategy, metaclass=_NamesItsOptions):
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         return {"num_replicas": self.num_pipelines, "rank": self.global_rank // self.num_stages}
+
+    @override
+    def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
+        """Note the fingerprint of the batch this rank loaded, while it is in host memory, for the end of the step to
+        check that the stages agree (:meth:`StagePipeline.step_end_from_last_stage`)."""
+        if self._pipeline is not None and self.num_stages > 1 and not self.emulating:
+            self._pipeline.batch_fingerprint = batch_fingerprint(batch)
+        return super().batch_to_device(batch, device, dataloader_idx)
 
     @override
     def process_dataloader(self, dataloader: object) -> object:

@@ -250,3 +250,13 @@ def test_every_stage_of_a_pipeline_draws_the_same_random_numbers_in_its_dataload
     first, last = (record["labels"] for record in records)
     assert len(first) == 12 and first == last
     assert any(0 in labels for labels in first)
+
+
+def test_stages_that_loaded_different_batches_stop_with_the_way_to_shard():
+    """A dataset that shards itself by global rank (each stage its own half, of one size) trained the last stage's labels
+    against another batch's inputs, silently; the end of the first step now compares the stages' batches."""
+    code, output, _ = launch({"epochs": 1, "shard_by_rank": True, "devices": 2,
+                              "strategy": {"schedule": "1f1b", "micro_batches": 4}}, timeout=120)
+    assert code != 0
+    assert "stage 0 loaded another batch than the last stage" in output
+    assert "rank=trainer.global_rank // trainer.strategy.num_stages" in output

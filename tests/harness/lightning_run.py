@@ -339,6 +339,8 @@ def train(config: dict[str, Any]) -> dict[str, Any]:
         options["plugins"] = [MixedPrecision("16-mixed", "cpu", torch.amp.GradScaler("cpu"))]
     trainer = L.Trainer(**{**options, **config.get("trainer", {})})
     dataset = data(config.get("samples", 96))
+    if config.get("shard_by_rank"):  # a dataset that shards itself by global rank, as under DDP: each stage its own half
+        dataset = torch.utils.data.Subset(dataset, range(trainer.global_rank, len(dataset), trainer.world_size))
     sampler = None
     pipelines = config.get("pipelines_in_sampler", 1)
     if pipelines > 1:
