@@ -13,6 +13,9 @@ every rank as one set (docs/faq.md):
 * any other name whose values differ (a statistic of the stage's own parameters), as the last stage's value,
   with a warning that says how to keep the stages apart.
 
+Calls to the loggers in these hooks (``self.logger.experiment.add_histogram(name, p.grad, step)`` over the stage's
+parameters) are gathered too, and global rank 0, where the loggers write, makes every stage's (:mod:`.logger_calls`).
+
 The hooks run on every rank of the pipeline alike, so the gather happens at every optimizer step, and only when
 the LightningModule or a callback overrides one of them.
 """
@@ -29,6 +32,10 @@ from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.utilities.model_helpers import is_overridden
 
 from lightning_pipe.lightning.log_replay import LogCapture, LoggedValue, combine, replay
+from lightning_pipe.lightning.logger_calls import LoggerCall, LoggerCalls, make_calls
+
+#: What each stage contributes: its ``self.log`` records and its calls to the loggers.
+StageLogs = tuple[list[LoggedValue], list[LoggerCall]]
 
 #: The hooks that run between the backward and the optimizer's update, on every rank (Lightning's ``_after_closure``).
 HOOKS = ("on_before_optimizer_step", "configure_gradient_clipping")
@@ -47,14 +54,14 @@ class OptimizerHookLogs:
 
     Args:
         module: the LightningModule (its ``log`` is captured).
-        every_stage: a collective over the pipeline: this device's records in, every device's out, in stage order.
+        every_stage: a collective over the pipeline: this device's logs in, every device's out, in stage order.
         device: this rank's position in its pipeline.
         last_device: the position of the device holding the last virtual stage (whose value a name keeps when the
             stages' differ, as the step's logged values are the last stage's).
         one_pipeline: the job is one pipeline (see :func:`~.log_replay.replay`).
     """
 
-    def __init__(self, module: LightningModule, every_stage: Callable[[list[LoggedValue]], list[list[LoggedValue]]],
+    def __init__(self, module: LightningModule, every_stage: Callable[[StageLogs], list[StageLogs]],
                  device: int, last_device: int, one_pipeline: bool) -> None:
         self.module = module
         self.every_stage = every_stage
@@ -66,7 +73,7 @@ class OptimizerHookLogs:
              batch_size: Callable[[], int]) -> Any:
         """Run ``optimizer_step`` with a closure that starts capturing once the training step and backward are
         done, so that only the hooks between them and the update are captured; then merge and replay."""
-        capture = LogCapture(self.module)
+        capture, calls = LogCapture(self.module), LoggerCalls(self.module)
         capturing = False
 
         def closure_then_capture() -> Any:
@@ -75,6 +82,7 @@ class OptimizerHookLogs:
             if not capturing:  # an optimizer may evaluate the closure more than once
                 capture.batch_size = batch_size()  # known once the training step has run
                 capture.__enter__()
+                calls.__enter__()
                 capturing = True
             return result
 
@@ -82,9 +90,14 @@ class OptimizerHookLogs:
             result = optimizer_step(closure_then_capture)
         finally:
             if capturing:
+                calls.__exit__(None, None, None)
                 capture.__exit__(None, None, None)
-        for device, record in self.merge(self.every_stage(combine(capture.records, self.module))):
+        stages = self.every_stage((combine(capture.records, self.module), calls.calls))
+        for device, record in self.merge([records for records, _ in stages]):
             replay(self.module, [record], owner=device == self.device, one_pipeline=self.one_pipeline)
+        trainer = self.module.trainer
+        if trainer.is_global_zero:  # one call per stage (no micro-batches here): every stage's is made
+            make_calls([call for _, stage_calls in stages for call in stage_calls], trainer.loggers)
         return result
 
     def merge(self, stages: Sequence[Sequence[LoggedValue]]) -> list[tuple[int, LoggedValue]]:

@@ -118,8 +118,9 @@ def test_two_pipelines_equal_one_device_at_double_batch(schedule, accumulate):
 
 def test_callbacks_and_loggers_behave_as_on_one_device(tmp_path):
     """ModelCheckpoint (monitor, top-k, last, every n steps), EarlyStopping, LearningRateMonitor, CSV and
-    TensorBoard loggers (rank 0 writes what one device writes), and the step's own calls to the loggers
-    (``self.logger.log_metrics``, ``self.loggers[1].experiment.add_scalar``), made on the last stage, reach them."""
+    TensorBoard loggers (rank 0 writes what one device writes), and the model's own calls to the loggers
+    (``self.logger.log_metrics``, ``self.loggers[1].experiment.add_scalar``) reach them: made on the last stage in the
+    step, and on every stage, each with its own parameters' gradients, in ``on_before_optimizer_step``."""
     import csv
     import os
 
@@ -160,7 +161,8 @@ def test_callbacks_and_loggers_behave_as_on_one_device(tmp_path):
             else:
                 assert float(g[key]) == pytest.approx(float(w[key]), rel=1e-5, abs=1e-6), key
     tb_got, tb_want = tensorboard_scalars(tmp_path / "pipe"), tensorboard_scalars(tmp_path / "one")
-    assert {k for k in tb_got if not k.startswith("pipe/")} == tb_want.keys() and {"train_loss", "first_logit_tb"} <= tb_got.keys()
+    assert {k for k in tb_got if not k.startswith("pipe/")} == tb_want.keys()
+    assert {"train_loss", "first_logit_tb", "grad_sum/pre.weight", "grad_sum/head.bias"} <= tb_got.keys()
     for tag, points in tb_want.items():
         assert [s for s, _ in tb_got[tag]] == [s for s, _ in points], tag
         assert [v for _, v in tb_got[tag]] == pytest.approx([v for _, v in points], rel=1e-5, abs=1e-6), tag

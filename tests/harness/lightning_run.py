@@ -62,7 +62,7 @@ class TrunkModel(L.LightningModule):
         self.stop_in_validation = stop_in_validation  # validation_step sets trainer.should_stop (after the sanity check)
         self.gather = gather  # validation_step logs the mean and the size of self.all_gather(its loss)
         self.log_grad_norms = log_grad_norms  # on_before_optimizer_step logs Lightning's grad_norm(self, 2)
-        self.logger_calls = logger_calls  # training_step calls its loggers itself, after the trunk (each micro-batch)
+        self.logger_calls = logger_calls  # training_step (after the trunk) and on_before_optimizer_step call the loggers
         self.val_acc = torchmetrics.classification.MulticlassAccuracy(num_classes=classes, average="micro")
         self.val_mae = torchmetrics.MeanAbsoluteError()
 
@@ -168,6 +168,10 @@ class TrunkModel(L.LightningModule):
     def on_before_optimizer_step(self, optimizer):
         if self.log_grad_norms:  # Lightning's recipe for tracking gradients
             self.log_dict(grad_norm(self, norm_type=2))
+        if self.logger_calls:  # every rank its own stage's gradients, straight to TensorBoard's writer
+            for name, p in self.named_parameters():
+                if p.grad is not None:
+                    self.loggers[1].experiment.add_scalar(f"grad_sum/{name}", float(p.grad.sum()), self.global_step)
 
     def configure_optimizers(self):
         if self.optimizer == "adam":
