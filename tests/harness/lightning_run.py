@@ -227,7 +227,8 @@ class Recorder(L.Callback):
         if scaler is not None:  # fp16 loss scaling: the scale after this step's update
             self.scales.append(float(scaler.get_scale()))
         self.returned.append(float(outputs["loss"]))
-        self.labels.append(batch[1].tolist())
+        if isinstance(batch, (list, tuple)) and len(batch) == 2:  # (inputs, labels); the token windows are one tensor
+            self.labels.append(batch[1].tolist())
 
 
 class Losses(L.Callback):
