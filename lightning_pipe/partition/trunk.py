@@ -66,6 +66,7 @@ def find_trunk(module: nn.Module, name: str | None = None) -> tuple[str, Trunk]:
     chosen = candidates[0]
     rivals = [c for c in candidates[1:] if not chosen.contains(c) and c.parameters >= CLOSE * chosen.parameters]
     total = _count(module, trainable)
+    _refuse_a_dict_of_blocks(module, chosen, trainable)
     if rivals:
         listing = "; ".join(c.describe() for c in [chosen, *rivals])
         raise TrunkError(
@@ -103,6 +104,21 @@ def candidates_of(module: nn.Module, trainable: bool = True) -> list[Candidate]:
             if count:
                 found.append(Candidate(path, child, count))
     return found
+
+
+def _refuse_a_dict_of_blocks(module: nn.Module, chosen: Candidate, trainable: bool) -> None:
+    """The blocks kept in an ``nn.ModuleDict`` (``for name, block in self.blocks.items()``), none holding half of
+    them, around the chosen container: say to make it a list, rather than offer a container inside one block."""
+    for path, child in module.named_modules():
+        if not (isinstance(child, nn.ModuleDict) and len(child) >= 3 and chosen.path.startswith(f"{path}.")):
+            continue
+        if max(_count(block, trainable) for block in child.values()) < CLOSE * _count(child, trainable):
+            raise TrunkError(
+                f"{type(module).__name__}.{path} is an nn.ModuleDict of {len(child)} blocks; the pipeline cuts an "
+                "nn.ModuleList or nn.Sequential by position, and a dict's blocks cannot be split that way. Make it "
+                f"nn.ModuleList([...]) (keep the names beside it if the step needs them: for name, block in "
+                f"zip(self.block_names, self.{path.split('.')[-1]})), or name another trunk with PipeStrategy(module=...)."
+            )
 
 
 def _outermost(candidates: list[Candidate]) -> list[Candidate]:

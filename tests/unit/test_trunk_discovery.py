@@ -112,3 +112,22 @@ def test_a_wholly_frozen_module_still_finds_its_blocks():
     """BackboneFinetuning freezes the backbone before the strategy looks for the trunk, and unfreezes it later."""
     module = ListBlocksSequentialHead().requires_grad_(False)
     assert find_trunk(module)[0] == "blocks"
+
+
+def test_blocks_kept_in_a_module_dict_are_refused_with_the_list_to_make():
+    """A dict's blocks cannot be cut by position; the error used to offer a Sequential inside one block instead."""
+    class DictBlocks(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = nn.ModuleDict({f"block{i}": block() for i in range(4)})
+
+    with pytest.raises(TrunkError, match=r"DictBlocks.blocks is an nn.ModuleDict of 4 blocks.*Make it nn.ModuleList\(\[...\]\)"):
+        find_trunk(DictBlocks())
+
+    class MainAndAuxiliary(nn.Module):  # a dict around one dominant network still finds the network
+        def __init__(self) -> None:
+            super().__init__()
+            self.nets = nn.ModuleDict({"main": nn.Sequential(*(block() for _ in range(4))), "aux": nn.Linear(32, 2),
+                                       "probe": nn.Linear(32, 2)})
+
+    assert find_trunk(MainAndAuxiliary())[0] == "nets.main"
