@@ -1,11 +1,16 @@
-"""What the hooks around the optimizer step log, merged over the stages of a pipeline.
+"""What hooks that run on every stage log, merged over the stages of a pipeline.
 
-``on_before_optimizer_step`` (and ``configure_gradient_clipping``) run on every rank after the backward, each
-with its own stage's parameters and gradients. Lightning's recipe for tracking gradients,
-``self.log_dict(grad_norm(self, norm_type=2))`` there, would log on each rank the norms of its own stage only,
-and the loggers (rank 0, the first stage) would show the first stage's parameters and a "total" over that
-stage alone. So what these hooks log is captured on every stage, gathered over the pipeline, and replayed on
-every rank as one set (docs/faq.md):
+Two kinds of hooks run on every rank, each with its own stage's state, where one device runs them once:
+
+* ``on_before_optimizer_step`` (and ``configure_gradient_clipping``), after the backward, with the stage's own
+  parameters and gradients. Lightning's recipe for tracking gradients, ``self.log_dict(grad_norm(self,
+  norm_type=2))`` there, would log on each rank the norms of its own stage only, and the loggers (rank 0, the
+  first stage) would show the first stage's parameters and a "total" over that stage alone.
+* the module's epoch-end hooks (``on_validation_epoch_end``, ...), where values the steps collected exist on the
+  last stage only (the step's code after the trunk runs there): what that stage logs there reached no logger.
+
+So what these hooks log is captured on every stage, gathered over the pipeline, and replayed on every rank as one
+set (docs/faq.md):
 
 * a name logged by one stage, with its value (each parameter's gradient norm);
 * a name logged by several stages with one value (a learning rate), with that value;
@@ -13,15 +18,17 @@ every rank as one set (docs/faq.md):
 * any other name whose values differ (a statistic of the stage's own parameters), as the last stage's value,
   with a warning that says how to keep the stages apart.
 
-Calls to the loggers in these hooks (``self.logger.experiment.add_histogram(name, p.grad, step)`` over the stage's
-parameters) are gathered too, and global rank 0, where the loggers write, makes every stage's (:mod:`.logger_calls`).
+Calls to the loggers in these hooks are gathered too, and global rank 0, where the loggers write, makes them
+(:mod:`.logger_calls`): every stage's around the optimizer step (a histogram of each parameter's gradient), the
+last stage's at an epoch's end (a figure of the predictions the steps collected there).
 
-The hooks run on every rank of the pipeline alike, so the gather happens at every optimizer step, and only when
-the LightningModule or a callback overrides one of them.
+The hooks run on every rank of the pipeline alike, so the gather happens at every call, and only for hooks the
+LightningModule (or, before the optimizer step, a callback) overrides.
 """
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import replace
@@ -39,6 +46,8 @@ StageLogs = tuple[list[LoggedValue], list[LoggerCall]]
 
 #: The hooks that run between the backward and the optimizer's update, on every rank (Lightning's ``_after_closure``).
 HOOKS = ("on_before_optimizer_step", "configure_gradient_clipping")
+#: The module's epoch-end hooks, where what the steps collected on the last stage is used.
+EPOCH_END_HOOKS = ("on_train_epoch_end", "on_validation_epoch_end", "on_test_epoch_end", "on_predict_epoch_end")
 #: Lightning's ``grad_norm`` names the norm of all the norms it returns ``grad_{p}_norm_total`` (p as a float, or ``inf``).
 _GRAD_NORM_TOTAL = re.compile(r"grad_(?P<order>inf|\d+(\.\d*)?)_norm_total")
 
@@ -49,8 +58,8 @@ def logs_around_optimizer_step(module: LightningModule, callbacks: Sequence[Call
     return overridden or any(is_overridden("on_before_optimizer_step", callback, Callback) for callback in callbacks)
 
 
-class OptimizerHookLogs:
-    """Capture ``self.log`` in the hooks of one optimizer step and replay the stages' merged values.
+class StageHookLogs:
+    """Capture ``self.log`` and the logger calls in hooks that run on every stage; replay the stages' merged logs.
 
     Args:
         module: the LightningModule (its ``log`` is captured).
@@ -68,6 +77,7 @@ class OptimizerHookLogs:
         self.device, self.last_device = device, last_device
         self.one_pipeline = one_pipeline
         self._warned: set[str] = set()
+        self._wrapped: list[str] = []
 
     def step(self, optimizer_step: Callable[[Callable[[], Any]], Any], closure: Callable[[], Any],
              batch_size: Callable[[], int]) -> Any:
@@ -92,15 +102,45 @@ class OptimizerHookLogs:
             if capturing:
                 calls.__exit__(None, None, None)
                 capture.__exit__(None, None, None)
-        stages = self.every_stage((combine(capture.records, self.module), calls.calls))
-        for device, record in self.merge([records for records, _ in stages]):
-            replay(self.module, [record], owner=device == self.device, one_pipeline=self.one_pipeline)
-        trainer = self.module.trainer
-        if trainer.is_global_zero:  # one call per stage (no micro-batches here): every stage's is made
-            make_calls([call for _, stage_calls in stages for call in stage_calls], trainer.loggers)
+        self._replay(capture, calls, "on_before_optimizer_step", every_stage_calls=True)  # each its own parameters
         return result
 
-    def merge(self, stages: Sequence[Sequence[LoggedValue]]) -> list[tuple[int, LoggedValue]]:
+    def wrap_epoch_ends(self) -> list[str]:
+        """Make the module's overridden epoch-end hooks merge what they log (an attribute of the instance, removed by
+        :meth:`unwrap`); return their names."""
+        module = self.module
+        for hook in EPOCH_END_HOOKS:
+            if hook not in self._wrapped and is_overridden(hook, module, LightningModule):
+                current = getattr(module, hook)
+                module.__dict__[hook] = self._merging(getattr(current, "__wrapped__", current))  # never wrap a wrapper
+                self._wrapped.append(hook)
+        return list(self._wrapped)
+
+    def unwrap(self) -> None:
+        for hook in self._wrapped:
+            self.module.__dict__.pop(hook, None)
+        self._wrapped = []
+
+    def _merging(self, hook: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(hook)
+        def merged(*args: Any, **kwargs: Any) -> Any:
+            with LogCapture(self.module) as capture, LoggerCalls(self.module) as calls:
+                result = hook(*args, **kwargs)
+            self._replay(capture, calls, hook.__name__, every_stage_calls=False)  # the steps' values are on the last stage
+            return result
+
+        return merged
+
+    def _replay(self, capture: LogCapture, calls: LoggerCalls, hook: str, every_stage_calls: bool) -> None:
+        stages = self.every_stage((combine(capture.records, self.module), calls.calls))
+        for device, record in self.merge([records for records, _ in stages], hook):
+            replay(self.module, [record], owner=device == self.device, one_pipeline=self.one_pipeline)
+        trainer = self.module.trainer
+        if trainer.is_global_zero:
+            made = [c for _, stage_calls in stages for c in stage_calls] if every_stage_calls else stages[self.last_device][1]
+            make_calls(made, trainer.loggers)
+
+    def merge(self, stages: Sequence[Sequence[LoggedValue]], hook: str = "on_before_optimizer_step") -> list[tuple[int, LoggedValue]]:
         """One record per name, with the device it comes from, from every device's records (module docstring)."""
         by_name: dict[str, dict[int, LoggedValue]] = {}
         for device, records in enumerate(stages):
@@ -117,16 +157,17 @@ class OptimizerHookLogs:
                 merged.append((device, replace(logged[device], value=norm)))
                 continue
             if any(value != values[0] for value in values[1:]):
-                self._warn_differs(name)
+                self._warn_differs(name, hook)
             merged.append((device, logged[device]))
         return merged
 
-    def _warn_differs(self, name: str) -> None:
+    def _warn_differs(self, name: str, hook: str) -> None:
         if name not in self._warned:
             self._warned.add(name)
             rank_zero_warn(
-                f"self.log({name!r}) around the optimizer step got a different value on each pipeline stage (each "
-                "stage holds only its own parameters and gradients); the last stage's is logged. Log one name per "
-                f"stage (f'{name}/stage{{self.trainer.strategy.topology.stage}}') to keep them all; Lightning's "
-                "grad_norm(self, p) gives every parameter's norm and their total over the whole model."
+                f"self.log({name!r}) in {hook} got a different value on each pipeline stage (each stage holds only its "
+                "own parameters and gradients, and only the last stage the values its steps collected); the last "
+                f"stage's is logged. Log one name per stage (f'{name}/stage{{self.trainer.strategy.topology.stage}}') "
+                "to keep them all; Lightning's grad_norm(self, p) gives every parameter's norm and their total over the "
+                "whole model."
             )

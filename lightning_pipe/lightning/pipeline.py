@@ -24,7 +24,7 @@ from lightning_pipe.engine.recorder import ActionRecorder
 from lightning_pipe.engine.sharding import ShardedLayers, shard_optimizer_state
 from lightning_pipe.engine.stand_ins import is_absent, release, replace_outside, runs_outside_code
 from lightning_pipe.errors import PipeConfigError
-from lightning_pipe.lightning.hook_logs import OptimizerHookLogs, logs_around_optimizer_step
+from lightning_pipe.lightning.hook_logs import StageHookLogs
 from lightning_pipe.lightning.log_replay import LogCapture, combine, read_back_values, replay
 from lightning_pipe.lightning.logger_calls import LoggerCall, LoggerCalls, make_calls
 from lightning_pipe.lightning.module_glue import ModuleStages, detach_to_cpu, merge_outputs, step_loss
@@ -352,17 +352,17 @@ class StagePipeline:
     def from_every_stage(self, obj: Any) -> list[Any]:
         """Every stage's ``obj`` on every stage of the pipeline, in stage order."""
         parts: list[Any] = [None] * self.topology.stages
-        with self.watchdog.guard("every stage's values logged around the optimizer step"):
+        with self.watchdog.guard("every stage's values logged in a hook that runs on every stage"):
             dist.all_gather_object(parts, obj, group=self.topology.object_group)  # host values through gloo
         return parts
 
-    def optimizer_hook_logs(self, callbacks: Sequence[Any]) -> OptimizerHookLogs | None:
-        """What merges the values the hooks around the optimizer step log on each stage (:mod:`.hook_logs`), where
-        the stages are separate processes and a hook that could log is overridden."""
-        if self.context.emulating or self.topology.stages == 1 or not logs_around_optimizer_step(self.module, callbacks):
+    def stage_hook_logs(self) -> StageHookLogs | None:
+        """What merges the values that hooks running on every stage log (:mod:`.hook_logs`), where the stages are
+        separate processes."""
+        if self.context.emulating or self.topology.stages == 1:
             return None
-        return OptimizerHookLogs(self.module, self.from_every_stage, self.topology.stage, self.last_stage_device,
-                                 one_pipeline=self.context.num_pipelines == 1)
+        return StageHookLogs(self.module, self.from_every_stage, self.topology.stage, self.last_stage_device,
+                             one_pipeline=self.context.num_pipelines == 1)
 
     def step_end_from_last_stage(self, payload: Any) -> Any:
         """:meth:`from_last_stage` at the end of a step, also carrying the last stage's ``trainer.should_stop`` and the

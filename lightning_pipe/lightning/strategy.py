@@ -53,7 +53,7 @@ from lightning_pipe.errors import CheckpointMismatchError, LightningPipeError, P
 from lightning_pipe.lightning import _compat, auto, checkpointing, checks, loss_scaling, preemption, sharded, startup
 from lightning_pipe.lightning import options as options_module
 from lightning_pipe.lightning.context import PipeContext
-from lightning_pipe.lightning.hook_logs import OptimizerHookLogs
+from lightning_pipe.lightning.hook_logs import StageHookLogs, logs_around_optimizer_step
 from lightning_pipe.lightning.launcher import PipeLauncher
 from lightning_pipe.lightning.model_summary import freeze_model_summaries
 from lightning_pipe.lightning.options import PipeOptions
@@ -350,7 +350,8 @@ class PipeStrategy(DDPStrategy, metaclass=_NamesItsOptions):
         self._runtime: Runtime | None = None
         self._tracer: RunTracer | None = None
         self._metrics: StageMetrics | None = None
-        self._hook_logs: OptimizerHookLogs | None = None  # merges what on_before_optimizer_step logs per stage
+        self._hook_logs: StageHookLogs | None = None  # merges what hooks running on every stage log
+        self._merges_optimizer_hook_logs = False  # on_before_optimizer_step is overridden: its logs are merged
         self._batch_rows = 0  # the rows of the batch the step is training on
         self._generation = 0
         self._loading: Any = None  # the checkpoint file being restored, for error messages
@@ -620,6 +621,9 @@ class PipeStrategy(DDPStrategy, metaclass=_NamesItsOptions):
                 "was cut; make it return early once the model exists (if self.model is not None: return)."
             )
         self._pipeline.use(self.context)  # a later call's watchdog and process groups
+        self._hook_logs = self._pipeline.stage_hook_logs()
+        if self._hook_logs is not None:  # what the module's epoch-end hooks log on the last stage reaches the loggers
+            self._hook_logs.wrap_epoch_ends()
         self.model_to_device()
         if self.options.data_parallel == "fsdp" and self._sharded is None:  # before the optimizer: it keeps the shards
             self._sharded = self._new_sharding(deferred=False)
@@ -646,7 +650,7 @@ class PipeStrategy(DDPStrategy, metaclass=_NamesItsOptions):
             if self._runtime is None:
                 self._runtime = make_runtime(self._pipeline, self._sharded)
             self._runtime.attach(self._pipeline)
-            self._hook_logs = self._pipeline.optimizer_hook_logs(trainer.callbacks)
+            self._merges_optimizer_hook_logs = self._hook_logs is not None and logs_around_optimizer_step(module, trainer.callbacks)
         self.setup_precision_plugin()
         scaler = loss_scaling.scaler_of(self.precision_plugin)
         if fitting:
@@ -765,7 +769,7 @@ class PipeStrategy(DDPStrategy, metaclass=_NamesItsOptions):
         step as Lightning does, with what the hooks before the update log merged over the stages (:mod:`.hook_logs`)."""
         if self._runtime is not None and self._runtime.steps_inside:
             return closure()
-        if self._hook_logs is None:
+        if self._hook_logs is None or not self._merges_optimizer_hook_logs:
             return super().optimizer_step(optimizer, closure, model, **kwargs)
         step = super().optimizer_step  # what on_before_optimizer_step logs on each stage, merged (hook_logs)
         return self._hook_logs.step(lambda wrapped: step(optimizer, wrapped, model, **kwargs), closure, lambda: self._batch_rows)
@@ -985,6 +989,8 @@ class PipeStrategy(DDPStrategy, metaclass=_NamesItsOptions):
     def teardown(self) -> None:
         if self._preemption is not None:
             self._preemption.uninstall()
+        if self._hook_logs is not None:
+            self._hook_logs.unwrap()
         if self._pipeline is not None and self._pipeline.absent and self.lightning_module is not None:
             # Lightning moves the module to the CPU next: a stand-in on a GPU would arrive there at full size
             move_stand_ins(self.lightning_module, torch.device("cpu"))

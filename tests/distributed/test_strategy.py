@@ -120,7 +120,8 @@ def test_callbacks_and_loggers_behave_as_on_one_device(tmp_path):
     """ModelCheckpoint (monitor, top-k, last, every n steps), EarlyStopping, LearningRateMonitor, CSV and
     TensorBoard loggers (rank 0 writes what one device writes), and the model's own calls to the loggers
     (``self.logger.log_metrics``, ``self.loggers[1].experiment.add_scalar``) reach them: made on the last stage in the
-    step, and on every stage, each with its own parameters' gradients, in ``on_before_optimizer_step``."""
+    step, on every stage, each with its own parameters' gradients, in ``on_before_optimizer_step``, and on the last
+    stage in ``on_validation_epoch_end`` from the outputs its steps collected (Lightning's recipe)."""
     import csv
     import os
 
@@ -153,7 +154,7 @@ def test_callbacks_and_loggers_behave_as_on_one_device(tmp_path):
     extra = {key for key in got[0] if key.startswith("pipe/")}
     assert {"pipe/stage0/bubble", "pipe/stage1/compute_ms"} <= extra
     got = [{k: v for k, v in row.items() if k not in extra} for row in got]
-    assert len(got) == len(want) and got[0].keys() == want[0].keys() and "first_logit" in want[0]
+    assert len(got) == len(want) and got[0].keys() == want[0].keys() and {"first_logit", "val_max_logit", "val_rows"} <= want[0].keys()
     for g, w in zip(got, want):
         for key in w:
             if w[key] == "":

@@ -62,7 +62,8 @@ class TrunkModel(L.LightningModule):
         self.stop_in_validation = stop_in_validation  # validation_step sets trainer.should_stop (after the sanity check)
         self.gather = gather  # validation_step logs the mean and the size of self.all_gather(its loss)
         self.log_grad_norms = log_grad_norms  # on_before_optimizer_step logs Lightning's grad_norm(self, 2)
-        self.logger_calls = logger_calls  # training_step (after the trunk) and on_before_optimizer_step call the loggers
+        self.logger_calls = logger_calls  # training_step (after the trunk) and on_before_optimizer_step call the loggers,
+        self.val_outputs: list[torch.Tensor] = []  # ... and on_validation_epoch_end logs what validation_step collected
         self.val_acc = torchmetrics.classification.MulticlassAccuracy(num_classes=classes, average="micro")
         self.val_mae = torchmetrics.MeanAbsoluteError()
 
@@ -116,6 +117,15 @@ class TrunkModel(L.LightningModule):
         self.log("val_acc", self.val_acc)
         self.val_mae(logits.softmax(1).max(1).values, torch.ones_like(y, dtype=torch.float))
         self.log("val_mae", self.val_mae)
+        if self.logger_calls:  # Lightning's recipe: collect in the step (the last stage), reduce at the epoch's end
+            self.val_outputs.append(logits.detach())
+
+    def on_validation_epoch_end(self):
+        if self.logger_calls and self.val_outputs:  # where the step's outputs were collected
+            every = torch.cat(self.val_outputs)
+            self.log("val_max_logit", every.max())
+            self.logger.log_metrics({"val_rows": float(len(every))}, step=self.global_step)
+        self.val_outputs = []
 
     def test_step(self, batch, batch_idx):
         x, y = batch

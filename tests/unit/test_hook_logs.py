@@ -7,12 +7,12 @@ import pytest
 import torch
 from lightning.pytorch import Callback, LightningModule
 
-from lightning_pipe.lightning.hook_logs import OptimizerHookLogs, logs_around_optimizer_step
+from lightning_pipe.lightning.hook_logs import StageHookLogs, logs_around_optimizer_step
 from lightning_pipe.lightning.log_replay import LoggedValue
 
 
-def merger(last_device: int = 1) -> OptimizerHookLogs:
-    return OptimizerHookLogs(LightningModule(), lambda records: [records], device=0, last_device=last_device,
+def merger(last_device: int = 1) -> StageHookLogs:
+    return StageHookLogs(LightningModule(), lambda records: [records], device=0, last_device=last_device,
                              one_pipeline=True)
 
 
@@ -41,7 +41,7 @@ def test_a_value_every_stage_logs_alike_is_logged_once_without_a_warning(recwarn
 
 
 def test_values_that_differ_keep_the_last_stage_s_and_say_how_to_log_them_apart():
-    with pytest.warns(UserWarning, match=r"self.log\('weight_norm'\).*different value on each pipeline stage.*"
+    with pytest.warns(UserWarning, match=r"self.log\('weight_norm'\) in on_before_optimizer_step got a different value.*"
                                          r"weight_norm/stage\{self.trainer.strategy.topology.stage\}"):
         got = merged_values([{"weight_norm": 1.0}, {"weight_norm": 2.0}], last_device=0)  # zbv: device 0 is last
     assert got == {"weight_norm": (0, 1.0)}
