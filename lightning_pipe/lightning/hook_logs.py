@@ -28,7 +28,6 @@ LightningModule (or, before the optimizer step, a callback) overrides.
 
 from __future__ import annotations
 
-import functools
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import replace
@@ -112,7 +111,8 @@ class StageHookLogs:
         for hook in EPOCH_END_HOOKS:
             if hook not in self._wrapped and is_overridden(hook, module, LightningModule):
                 current = getattr(module, hook)
-                module.__dict__[hook] = self._merging(getattr(current, "__wrapped__", current))  # never wrap a wrapper
+                original = getattr(current, "merges_over_stages", current)  # an earlier call's wrapper: wrap what it wrapped
+                module.__dict__[hook] = self._merging(hook, original)
                 self._wrapped.append(hook)
         return list(self._wrapped)
 
@@ -121,14 +121,14 @@ class StageHookLogs:
             self.module.__dict__.pop(hook, None)
         self._wrapped = []
 
-    def _merging(self, hook: Callable[..., Any]) -> Callable[..., Any]:
-        @functools.wraps(hook)
+    def _merging(self, name: str, hook: Callable[..., Any]) -> Callable[..., Any]:
         def merged(*args: Any, **kwargs: Any) -> Any:
             with LogCapture(self.module) as capture, LoggerCalls(self.module) as calls:
                 result = hook(*args, **kwargs)
-            self._replay(capture, calls, hook.__name__, every_stage_calls=False)  # the steps' values are on the last stage
+            self._replay(capture, calls, name, every_stage_calls=False)  # the steps' values are on the last stage
             return result
 
+        merged.merges_over_stages = hook  # type: ignore[attr-defined]
         return merged
 
     def _replay(self, capture: LogCapture, calls: LoggerCalls, hook: str, every_stage_calls: bool) -> None:

@@ -59,3 +59,29 @@ def test_the_gather_runs_only_where_a_hook_that_could_log_is_overridden():
     assert not logs_around_optimizer_step(LightningModule(), [])
     assert logs_around_optimizer_step(Tracks(), [])
     assert logs_around_optimizer_step(LightningModule(), [Watches()])
+
+
+def test_epoch_end_hooks_are_wrapped_once_and_given_back_as_they_were():
+    """A wrapped hook runs the user's own (decorators included), logs through the merge, and a second wrapping (a later
+    Trainer call) wraps the user's hook again, not the first wrapper; unwrapping leaves the class's method."""
+    import types
+
+    class Collects(LightningModule):
+        @torch.no_grad()
+        def on_validation_epoch_end(self):
+            self.seen = torch.is_grad_enabled()
+            self.log("val_max", 3.0)
+
+    module = Collects()
+    module._trainer = types.SimpleNamespace(is_global_zero=True, loggers=[])  # what the hook and the merge read
+    gathered = []
+    first = StageHookLogs(module, lambda logs: gathered.append(logs) or [logs], device=0, last_device=0, one_pipeline=True)
+    assert first.wrap_epoch_ends() == ["on_validation_epoch_end"]
+    replayed = []
+    module.log = lambda name, value, **kwargs: replayed.append((name, float(value)))  # the real log, as replay calls it
+    second = StageHookLogs(module, lambda logs: [logs], device=0, last_device=0, one_pipeline=True)
+    second.wrap_epoch_ends()
+    module.on_validation_epoch_end()
+    assert module.seen is False and replayed == [("val_max", 3.0)] and gathered == []  # the second wrapper alone ran
+    second.unwrap()
+    assert "on_validation_epoch_end" not in vars(module)
