@@ -761,6 +761,8 @@ class PipeStrategy(DDPStrategy, metaclass=_NamesItsOptions):
         closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
         assert self._runtime is not None
         self._runtime.backward()
+        if self._hook_logs is not None and self._merges_optimizer_hook_logs:  # on_after_backward's logs are merged too
+            self._hook_logs.after_backward(self._batch_rows)
         return self.precision_plugin.post_backward(closure_loss, module)
 
     @override
@@ -771,8 +773,8 @@ class PipeStrategy(DDPStrategy, metaclass=_NamesItsOptions):
             return closure()
         if self._hook_logs is None or not self._merges_optimizer_hook_logs:
             return super().optimizer_step(optimizer, closure, model, **kwargs)
-        step = super().optimizer_step  # what on_before_optimizer_step logs on each stage, merged (hook_logs)
-        return self._hook_logs.step(lambda wrapped: step(optimizer, wrapped, model, **kwargs), closure, lambda: self._batch_rows)
+        step = super().optimizer_step  # what the hooks after the backward log on each stage, merged (hook_logs)
+        return self._hook_logs.step(lambda: step(optimizer, closure, model, **kwargs))
 
     def _drain(self) -> None:
         if self._runtime is not None:

@@ -45,7 +45,7 @@ class TrunkModel(L.LightningModule):
                  fail_rank: int = -1, tie: bool = False, scheduler: bool | str = False, fail_hook: str | None = None,
                  fault: dict | None = None, configure: bool = False, overflow: dict | None = None, late_use: int = -1,
                  frozen: int = 0, stop_at_step: int = -1, stop_in_validation: bool = False,
-                 gather: bool = False, log_grad_norms: bool = False, logger_calls: bool = False):
+                 gather: bool = False, log_grad_norms: bool | str = False, logger_calls: bool = False):
         super().__init__()
         self.save_hyperparameters()
         self.tie, self.scheduler = tie, scheduler
@@ -61,7 +61,7 @@ class TrunkModel(L.LightningModule):
         self.stop_at_step = stop_at_step  # from this step on, training_step's code after the trunk sets trainer.should_stop
         self.stop_in_validation = stop_in_validation  # validation_step sets trainer.should_stop (after the sanity check)
         self.gather = gather  # validation_step logs the mean and the size of self.all_gather(its loss)
-        self.log_grad_norms = log_grad_norms  # on_before_optimizer_step logs Lightning's grad_norm(self, 2)
+        self.log_grad_norms = log_grad_norms  # on_before_optimizer_step ("after_backward": on_after_backward) logs grad_norm(self, 2)
         self.logger_calls = logger_calls  # training_step (after the trunk) and on_before_optimizer_step call the loggers,
         self.val_outputs: list[torch.Tensor] = []  # ... and on_validation_epoch_end logs what validation_step collected
         self.val_acc = torchmetrics.classification.MulticlassAccuracy(num_classes=classes, average="micro")
@@ -175,8 +175,12 @@ class TrunkModel(L.LightningModule):
             self.loggers[1].experiment.add_scalar("first_logit_tb", first, self.global_step)
         return loss
 
+    def on_after_backward(self):
+        if self.log_grad_norms == "after_backward":  # where older Lightning recipes tracked gradients
+            self.log_dict(grad_norm(self, norm_type=2))
+
     def on_before_optimizer_step(self, optimizer):
-        if self.log_grad_norms:  # Lightning's recipe for tracking gradients
+        if self.log_grad_norms is True:  # Lightning's recipe for tracking gradients
             self.log_dict(grad_norm(self, norm_type=2))
         if self.logger_calls:  # every rank its own stage's gradients, straight to TensorBoard's writer
             for name, p in self.named_parameters():
