@@ -43,19 +43,20 @@ from lightning_pipe.lightning.logger_calls import LoggerCall, LoggerCalls, make_
 #: What each stage contributes: its ``self.log`` records and its calls to the loggers.
 StageLogs = tuple[list[LoggedValue], list[LoggerCall]]
 
-#: The hooks that run between the backward and the optimizer's update, on every rank (a precision plugin's
-#: ``post_backward``, then Lightning's ``_after_closure``).
-HOOKS = ("on_after_backward", "on_before_optimizer_step", "configure_gradient_clipping")
+#: The hooks that run just before the optimizer's update, on every rank (Lightning's ``_after_closure``).
+HOOKS = ("on_before_optimizer_step", "configure_gradient_clipping")
+#: The hook that runs after every backward (a precision plugin's ``post_backward``), stepping or accumulating.
+AFTER_BACKWARD = "on_after_backward"
 #: The module's epoch-end hooks, where what the steps collected on the last stage is used.
 EPOCH_END_HOOKS = ("on_train_epoch_end", "on_validation_epoch_end", "on_test_epoch_end", "on_predict_epoch_end")
 #: Lightning's ``grad_norm`` names the norm of all the norms it returns ``grad_{p}_norm_total`` (p as a float, or ``inf``).
 _GRAD_NORM_TOTAL = re.compile(r"grad_(?P<order>inf|\d+(\.\d*)?)_norm_total")
 
 
-def logs_around_optimizer_step(module: LightningModule, callbacks: Sequence[Callback]) -> bool:
-    """Whether the module or a callback overrides a hook that runs between the backward and the optimizer's update."""
-    overridden = any(is_overridden(hook, module, LightningModule) for hook in HOOKS)
-    return overridden or any(is_overridden(hook, callback, Callback) for callback in callbacks for hook in HOOKS[:2])
+def overrides(hooks: Sequence[str], module: LightningModule, callbacks: Sequence[Callback]) -> bool:
+    """Whether the module or a callback overrides one of ``hooks`` (a callback has no ``configure_gradient_clipping``)."""
+    return (any(is_overridden(hook, module, LightningModule) for hook in hooks)
+            or any(hasattr(Callback, hook) and is_overridden(hook, callback, Callback) for callback in callbacks for hook in hooks))
 
 
 class StageHookLogs:
@@ -78,28 +79,40 @@ class StageHookLogs:
         self.one_pipeline = one_pipeline
         self._warned: set[str] = set()
         self._wrapped: list[str] = []
-        self._open: tuple[LogCapture, LoggerCalls] | None = None  # the capture of the current optimizer step
 
-    def after_backward(self, batch_size: int) -> None:
-        """Start capturing: the backward is done, its hooks (``on_after_backward``) and the optimizer's come next.
-        An optimizer that evaluates the closure again keeps the one capture."""
-        if self._open is None:
-            capture, calls = LogCapture(self.module), LoggerCalls(self.module)
-            capture.batch_size = batch_size
-            self._open = (capture.__enter__(), calls.__enter__())
+    def step(self, optimizer_step: Callable[[Callable[[], Any]], Any], closure: Callable[[], Any],
+             batch_size: Callable[[], int]) -> Any:
+        """Run ``optimizer_step`` with a closure that starts capturing once the training step and backward are
+        done, so that only the hooks between them and the update are captured; then merge and replay."""
+        capture, calls = LogCapture(self.module), LoggerCalls(self.module)
+        capturing = False
 
-    def step(self, optimizer_step: Callable[[], Any]) -> Any:
-        """Run ``optimizer_step`` (the closure's backward calls :meth:`after_backward`), then merge and replay what
-        the hooks after the backward logged on every stage."""
+        def closure_then_capture() -> Any:
+            nonlocal capturing
+            result = closure()
+            if not capturing:  # an optimizer may evaluate the closure more than once
+                capture.batch_size = batch_size()  # known once the training step has run
+                capture.__enter__()
+                calls.__enter__()
+                capturing = True
+            return result
+
         try:
-            result = optimizer_step()
+            result = optimizer_step(closure_then_capture)
         finally:
-            opened, self._open = self._open, None
-            if opened is not None:
-                opened[1].__exit__(None, None, None)
-                opened[0].__exit__(None, None, None)
-        capture, calls = opened if opened is not None else (LogCapture(self.module), LoggerCalls(self.module))
+            if capturing:
+                calls.__exit__(None, None, None)
+                capture.__exit__(None, None, None)
         self._replay(capture, calls, "on_before_optimizer_step", every_stage_calls=True)  # each its own parameters
+        return result
+
+    def around(self, hook: str, run: Callable[[], Any], batch_size: int) -> Any:
+        """``run()`` (what calls ``hook`` on every stage: the backward's end, which calls ``on_after_backward`` at every
+        batch, stepping or accumulating), with what it logs merged and replayed."""
+        with LogCapture(self.module) as capture, LoggerCalls(self.module) as calls:
+            capture.batch_size = batch_size
+            result = run()
+        self._replay(capture, calls, hook, every_stage_calls=True)
         return result
 
     def wrap_epoch_ends(self) -> list[str]:

@@ -50,10 +50,10 @@ from lightning_pipe.engine.stage import batch_fingerprint
 from lightning_pipe.engine.stand_ins import move_stand_ins
 from lightning_pipe.engine.watchdog import FAILURE_GRACE
 from lightning_pipe.errors import CheckpointMismatchError, LightningPipeError, PipeConfigError
-from lightning_pipe.lightning import _compat, auto, checkpointing, checks, loss_scaling, preemption, sharded, startup
+from lightning_pipe.lightning import _compat, auto, checkpointing, checks, hook_logs, loss_scaling, preemption, sharded, startup
 from lightning_pipe.lightning import options as options_module
 from lightning_pipe.lightning.context import PipeContext
-from lightning_pipe.lightning.hook_logs import StageHookLogs, logs_around_optimizer_step
+from lightning_pipe.lightning.hook_logs import StageHookLogs
 from lightning_pipe.lightning.launcher import PipeLauncher
 from lightning_pipe.lightning.model_summary import freeze_model_summaries
 from lightning_pipe.lightning.options import PipeOptions
@@ -352,6 +352,7 @@ class PipeStrategy(DDPStrategy, metaclass=_NamesItsOptions):
         self._metrics: StageMetrics | None = None
         self._hook_logs: StageHookLogs | None = None  # merges what hooks running on every stage log
         self._merges_optimizer_hook_logs = False  # on_before_optimizer_step is overridden: its logs are merged
+        self._merges_backward_hook_logs = False  # ... on_after_backward
         self._batch_rows = 0  # the rows of the batch the step is training on
         self._generation = 0
         self._loading: Any = None  # the checkpoint file being restored, for error messages
@@ -650,7 +651,9 @@ class PipeStrategy(DDPStrategy, metaclass=_NamesItsOptions):
             if self._runtime is None:
                 self._runtime = make_runtime(self._pipeline, self._sharded)
             self._runtime.attach(self._pipeline)
-            self._merges_optimizer_hook_logs = self._hook_logs is not None and logs_around_optimizer_step(module, trainer.callbacks)
+            merges = self._hook_logs is not None
+            self._merges_optimizer_hook_logs = merges and hook_logs.overrides(hook_logs.HOOKS, module, trainer.callbacks)
+            self._merges_backward_hook_logs = merges and hook_logs.overrides([hook_logs.AFTER_BACKWARD], module, trainer.callbacks)
         self.setup_precision_plugin()
         scaler = loss_scaling.scaler_of(self.precision_plugin)
         if fitting:
@@ -761,9 +764,10 @@ class PipeStrategy(DDPStrategy, metaclass=_NamesItsOptions):
         closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
         assert self._runtime is not None
         self._runtime.backward()
-        if self._hook_logs is not None and self._merges_optimizer_hook_logs:  # on_after_backward's logs are merged too
-            self._hook_logs.after_backward(self._batch_rows)
-        return self.precision_plugin.post_backward(closure_loss, module)
+        if self._hook_logs is None or not self._merges_backward_hook_logs:
+            return self.precision_plugin.post_backward(closure_loss, module)
+        return self._hook_logs.around(  # what on_after_backward logs on each stage, merged (hook_logs)
+            hook_logs.AFTER_BACKWARD, lambda: self.precision_plugin.post_backward(closure_loss, module), self._batch_rows)
 
     @override
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
@@ -773,8 +777,8 @@ class PipeStrategy(DDPStrategy, metaclass=_NamesItsOptions):
             return closure()
         if self._hook_logs is None or not self._merges_optimizer_hook_logs:
             return super().optimizer_step(optimizer, closure, model, **kwargs)
-        step = super().optimizer_step  # what the hooks after the backward log on each stage, merged (hook_logs)
-        return self._hook_logs.step(lambda: step(optimizer, closure, model, **kwargs))
+        step = super().optimizer_step  # what on_before_optimizer_step logs on each stage, merged (hook_logs)
+        return self._hook_logs.step(lambda wrapped: step(optimizer, wrapped, model, **kwargs), closure, lambda: self._batch_rows)
 
     def _drain(self) -> None:
         if self._runtime is not None:

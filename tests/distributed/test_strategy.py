@@ -224,16 +224,16 @@ def tensorboard_scalars(root) -> dict[str, list[tuple[int, float]]]:
     return scalars
 
 
-@pytest.mark.parametrize("schedule, hook", [
-    ("1f1b", True), ("zbv", True),  # zbv: the last stage is device 0
-    ("1f1b", "after_backward"),
+@pytest.mark.parametrize("schedule, hook, trainer", [
+    ("1f1b", True, {}), ("zbv", True, {}),  # zbv: the last stage is device 0
+    ("1f1b", "after_backward", {"accumulate_grad_batches": 2}),  # on_after_backward runs at every batch, stepping or not
 ])
-def test_grad_norm_logged_before_the_optimizer_step_covers_every_stage(schedule, hook):
+def test_grad_norm_logged_before_the_optimizer_step_covers_every_stage(schedule, hook, trainer):
     """Lightning's ``self.log_dict(grad_norm(self, 2))`` in ``on_before_optimizer_step`` (or ``on_after_backward``)
     runs on every rank with its own stage's gradients: every rank (and so rank 0's loggers) now sees every
     parameter's norm and the whole model's total, as one device logs them. Before, each rank logged its own
     stage's, with a total over it alone."""
-    config = {"epochs": 1, "model": {"log_grad_norms": hook}}
+    config = {"epochs": 1, "model": {"log_grad_norms": hook}, "trainer": trainer}
     reference = train(config)
     norms = [{k: v for k, v in step.items() if k.startswith("grad_")} for step in reference["metrics"]]
     assert "grad_2.0_norm_total" in norms[0] and "grad_2.0_norm/head.weight" in norms[0]

@@ -62,6 +62,8 @@ class TrunkModel(L.LightningModule):
         self.stop_in_validation = stop_in_validation  # validation_step sets trainer.should_stop (after the sanity check)
         self.gather = gather  # validation_step logs the mean and the size of self.all_gather(its loss)
         self.log_grad_norms = log_grad_norms  # on_before_optimizer_step ("after_backward": on_after_backward) logs grad_norm(self, 2)
+        if log_grad_norms == "after_backward":  # where older Lightning recipes tracked gradients
+            self.on_after_backward = self.log_grad_norms_after_backward
         self.logger_calls = logger_calls  # training_step (after the trunk) and on_before_optimizer_step call the loggers,
         self.val_outputs: list[torch.Tensor] = []  # ... and on_validation_epoch_end logs what validation_step collected
         self.val_acc = torchmetrics.classification.MulticlassAccuracy(num_classes=classes, average="micro")
@@ -175,9 +177,8 @@ class TrunkModel(L.LightningModule):
             self.loggers[1].experiment.add_scalar("first_logit_tb", first, self.global_step)
         return loss
 
-    def on_after_backward(self):
-        if self.log_grad_norms == "after_backward":  # where older Lightning recipes tracked gradients
-            self.log_dict(grad_norm(self, norm_type=2))
+    def log_grad_norms_after_backward(self):  # on_after_backward where asked, so that other runs gather nothing there
+        self.log_dict(grad_norm(self, norm_type=2))
 
     def on_before_optimizer_step(self, optimizer):
         if self.log_grad_norms is True:  # Lightning's recipe for tracking gradients
