@@ -44,7 +44,7 @@ from lightning_pipe.lightning.logger_calls import LoggerCall, LoggerCalls, make_
 StageLogs = tuple[list[LoggedValue], list[LoggerCall]]
 
 #: The hooks that run just before the optimizer's update, on every rank (Lightning's ``_after_closure``).
-HOOKS = ("on_before_optimizer_step", "configure_gradient_clipping")
+BEFORE_OPTIMIZER_STEP = ("on_before_optimizer_step", "configure_gradient_clipping")
 #: The hook that runs after every backward (a precision plugin's ``post_backward``), stepping or accumulating.
 AFTER_BACKWARD = "on_after_backward"
 #: The module's epoch-end hooks, where what the steps collected on the last stage is used.

@@ -652,7 +652,7 @@ class PipeStrategy(DDPStrategy, metaclass=_NamesItsOptions):
                 self._runtime = make_runtime(self._pipeline, self._sharded)
             self._runtime.attach(self._pipeline)
             merges = self._hook_logs is not None
-            self._merges_optimizer_hook_logs = merges and hook_logs.overrides(hook_logs.HOOKS, module, trainer.callbacks)
+            self._merges_optimizer_hook_logs = merges and hook_logs.overrides(hook_logs.BEFORE_OPTIMIZER_STEP, module, trainer.callbacks)
             self._merges_backward_hook_logs = merges and hook_logs.overrides([hook_logs.AFTER_BACKWARD], module, trainer.callbacks)
         self.setup_precision_plugin()
         scaler = loss_scaling.scaler_of(self.precision_plugin)

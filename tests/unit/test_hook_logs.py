@@ -7,7 +7,7 @@ import pytest
 import torch
 from lightning.pytorch import Callback, LightningModule
 
-from lightning_pipe.lightning.hook_logs import HOOKS, StageHookLogs, overrides
+from lightning_pipe.lightning.hook_logs import BEFORE_OPTIMIZER_STEP, StageHookLogs, overrides
 from lightning_pipe.lightning.log_replay import LoggedValue
 
 
@@ -56,9 +56,9 @@ def test_the_gather_runs_only_where_a_hook_that_could_log_is_overridden():
         def on_before_optimizer_step(self, trainer, pl_module, optimizer):
             pass
 
-    assert not overrides(HOOKS, LightningModule(), [])
-    assert overrides(HOOKS, Tracks(), [])
-    assert overrides(HOOKS, LightningModule(), [Watches()])
+    assert not overrides(BEFORE_OPTIMIZER_STEP, LightningModule(), [])
+    assert overrides(BEFORE_OPTIMIZER_STEP, Tracks(), [])
+    assert overrides(BEFORE_OPTIMIZER_STEP, LightningModule(), [Watches()])
 
 
 def test_epoch_end_hooks_are_wrapped_once_and_given_back_as_they_were():
