@@ -122,13 +122,11 @@ class LoggerCalls:
             pickle.dumps((call.args, call.kwargs))
         except Exception as error:
             raise PipeConfigError(
-                f"{call.describe()} in a pipelined step: the loggers write on global rank 0 and this call is made on the "
-                f"last stage, so its arguments travel there, and they cannot be pickled ({type(error).__name__}: {error}). "
-                "Pass tensors, numbers, strings or arrays (e.g. a figure as an image array), or make the call in a hook "
-                "that runs on rank 0 (on_validation_epoch_end)."
+                f"{call.describe()} under a pipeline: the loggers write on global rank 0, so a call made on another "
+                f"stage travels there, and its arguments cannot be pickled ({type(error).__name__}: {error}). Pass "
+                "tensors, arrays, numbers, strings or figures."
             ) from error
         self.calls.append(call)
-
 
 
 def make_calls(calls: Sequence[LoggerCall], loggers: Sequence[Any]) -> None:

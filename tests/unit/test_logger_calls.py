@@ -103,6 +103,6 @@ def test_a_step_s_logger_calls_are_made_once_per_batch_as_on_one_device():
 
 
 def test_a_call_whose_arguments_cannot_reach_rank_0_names_itself():
-    with pytest.raises(PipeConfigError, match=r"self.loggers\[0\].experiment.add_text\(...\) in a pipelined step.*cannot be "
+    with pytest.raises(PipeConfigError, match=r"self.loggers\[0\].experiment.add_text\(...\) under a pipeline.*cannot be "
                                               r"pickled"):
         run(PipeStrategy(schedule="1f1b", stages=2, micro_batches=2), Calls(argument=lambda: "not picklable"))
