@@ -82,11 +82,12 @@ class _PendingReceive:
 
 def _as_tensors(value: Activation) -> tuple[Tensor, ...]:
     flat = flatten_activation(value)
-    assert flat is not None, "activations are checked (_check_output) before they are stored or sent"
+    assert flat is not None, "activations are checked (_checked_header) before they are stored or sent"
     return flat[0]
 
 
-def _check_output(value: Any, where: str) -> Activation:
+def _checked_header(value: Any, where: str) -> Header:
+    """The header of a stage output that can cross a boundary; else a :class:`StageOutputError` that says why not."""
     flat = flatten_activation(value)
     if flat is None:
         raise StageOutputError(
@@ -100,7 +101,7 @@ def _check_output(value: Any, where: str) -> Activation:
             "one in evaluation, from a src_key_padding_mask without a mask); build the encoder with "
             "nn.TransformerEncoder(..., enable_nested_tensor=False)."
         )
-    return value
+    return Header.of_flat(*flat)
 
 
 def _describe(value: Any) -> str:
@@ -467,8 +468,7 @@ class Executor:
                 raise StageOutputError(f"{self._name(chunk)} must return a scalar loss, got {type(output).__name__}.")
             self._outputs[(action.replica, mb)] = output.detach()
         else:
-            output = _check_output(output, self._name(chunk))
-            flight.header = Header.of(output)
+            flight.header = _checked_header(output, self._name(chunk))
         flight.output = output
         self._in_flight[(action.replica, chunk, mb)] = flight
 
@@ -531,7 +531,7 @@ class Executor:
                 replayed_rng(probe.rng, self._policy_device()), torch.enable_grad():
             output = self.chunks[chunk](probe.inputs, probe.micro_batch)
             if grads is not None:
-                output = _check_output(output, self._name(chunk))
+                _checked_header(output, self._name(chunk))
             again = _InFlight(output=output, weight=flight.weight, header=flight.header)
             roots, root_grads = self._backward_roots(again, grads)
             if not roots:

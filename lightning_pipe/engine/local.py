@@ -104,7 +104,7 @@ class LocalTransport:
         tensors = tuple(t.detach() for t in flat[0])
         # the header stays in host memory: it is decoded here, in this process, so a copy to the device and
         # the .tolist() back would only cost a host synchronisation per header (issue 30)
-        encoded = Header.of(value).encode(torch.device("cpu")) if header else None
+        encoded = Header.of_flat(*flat).encode(torch.device("cpu")) if header else None
         return [(self._put(dst, "activation", (encoded, tensors)), tensors[0])]
 
     def send_gradients(self, grads: Sequence[Tensor], dst: int, lane: int = 0,

@@ -130,9 +130,12 @@ class Header:
         flat = flatten_activation(value)
         if flat is None:
             raise TypeError(f"a stage output must be tensors in tuples or lists (or None), not {type(value).__name__}")
-        tensors, structure = flat
-        metas = tuple(TensorMeta(tuple(t.shape), t.dtype, t.requires_grad) for t in tensors)
-        return cls(metas, structure)
+        return cls.of_flat(*flat)
+
+    @classmethod
+    def of_flat(cls, tensors: Sequence[Tensor], structure: tuple[int, ...]) -> Header:
+        """The header of an output :func:`flatten_activation` already took apart."""
+        return cls(tuple(TensorMeta(tuple(t.shape), t.dtype, t.requires_grad) for t in tensors), structure)
 
     def rebuild(self, tensors: Sequence[Tensor]) -> Any:
         """The received ``tensors`` in the sender's structure."""
@@ -416,7 +419,7 @@ class Transport:
         tensors = flat[0]
         out = []
         if header:
-            encoded = Header.of(value).encode(self.device)
+            encoded = Header.of_flat(*flat).encode(self.device)
             out.append((self.isend(encoded, dst, lane_tag(ACTIVATION_HEADER_TAG, lane)), encoded))
         return out + self._send_tensors(tensors, dst, lane_tag(ACTIVATION_TAG, lane), micro_batch)
 
