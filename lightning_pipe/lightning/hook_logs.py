@@ -106,13 +106,14 @@ class StageHookLogs:
         self._replay(capture, calls, "on_before_optimizer_step", every_stage_calls=True)  # each its own parameters
         return result
 
-    def around(self, hook: str, run: Callable[[], Any], batch_size: int) -> Any:
+    def around(self, hook: str, run: Callable[[], Any], batch_size: int = 1, every_stage_calls: bool = True) -> Any:
         """``run()`` (what calls ``hook`` on every stage: the backward's end, which calls ``on_after_backward`` at every
-        batch, stepping or accumulating), with what it logs merged and replayed."""
+        batch, stepping or accumulating; an epoch-end hook), with what it logs merged and replayed; ``every_stage_calls``:
+        rank 0 makes every stage's logger calls, else the last stage's."""
         with LogCapture(self.module) as capture, LoggerCalls(self.module) as calls:
             capture.batch_size = batch_size
             result = run()
-        self._replay(capture, calls, hook, every_stage_calls=True)
+        self._replay(capture, calls, hook, every_stage_calls)
         return result
 
     def wrap_epoch_ends(self) -> list[str]:
@@ -133,11 +134,8 @@ class StageHookLogs:
         self._wrapped = []
 
     def _merging(self, name: str, hook: Callable[..., Any]) -> Callable[..., Any]:
-        def merged(*args: Any, **kwargs: Any) -> Any:
-            with LogCapture(self.module) as capture, LoggerCalls(self.module) as calls:
-                result = hook(*args, **kwargs)
-            self._replay(capture, calls, name, every_stage_calls=False)  # the steps' values are on the last stage
-            return result
+        def merged(*args: Any, **kwargs: Any) -> Any:  # the values the steps collected are on the last stage
+            return self.around(name, lambda: hook(*args, **kwargs), every_stage_calls=False)
 
         merged.merges_over_stages = hook  # type: ignore[attr-defined]
         return merged

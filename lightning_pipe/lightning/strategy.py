@@ -351,8 +351,8 @@ class PipeStrategy(DDPStrategy, metaclass=_NamesItsOptions):
         self._tracer: RunTracer | None = None
         self._metrics: StageMetrics | None = None
         self._hook_logs: StageHookLogs | None = None  # merges what hooks running on every stage log
-        self._merges_optimizer_hook_logs = False  # on_before_optimizer_step is overridden: its logs are merged
-        self._merges_backward_hook_logs = False  # ... on_after_backward
+        self._step_hook_logs: StageHookLogs | None = None  # the same, where on_before_optimizer_step is overridden
+        self._backward_hook_logs: StageHookLogs | None = None  # ... where on_after_backward is
         self._batch_rows = 0  # the rows of the batch the step is training on
         self._generation = 0
         self._loading: Any = None  # the checkpoint file being restored, for error messages
@@ -651,9 +651,9 @@ class PipeStrategy(DDPStrategy, metaclass=_NamesItsOptions):
             if self._runtime is None:
                 self._runtime = make_runtime(self._pipeline, self._sharded)
             self._runtime.attach(self._pipeline)
-            merges = self._hook_logs is not None
-            self._merges_optimizer_hook_logs = merges and hook_logs.overrides(hook_logs.BEFORE_OPTIMIZER_STEP, module, trainer.callbacks)
-            self._merges_backward_hook_logs = merges and hook_logs.overrides([hook_logs.AFTER_BACKWARD], module, trainer.callbacks)
+            logs, callbacks = self._hook_logs, trainer.callbacks
+            self._step_hook_logs = logs if hook_logs.overrides(hook_logs.BEFORE_OPTIMIZER_STEP, module, callbacks) else None
+            self._backward_hook_logs = logs if hook_logs.overrides([hook_logs.AFTER_BACKWARD], module, callbacks) else None
         self.setup_precision_plugin()
         scaler = loss_scaling.scaler_of(self.precision_plugin)
         if fitting:
@@ -764,9 +764,9 @@ class PipeStrategy(DDPStrategy, metaclass=_NamesItsOptions):
         closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
         assert self._runtime is not None
         self._runtime.backward()
-        if self._hook_logs is None or not self._merges_backward_hook_logs:
+        if self._backward_hook_logs is None:
             return self.precision_plugin.post_backward(closure_loss, module)
-        return self._hook_logs.around(  # what on_after_backward logs on each stage, merged (hook_logs)
+        return self._backward_hook_logs.around(  # what on_after_backward logs on each stage, merged (hook_logs)
             hook_logs.AFTER_BACKWARD, lambda: self.precision_plugin.post_backward(closure_loss, module), self._batch_rows)
 
     @override
@@ -775,10 +775,10 @@ class PipeStrategy(DDPStrategy, metaclass=_NamesItsOptions):
         step as Lightning does, with what the hooks before the update log merged over the stages (:mod:`.hook_logs`)."""
         if self._runtime is not None and self._runtime.steps_inside:
             return closure()
-        if self._hook_logs is None or not self._merges_optimizer_hook_logs:
+        if self._step_hook_logs is None:
             return super().optimizer_step(optimizer, closure, model, **kwargs)
         step = super().optimizer_step  # what on_before_optimizer_step logs on each stage, merged (hook_logs)
-        return self._hook_logs.step(lambda wrapped: step(optimizer, wrapped, model, **kwargs), closure, lambda: self._batch_rows)
+        return self._step_hook_logs.step(lambda wrapped: step(optimizer, wrapped, model, **kwargs), closure, lambda: self._batch_rows)
 
     def _drain(self) -> None:
         if self._runtime is not None:
