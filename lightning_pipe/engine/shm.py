@@ -110,12 +110,11 @@ def reachable_peers(token: str) -> dict[int, int]:
         peers = {}
         for peer in range(world):
             try:
-                with open(hello_path(token, peer)) as hello:
-                    pid, start, _ = hello.read().split()
+                pid, start, _ = _read_hello(hello_path(token, peer))
             except FileNotFoundError:
                 continue
-            if peer != rank and _start_time(int(pid)) == start:
-                peers[peer] = int(pid)
+            if peer != rank and _start_time(pid) == start:
+                peers[peer] = pid
         dist.barrier()
     except BaseException:
         _unlink(hello_path(token, rank))
@@ -154,13 +153,19 @@ def remove_dead_jobs_files() -> int:
 def _may_be_alive(hello: str, namespace: str) -> bool:
     """Whether the process a hello file names may still run (or cannot be told apart from one that does)."""
     try:
-        with open(hello) as file:
-            pid, start, where = file.read().split()
+        pid, start, where = _read_hello(hello)
     except FileNotFoundError:
         return False  # its job is ending right now
     except (OSError, ValueError):  # being written, or not ours to read
         return True
-    return where != namespace or _start_time(int(pid)) == start
+    return where != namespace or _start_time(pid) == start
+
+
+def _read_hello(path: str) -> tuple[int, str, str]:
+    """A hello file's process id, start time and process namespace (:func:`reachable_peers` writes it)."""
+    with open(path) as file:
+        pid, start, namespace = file.read().split()
+    return int(pid), start, namespace
 
 
 def _pid_namespace() -> str:

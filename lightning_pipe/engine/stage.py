@@ -107,7 +107,7 @@ def batch_fingerprint(batch: Any) -> int | None:
             if leaf.is_floating_point() or leaf.is_complex() or leaf.device.type != "cpu":
                 continue
             flat = leaf.reshape(-1)
-            sample = flat[:: -(-flat.numel() // FINGERPRINT_SAMPLES)].to(torch.int64) if flat.numel() else flat.to(torch.int64)
+            sample = flat[:: max(1, -(-flat.numel() // FINGERPRINT_SAMPLES))].to(torch.int64)
             weights = torch.arange(1, sample.numel() + 1, dtype=torch.int64)  # positions count, not only values
             parts += [int((sample * weights).sum()), flat.numel()]
         elif isinstance(leaf, str):
