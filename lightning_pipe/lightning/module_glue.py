@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable, Mapping, Sequence
+from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -23,6 +24,7 @@ from torchmetrics import Metric
 
 from lightning_pipe.engine.outside import reject_shared
 from lightning_pipe.engine.p2p import flatten_activation
+from lightning_pipe.engine.random_state import StepSeeds
 from lightning_pipe.engine.stage import batch_size
 from lightning_pipe.errors import SharedParameterError
 from lightning_pipe.lightning import _compat
@@ -54,6 +56,8 @@ class ModuleStages:
         capture: records ``self.log`` calls of the step.
         output_to_loss: extracts the loss from the step's output (``None`` for forward-only use).
         logger_calls: records the step's calls to the loggers, if given.
+        seeds: the random state each micro-batch's step and layers start from, alike on every stage
+            (:mod:`~lightning_pipe.engine.random_state`); ``None`` leaves the generators alone.
     """
 
     def __init__(
@@ -64,6 +68,7 @@ class ModuleStages:
         capture: LogCapture,
         output_to_loss: Callable[[Any], Any],
         logger_calls: LoggerCalls | None = None,
+        seeds: StepSeeds | None = None,
     ) -> None:
         self.step = step
         self.partition = partition
@@ -71,19 +76,28 @@ class ModuleStages:
         self.capture = capture
         self.output_to_loss = output_to_loss
         self.logger_calls = logger_calls
+        self.seeds = seeds
 
     def chunk_callables(self) -> list[Callable[[Any, Any], Any]]:
         return [self._callable(chunk, vs) for chunk, vs in enumerate(self.partition.local)]
 
     def _callable(self, chunk: int, vs: int) -> Callable[[Any, Any], Any]:
         first, last = vs == 0, vs == self.virtual_stages - 1
-        partition = self.partition
+        partition, seeds = self.partition, self.seeds
         if not (first or last or partition.middle_runs_step):  # a Sequential's middle stage: its layers only
-            return lambda inputs, _: partition.run_chunk(chunk, inputs)
+
+            def run_layers(inputs: Any, micro_batch: Any) -> Any:
+                with seeds.running(seeds.layers(micro_batch, vs)) if seeds else nullcontext():
+                    return partition.run_chunk(chunk, inputs)
+
+            return run_layers
 
         def run(inputs: Any, micro_batch: Any) -> Any:
+            stage_pass = StagePass(chunk, first, inputs, stop=not last,
+                                   layer_seed=seeds.layers(micro_batch, vs) if seeds else None)
             try:
-                output = self._run_step(micro_batch, StagePass(chunk, first, inputs, stop=not last))
+                with seeds.running(seeds.of(micro_batch)) if seeds else nullcontext():
+                    output = self._run_step(micro_batch, stage_pass)
             except StageStop as done:
                 return done.output
             if last:

@@ -20,6 +20,7 @@ from torch import Tensor
 from lightning_pipe.engine import Executor, Topology, Transport, Watchdog, batch_size, split_micro_batches
 from lightning_pipe.engine.local import LocalPipeline
 from lightning_pipe.engine.outside import OutsideParameters
+from lightning_pipe.engine.random_state import StepSeeds, derive_seed
 from lightning_pipe.engine.recorder import ActionRecorder
 from lightning_pipe.engine.sharding import ShardedLayers, shard_optimizer_state
 from lightning_pipe.engine.stand_ins import is_absent, release, replace_outside, runs_outside_code
@@ -97,6 +98,8 @@ class StagePipeline:
         self.executor: Executor | LocalPipeline | None = None
         self.seen_batch = False  # a short batch is an error only before the first one
         self.batch_fingerprint: int | None = None  # of the batch this rank loaded for the step (engine.stage.batch_fingerprint)
+        self.random_base = 0  # what every stage's step seeds derive from (engine.random_state), agreed at each setup
+        self.steps_run = 0  # steps of any kind run so far: alike on every stage, as they run the same loops
 
     @classmethod
     def cut(cls, context: PipeContext, module: LightningModule, counts: list[int]) -> StagePipeline:
@@ -196,6 +199,8 @@ class StagePipeline:
         """A fresh executor for this setup (``recorder`` times a traced fit's actions)."""
         names = [self.partition.describe_chunk(c) for c in range(len(self.partition.local))]
         context = self.context
+        # the last stage's initial seed (seed_everything's): the stages agree even where the user seeded each rank apart
+        self.random_base = self.from_last_stage(torch.initial_seed(), "the last stage's random seed")
         if context.emulating:
             self.executor = LocalPipeline(context.num_stages, context.options.chunks_per_stage, self.watchdog, names,
                                           shape_headers=context.options.shape_headers,
@@ -249,9 +254,11 @@ class StagePipeline:
         micro_batches = split(batch)
         capture, logger_calls = LogCapture(module), LoggerCalls(module)
         user_step = getattr(module, hook)
+        seeds = StepSeeds(derive_seed(self.random_base, self.steps_run), micro_batches)
+        self.steps_run += 1
         stages = ModuleStages(
             lambda mb: user_step(mb, *rest, **kwargs), self.partition, self.virtual_stages, capture,
-            (lambda out: step_loss(out, hook)) if training else (lambda out: out), logger_calls,
+            (lambda out: step_loss(out, hook)) if training else (lambda out: out), logger_calls, seeds,
         )
         self.executor.chunks = stages.chunk_callables()
         try:
@@ -338,13 +345,14 @@ class StagePipeline:
     def holds_last_stage(self) -> bool:
         return self.topology.stage == self.last_stage_device
 
-    def from_last_stage(self, payload: Any) -> Any:
-        """Broadcast ``payload`` from the rank holding the pipeline's last virtual stage to all its stages."""
+    def from_last_stage(self, payload: Any, what: str = "the last stage's metrics") -> Any:
+        """Broadcast ``payload`` (``what``, for a timeout's message) from the rank holding the pipeline's last virtual
+        stage to all its stages."""
         topology = self.topology
         if topology.stages == 1:
             return payload
         box = [payload if self.holds_last_stage else None]
-        with self.watchdog.guard("the last stage's metrics"):
+        with self.watchdog.guard(what):
             # host values through gloo (the object group), also when the pipeline's tensors travel on NCCL
             dist.broadcast_object_list(box, src=topology.pipeline_ranks[self.last_stage_device], group=topology.object_group)
         return box[0]

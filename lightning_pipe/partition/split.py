@@ -31,6 +31,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_pipe.engine.random_state import reseed
 from lightning_pipe.engine.stage import run_layers
 from lightning_pipe.errors import SharedParameterError, TrunkUsageError
 from lightning_pipe.partition.step_check import StepCheck
@@ -56,12 +57,20 @@ class StagePass:
         first: the chunk is the pipeline's first virtual stage (its input comes from the step).
         received: the activation from the previous virtual stage (unused when ``first``).
         stop: end the step with this chunk's output (every virtual stage but the last).
+        layer_seed: the seed the chunk's own layers draw from (:mod:`~lightning_pipe.engine.random_state`), or
+            ``None`` to go on with the step's random state.
     """
 
     chunk: int
     first: bool
     received: Any = None
     stop: bool = False
+    layer_seed: int | None = None
+
+    def begin_layers(self) -> None:
+        """Called once the chunk's own layers start: from here on they draw from their own seed."""
+        if self.layer_seed is not None:
+            reseed(self.layer_seed)
 
 
 class PartitionedTrunk:
@@ -145,6 +154,7 @@ class PartitionedTrunk:
                 "on torch.cat([x1, x2]), then split its output), or keep the second use out of the trunk."
             )
         self._ran, self._first_input = True, value
+        stage_pass.begin_layers()
         output = self.run_chunk(stage_pass.chunk, value if stage_pass.first else stage_pass.received)
         if self._check is not None:
             self._check.note_chunk_output(output)
@@ -307,6 +317,8 @@ class BlockCall:
             if check is None or index == self._start - 1:
                 return stage_pass.received
             return check.mark(stage_pass.received, index)  # any use of it after the loop is a wrong value
+        if index == self._start:
+            stage_pass.begin_layers()
         output = run_layers(partition.trunk._modules[str(index)], hidden, partition.recompute, *args, **kwargs)
         if check is not None:
             check.note_chunk_output(output)

@@ -267,3 +267,20 @@ def test_stages_that_loaded_different_batches_stop_with_the_way_to_shard():
     assert code != 0
     assert "stage 0 loaded another batch than the last stage" in output
     assert "rank=trainer.global_rank // trainer.strategy.num_stages" in output
+
+
+def test_every_stage_of_a_pipeline_draws_the_same_mixup_in_the_step_and_the_same_masking_between_steps():
+    """Mixup draws its weight and permutation in the step, before the trunk: the first stage mixes the inputs with them,
+    the last stage the labels. The stages' generators drift apart (the first stage's dropout draws masks the last does
+    not), so the labels were mixed with other draws than the inputs from the second micro-batch on; each micro-batch's
+    step now starts from one seed on every stage. A random masking of the labels in the main process's collate
+    (num_workers=0), which stopped the run at the first step's batch check, draws alike too: after a step every stage's
+    generators start from the step's seed."""
+    code, output, records = launch({"epochs": 1, "devices": 2, "model": {"mixup": True}, "masking_main": True,
+                                    "strategy": {"schedule": "1f1b", "micro_batches": 4}}, timeout=120)
+    assert code == 0, output[-3000:]
+    first, last = records
+    assert len(first["mixup_draws"]) == 24 and first["mixup_draws"] == last["mixup_draws"]  # 6 batches of 4 micro-batches
+    assert len({draws[0][0] for draws in first["mixup_draws"].values()}) == 24
+    assert len(first["labels"]) == 6 and first["labels"] == last["labels"]
+    assert any(0 in labels for labels in first["labels"])

@@ -15,6 +15,7 @@ import time
 from typing import Any
 
 import lightning as L
+import numpy as np
 import torch
 import torch.nn.functional as F
 import torchmetrics
@@ -45,12 +46,14 @@ class TrunkModel(L.LightningModule):
                  fail_rank: int = -1, tie: bool = False, scheduler: bool | str = False, fail_hook: str | None = None,
                  fault: dict | None = None, configure: bool = False, overflow: dict | None = None, late_use: int = -1,
                  frozen: int = 0, stop_at_step: int = -1, stop_in_validation: bool = False,
-                 gather: bool = False, log_grad_norms: bool | str = False, logger_calls: bool = False):
+                 gather: bool = False, log_grad_norms: bool | str = False, logger_calls: bool = False,
+                 mixup: bool = False):
         super().__init__()
         self.save_hyperparameters()
         self.tie, self.scheduler = tie, scheduler
         self.width, self.depth, self.classes = width, depth, classes
         self.frozen = frozen  # the input layer and this many trunk entries do not train (fine-tuning the rest)
+        self.mixup = mixup  # the trunk has dropout, and training_step mixes the inputs and the labels (mixup)
         if not configure:  # configure=True: the layers are built in configure_model, as for a large model
             self.build()
         self.optimizer = optimizer
@@ -66,6 +69,7 @@ class TrunkModel(L.LightningModule):
             self.on_after_backward = self.log_grad_norms_after_backward
         self.logger_calls = logger_calls  # training_step (after the trunk) and on_before_optimizer_step call the loggers,
         self.val_outputs: list[torch.Tensor] = []  # ... and on_validation_epoch_end logs what validation_step collected
+        self.mixup_draws: dict[float, list] = {}  # per micro-batch (its first input): the weight and permutation drawn
         self.val_acc = torchmetrics.classification.MulticlassAccuracy(num_classes=classes, average="micro")
         self.val_mae = torchmetrics.MeanAbsoluteError()
 
@@ -73,6 +77,8 @@ class TrunkModel(L.LightningModule):
         torch.manual_seed(0)
         self.pre = nn.Linear(8, self.width)
         self.model = nn.Sequential(*[m for _ in range(self.depth) for m in (nn.Linear(self.width, self.width), nn.Tanh())])
+        if self.mixup:  # random numbers drawn inside the trunk, by its first stage only (as a stage's dropout would)
+            self.model.insert(1, nn.Dropout(0.2))
         self.head = nn.Linear(self.width, self.classes)
         for p in [*self.pre.parameters(), *self.model[:self.frozen].parameters()] if self.frozen else []:
             p.requires_grad_(False)
@@ -163,9 +169,15 @@ class TrunkModel(L.LightningModule):
             print(f"injecting raise on rank {self.global_rank} at step {batch_idx} at {time.time()}", flush=True)
             raise ZeroDivisionError(f"deliberate failure at batch {batch_idx}")
         x, y = batch
+        if self.mixup:  # the first stage mixes the inputs with these draws, the last stage the labels
+            lam, order = float(np.random.beta(0.4, 0.4)), torch.randperm(len(x))
+            self.mixup_draws.setdefault(float(x[0, 0]), []).append((lam, order.tolist()))
+            x = lam * x + (1 - lam) * x[order]
         h = torch.relu(self.pre(x))
         logits = self.output(self.model(h))
         loss = F.cross_entropy(logits, y)
+        if self.mixup:
+            loss = lam * loss + (1 - lam) * F.cross_entropy(logits, y[order])
         self.log("train_loss", loss, prog_bar=True)
         self.log("train_acc", (logits.argmax(1) == y).float().mean())
         self.log("seen", float(len(y)), reduce_fx="sum")
@@ -365,8 +377,10 @@ def train(config: dict[str, Any]) -> dict[str, Any]:
     pipelines = config.get("pipelines_in_sampler", 1)
     if pipelines > 1:
         sampler = DistributedSampler(dataset, num_replicas=pipelines, rank=trainer.global_rank // config["stages"], shuffle=False)
-    loader = DataLoader(dataset, batch_size=config.get("batch_size", 16), shuffle=False, sampler=sampler,
-                        **({"num_workers": 1, "collate_fn": masking_collate} if masking_workers else {}))
+    masking = {"num_workers": 1, "collate_fn": masking_collate} if masking_workers else {}
+    if config.get("masking_main"):  # the same random masking in the main process (num_workers=0)
+        masking = {"collate_fn": masking_collate}
+    loader = DataLoader(dataset, batch_size=config.get("batch_size", 16), shuffle=False, sampler=sampler, **masking)
     eval_loader = DataLoader(data(40, seed=1), batch_size=config.get("eval_batch_size", 12))
     evaluate = config.get("evaluate", False)
     validate_during_fit = evaluate or bool(config.get("full_callbacks"))
@@ -430,6 +444,7 @@ def record_of(recorder: Recorder, trainer: L.Trainer, model: L.LightningModule) 
         "metrics": recorder.metrics,
         "returned": recorder.returned,
         "labels": recorder.labels,
+        "mixup_draws": getattr(model, "mixup_draws", {}),
         "scales": recorder.scales,
         "grads": recorder.first_grads,
         "state": {k: whole(v) for k, v in model.state_dict().items()},
