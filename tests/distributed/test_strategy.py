@@ -275,11 +275,17 @@ def test_every_stage_of_a_pipeline_draws_the_same_mixup_in_the_step_and_the_same
     not), so the labels were mixed with other draws than the inputs from the second micro-batch on; each micro-batch's
     step now starts from one seed on every stage. A random masking of the labels in the main process's collate
     (num_workers=0), which stopped the run at the first step's batch check, draws alike too: after a step every stage's
-    generators start from the step's seed."""
-    code, output, records = launch({"epochs": 1, "devices": 2, "model": {"mixup": True}, "masking_main": True,
-                                    "strategy": {"schedule": "1f1b", "micro_batches": 4}}, timeout=120)
+    generators start from the step's seed. The one-process emulation draws the same numbers and trains the same weights."""
+    config = {"epochs": 1, "model": {"mixup": True}, "masking_main": True, "strategy": {"schedule": "1f1b", "micro_batches": 4}}
+    code, output, records = launch({**config, "devices": 2}, timeout=120)
     assert code == 0, output[-3000:]
     first, last = records
+    emulated = train({**config, "strategy": {**config["strategy"], "stages": 2}})  # one process: the same seeds
+    assert {key: draws[:1] for key, draws in emulated["mixup_draws"].items()} == first["mixup_draws"]  # (it runs the step twice)
+    for record in records:
+        for key, value in record["state"].items():
+            if key not in record["absent"]:
+                torch.testing.assert_close(value, emulated["state"][key], rtol=1e-5, atol=1e-6, msg=key)
     assert len(first["mixup_draws"]) == 24 and first["mixup_draws"] == last["mixup_draws"]  # 6 batches of 4 micro-batches
     assert len({draws[0][0] for draws in first["mixup_draws"].values()}) == 24
     assert len(first["labels"]) == 6 and first["labels"] == last["labels"]
