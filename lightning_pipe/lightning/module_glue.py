@@ -40,9 +40,11 @@ def step_loss(output: Any, hook: str) -> Tensor:
         return output
     if isinstance(output, dict) and isinstance(output.get("loss"), Tensor):
         return output["loss"]
+    skip = (" Skipping a batch by returning None is not supported across devices, as under DDP: the other stages "
+            "ran its forward already. Leave such batches out of the data.") if output is None else ""
     raise TypeError(
         f"{hook} returned {type(output).__name__}; under a pipeline strategy it must return the loss tensor "
-        "(or a dict with a 'loss' tensor) for every batch."
+        f"(or a dict with a 'loss' tensor) for every batch.{skip}"
     )
 
 

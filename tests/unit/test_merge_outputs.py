@@ -14,7 +14,7 @@ from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 from lightning_pipe import PipeStrategy
 from lightning_pipe.engine import split_micro_batches
-from lightning_pipe.lightning.module_glue import merge_outputs
+from lightning_pipe.lightning.module_glue import merge_outputs, step_loss
 
 
 def test_lists_of_one_entry_per_sample_are_joined_and_fixed_structures_merged_by_position():
@@ -144,3 +144,16 @@ def test_a_collate_s_class_prior_and_temperature_reach_every_micro_batch_whole()
     for batch_size in (16, 8):
         want = fit(None, batch_size)
         assert fit(PipeStrategy(schedule="1f1b", stages=2, micro_batches=2), batch_size) == pytest.approx(want, rel=1e-5)
+
+
+def test_a_step_that_returns_none_to_skip_a_batch_is_told_why_it_cannot():
+    """Lightning skips a batch whose training_step returns None on one device; across devices it cannot (DDP neither),
+    and here the other stages have run the forward already."""
+
+    loss = torch.ones(())
+    assert step_loss(loss, "training_step") is loss and step_loss({"loss": loss, "n": 3}, "training_step") is loss
+    with pytest.raises(TypeError, match="training_step returned NoneType; .* Skipping a batch by returning None is not "
+                                        "supported across devices"):
+        step_loss(None, "training_step")
+    with pytest.raises(TypeError, match=r"returned dict; .* for every batch\.$"):
+        step_loss({"logits": loss}, "training_step")
