@@ -4,6 +4,10 @@ After the first step each stage reports which of them received a gradient. A par
 several stages (an embedding tied to an LM head) gets its gradients summed across those stages, so
 all copies stay identical; every other one is owned by the stage that trains it, which is the copy
 checkpoints save and the one global-norm clipping counts.
+
+Buffers outside the trunk (BatchNorm's running statistics, a counter the step updates) have no gradient to tell who
+computes them: the stage whose step changed one in the first step owns it (the first stage for code before the trunk,
+the last for code after it); a buffer no step changed comes from stage 0, where every copy is alike.
 """
 
 from __future__ import annotations
@@ -46,6 +50,8 @@ class OutsideParameters:
         self.prefix = trunk_name + "."
         self.topology = topology
         self.users: dict[str, list[int]] | None = None  # parameter -> stages that use it
+        self.buffer_users: dict[str, list[int]] = {}  # buffer -> stages whose first step changed it
+        self._buffers_before: dict[str, torch.Tensor] | None = None  # until learn(): the buffers before the first step
 
     @property
     def known(self) -> bool:
@@ -60,14 +66,32 @@ class OutsideParameters:
         if used is None:
             used = [n for n, p in self.module.named_parameters() if p.grad is not None]
         mine = sorted(n for n in used if not self.in_trunk(n))
-        per_stage = [mine]
+        changed = self._changed_buffers()
+        per_stage: list[Any] = [(mine, changed)]
         if self.topology.stages > 1:
             per_stage = [None] * self.topology.stages
-            dist.all_gather_object(per_stage, mine, group=self.topology.pipeline_group)
-        self.users = {}
-        for stage, names in enumerate(per_stage):
+            dist.all_gather_object(per_stage, (mine, changed), group=self.topology.pipeline_group)
+        self.users, self.buffer_users = {}, {}
+        for stage, (names, buffers) in enumerate(per_stage):
             for name in names:
                 self.users.setdefault(name, []).append(stage)
+            for name in buffers:
+                self.buffer_users.setdefault(name, []).append(stage)
+
+    def note_buffers(self) -> None:
+        """Before the first training step: copy the buffers outside the trunk, for :meth:`learn` to find which
+        stages' steps change them."""
+        if self.users is None and self._buffers_before is None:
+            self._buffers_before = {name: buffer.detach().to("cpu", copy=True) for name, buffer in self._buffers()}
+
+    def _buffers(self) -> list[tuple[str, torch.Tensor]]:
+        return [(name, buffer) for name, buffer in self.module.named_buffers()
+                if not self.in_trunk(name) and not is_absent(buffer)]
+
+    def _changed_buffers(self) -> list[str]:
+        before, self._buffers_before = self._buffers_before or {}, None
+        return sorted(name for name, buffer in self._buffers()
+                      if name in before and not torch.equal(buffer.detach().cpu(), before[name]))
 
     def modules(self) -> dict[str, nn.Module]:
         """The modules outside the trunk that hold parameters (the LightningModule itself and the trunk excluded),
@@ -99,8 +123,11 @@ class OutsideParameters:
         return picked
 
     def owner(self) -> dict[str, int]:
-        """The stage whose copy of each used parameter is authoritative (unused ones: stage 0)."""
-        return {name: stages[0] for name, stages in (self.users or {}).items()}
+        """The stage whose copy of each used parameter, and of each buffer a step changed, is authoritative (others:
+        stage 0)."""
+        owners = {name: stages[0] for name, stages in self.buffer_users.items()}
+        owners.update({name: stages[0] for name, stages in (self.users or {}).items()})
+        return owners
 
     def sum_shared_gradients(self) -> None:
         """Sum the gradients of parameters used on several stages, across the pipeline."""

@@ -24,7 +24,7 @@ from torchmetrics import Metric
 
 from lightning_pipe.engine.outside import reject_shared
 from lightning_pipe.engine.p2p import flatten_activation
-from lightning_pipe.engine.random_state import StepSeeds
+from lightning_pipe.engine.random_state import StepSeeds, reseed
 from lightning_pipe.engine.stage import batch_size
 from lightning_pipe.errors import SharedParameterError
 from lightning_pipe.lightning import _compat
@@ -60,6 +60,10 @@ class ModuleStages:
         logger_calls: records the step's calls to the loggers, if given.
         seeds: the random state each micro-batch's step and layers start from, alike on every stage
             (:mod:`~lightning_pipe.engine.random_state`); ``None`` leaves the generators alone.
+        outside_buffers: ``(module, name)`` of the buffers outside the trunk. A later virtual stage's pass runs the
+            step's code before the trunk again on the same micro-batch, so what that code updates there (BatchNorm's
+            running statistics, a counter) is put back when the trunk is reached: the first virtual stage's pass
+            updated them already (on its rank), once per micro-batch as on one device.
     """
 
     def __init__(
@@ -71,6 +75,7 @@ class ModuleStages:
         output_to_loss: Callable[[Any], Any],
         logger_calls: LoggerCalls | None = None,
         seeds: StepSeeds | None = None,
+        outside_buffers: Sequence[tuple[nn.Module, str]] = (),
     ) -> None:
         self.step = step
         self.partition = partition
@@ -79,6 +84,7 @@ class ModuleStages:
         self.output_to_loss = output_to_loss
         self.logger_calls = logger_calls
         self.seeds = seeds
+        self.outside_buffers = outside_buffers
 
     def chunk_callables(self) -> list[Callable[[Any, Any], Any]]:
         return [self._callable(chunk, vs) for chunk, vs in enumerate(self.partition.local)]
@@ -95,8 +101,16 @@ class ModuleStages:
             return run_layers
 
         def run(inputs: Any, micro_batch: Any) -> Any:
-            stage_pass = StagePass(chunk, first, inputs, stop=not last,
-                                   layer_seed=seeds.layers(micro_batch, vs) if seeds else None)
+            layer_seed = seeds.layers(micro_batch, vs) if seeds else None
+            kept = [] if first else [(module, name, getattr(module, name).clone()) for module, name in self.outside_buffers]
+
+            def entering_layers() -> None:
+                for module, name, value in kept:  # undo what the code before the trunk updated again, as BatchNorm
+                    getattr(module, name).data.copy_(value)  # updates its statistics: not a change autograd checks
+                if layer_seed is not None:
+                    reseed(layer_seed)
+
+            stage_pass = StagePass(chunk, first, inputs, stop=not last, entering_layers=entering_layers)
             try:
                 with seeds.running(seeds.of(micro_batch)) if seeds else nullcontext():
                     output = self._run_step(micro_batch, stage_pass)

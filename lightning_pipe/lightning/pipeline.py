@@ -100,6 +100,7 @@ class StagePipeline:
         self.batch_fingerprint: int | None = None  # of the batch this rank loaded for the step (engine.stage.batch_fingerprint)
         self.random_base = 0  # what every stage's step seeds derive from (engine.random_state), agreed at each setup
         self.steps_run = 0  # steps of any kind run so far: alike on every stage, as they run the same loops
+        self.outside_buffers: list[tuple[torch.nn.Module, str]] = []  # (module, name) of the buffers outside the trunk
 
     @classmethod
     def cut(cls, context: PipeContext, module: LightningModule, counts: list[int]) -> StagePipeline:
@@ -201,6 +202,10 @@ class StagePipeline:
         context = self.context
         # the last stage's initial seed (seed_everything's): the stages agree even where the user seeded each rank apart
         self.random_base = self.from_last_stage(torch.initial_seed(), "the last stage's random seed")
+        inside = {id(m) for m in self.partition.trunk.modules()}
+        self.outside_buffers = [(m, name) for m in self.module.modules() if id(m) not in inside
+                                for name, _ in m.named_buffers(recurse=False)]
+        self.outside.note_buffers()  # until the first training step shows which stage changes each of them
         if context.emulating:
             self.executor = LocalPipeline(context.num_stages, context.options.chunks_per_stage, self.watchdog, names,
                                           shape_headers=context.options.shape_headers,
@@ -259,6 +264,7 @@ class StagePipeline:
         stages = ModuleStages(
             lambda mb: user_step(mb, *rest, **kwargs), self.partition, self.virtual_stages, capture,
             (lambda out: step_loss(out, hook)) if training else (lambda out: out), logger_calls, seeds,
+            self.outside_buffers,
         )
         self.executor.chunks = stages.chunk_callables()
         try:

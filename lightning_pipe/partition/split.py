@@ -23,7 +23,7 @@ running a model with holes in it.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -31,7 +31,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_pipe.engine.random_state import reseed
 from lightning_pipe.engine.stage import run_layers
 from lightning_pipe.errors import SharedParameterError, TrunkUsageError
 from lightning_pipe.partition.step_check import StepCheck
@@ -57,20 +56,18 @@ class StagePass:
         first: the chunk is the pipeline's first virtual stage (its input comes from the step).
         received: the activation from the previous virtual stage (unused when ``first``).
         stop: end the step with this chunk's output (every virtual stage but the last).
-        layer_seed: the seed the chunk's own layers draw from (:mod:`~lightning_pipe.engine.random_state`), or
-            ``None`` to go on with the step's random state.
+        entering_layers: called once, when the chunk's own layers start (after the step's code before them).
     """
 
     chunk: int
     first: bool
     received: Any = None
     stop: bool = False
-    layer_seed: int | None = None
+    entering_layers: Callable[[], None] | None = None
 
     def begin_layers(self) -> None:
-        """Called once the chunk's own layers start: from here on they draw from their own seed."""
-        if self.layer_seed is not None:
-            reseed(self.layer_seed)
+        if self.entering_layers is not None:
+            self.entering_layers()
 
 
 class PartitionedTrunk:

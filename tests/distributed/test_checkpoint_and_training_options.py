@@ -106,3 +106,22 @@ def test_fp16_mixed_on_cuda_scales_each_micro_batch_loss():
     code, output, records = launch({**PIPE, **config, "accelerator": "cuda"}, fresh=True)
     assert code == 0, output[-3000:]
     assert all(torch.isfinite(torch.tensor(m["train_loss"])) for m in records[0]["metrics"])
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zbv"])
+def test_running_statistics_outside_the_trunk_are_saved_from_the_stage_that_computes_them(tmp_path, schedule):
+    """BatchNorm without parameters before the trunk (the first stage computes it) and after it (the last stage): no
+    parameter's gradient names the stage whose copy is right, and the checkpoint took both from stage 0, whose copy of
+    the head's statistics never moved. Under zbv the last virtual stage, on rank 0, ran the step's code before the
+    trunk again and updated the first one's statistics twice per micro-batch (the one-process emulation did so under
+    every schedule). Now the stage that changed a buffer in the first step owns it, a later virtual stage's pass
+    puts back what the code before the trunk updated, and the 2-process checkpoint equals the emulation's state."""
+    ckpt = str(tmp_path / "pipe.ckpt")
+    strategy = {"schedule": schedule, "micro_batches": 4}
+    code, output, _ = launch({"devices": 2, "epochs": 1, "model": {"norms": True}, "strategy": strategy, "ckpt_out": ckpt})
+    assert code == 0, output[-3000:]
+    emulated = train({"epochs": 1, "model": {"norms": True}, "strategy": {**strategy, "stages": 2}})
+    saved = torch.load(ckpt, weights_only=True)["state_dict"]
+    assert_same_state(saved, emulated["state"])
+    for norm in ("pre_norm", "head_norm"):
+        assert int(saved[f"{norm}.num_batches_tracked"]) == 24  # 6 batches of 4 micro-batches, once each

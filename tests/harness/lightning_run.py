@@ -47,13 +47,14 @@ class TrunkModel(L.LightningModule):
                  fault: dict | None = None, configure: bool = False, overflow: dict | None = None, late_use: int = -1,
                  frozen: int = 0, stop_at_step: int = -1, stop_in_validation: bool = False,
                  gather: bool = False, log_grad_norms: bool | str = False, logger_calls: bool = False,
-                 mixup: bool = False):
+                 mixup: bool = False, norms: bool = False):
         super().__init__()
         self.save_hyperparameters()
         self.tie, self.scheduler = tie, scheduler
         self.width, self.depth, self.classes = width, depth, classes
         self.frozen = frozen  # the input layer and this many trunk entries do not train (fine-tuning the rest)
         self.mixup = mixup  # the trunk has dropout, and training_step mixes the inputs and the labels (mixup)
+        self.norms = norms  # BatchNorm without parameters before the trunk (first stage) and after it (last stage)
         if not configure:  # configure=True: the layers are built in configure_model, as for a large model
             self.build()
         self.optimizer = optimizer
@@ -80,14 +81,21 @@ class TrunkModel(L.LightningModule):
         if self.mixup:  # random numbers drawn inside the trunk, by its first stage only (as a stage's dropout would)
             self.model.insert(1, nn.Dropout(0.2))
         self.head = nn.Linear(self.width, self.classes)
+        if self.norms:  # running statistics only: buffers no parameter's usage tells the owner of
+            self.pre_norm, self.head_norm = nn.BatchNorm1d(self.width, affine=False), nn.BatchNorm1d(self.width, affine=False)
         for p in [*self.pre.parameters(), *self.model[:self.frozen].parameters()] if self.frozen else []:
             p.requires_grad_(False)
 
     def forward(self, x):
-        return self.output(self.model(torch.relu(self.pre(x))))
+        return self.output(self.model(self.embed(x)))
+
+    def embed(self, x):
+        h = self.pre(x)
+        return torch.relu(self.pre_norm(h) if self.norms else h)
 
     def output(self, h):
         # tie=True reuses the input layer's weight after the trunk (like a tied embedding / LM head)
+        h = self.head_norm(h) if self.norms else h
         out = F.linear(h, self.pre.weight.t()) if self.tie else self.head(h)
         if 0 <= self.late_use <= self.global_step and self.training:
             out = out + self.pre.bias.sum() * 0.0  # a parameter the last stage starts to use after the first step
@@ -173,8 +181,7 @@ class TrunkModel(L.LightningModule):
             lam, order = float(np.random.beta(0.4, 0.4)), torch.randperm(len(x))
             self.mixup_draws.setdefault(float(x[0, 0]), []).append((lam, order.tolist()))
             x = lam * x + (1 - lam) * x[order]
-        h = torch.relu(self.pre(x))
-        logits = self.output(self.model(h))
+        logits = self.output(self.model(self.embed(x)))
         loss = F.cross_entropy(logits, y)
         if self.mixup:
             loss = lam * loss + (1 - lam) * F.cross_entropy(logits, y[order])

@@ -58,3 +58,43 @@ def test_layers_in_eval_mode_are_not_named():
     with pytest.warns(MicroBatchNormWarning, match=r"trunk\.4 \(BatchNorm1d\)") as said:
         warn_batch_norm(model, 2)
     assert "trunk.1" not in str(said[0].message)
+
+
+class NormedOutside(L.LightningModule):
+    """BatchNorm before the trunk (the first stage's), in it, and after it (the last stage's)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.pre = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8))
+        self.trunk = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 8))
+        self.head = nn.Sequential(nn.BatchNorm1d(8, affine=False), nn.Linear(8, 2))
+
+    def training_step(self, batch, batch_idx):
+        return F.cross_entropy(self.head(self.trunk(self.pre(batch[0]))), batch[1])
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zbv"])
+def test_a_pipeline_trains_batch_norm_as_one_device_accumulating_micro_batches(schedule):
+    """Every later virtual stage runs the step's code before the trunk again on the same micro-batch; the statistics of
+    the BatchNorm there were updated by each of those passes too (twice per micro-batch, emulated). They are now put back
+    when the trunk is reached, and the pipeline equals one device accumulating micro-batch-sized batches."""
+    data = TensorDataset(torch.randn(32, 4, generator=torch.Generator().manual_seed(1)), torch.randint(0, 2, (32,)))
+
+    def trained(batch_size: int, **options) -> dict[str, torch.Tensor]:
+        model = NormedOutside()
+        trainer = L.Trainer(accelerator="cpu", devices=1, max_epochs=2, logger=False, enable_progress_bar=False,
+                            enable_checkpointing=False, enable_model_summary=False, use_distributed_sampler=False, **options)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", MicroBatchNormWarning)
+            trainer.fit(model, DataLoader(data, batch_size=batch_size))
+        return model.state_dict()
+
+    want = trained(2, accumulate_grad_batches=4)
+    got = trained(8, strategy=PipeStrategy(schedule=schedule, stages=2, micro_batches=4))
+    for key, value in want.items():
+        torch.testing.assert_close(got[key], value, rtol=1e-5, atol=1e-6, msg=key)
+    assert int(got["pre.1.num_batches_tracked"]) == 32
