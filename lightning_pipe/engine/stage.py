@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import itertools
 import zlib
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import checkpoint
 
 
@@ -81,9 +82,34 @@ def split_micro_batches(batch: Any, micro_batches: int) -> list[Any]:
             return value[starts[index]:starts[index + 1]]
         if isinstance(value, (list, tuple)):
             return type(value)(part(v, index) for v in value)
+        if _is_dataclass_instance(value):
+            split = copy.copy(value)
+            for field in dataclasses.fields(value):  # object.__setattr__: frozen dataclasses too
+                object.__setattr__(split, field.name, part(getattr(value, field.name), index))
+            return split
         return value
 
     return [part(batch, i) for i in range(micro_batches)]
+
+
+def _is_dataclass_instance(value: Any) -> bool:
+    return dataclasses.is_dataclass(value) and not isinstance(value, type)
+
+
+def batch_leaves(batch: Any) -> Iterator[Any]:
+    """Every leaf of a (nested) batch, depth first: what mappings (dicts, Hugging Face's ``BatchEncoding``), lists,
+    tuples and dataclasses hold (torch's pytree sees a ``BatchEncoding`` or a dataclass as one leaf)."""
+    if isinstance(batch, Mapping):
+        children: Iterable[Any] = batch.values()
+    elif isinstance(batch, (list, tuple)):
+        children = batch
+    elif _is_dataclass_instance(batch):
+        children = [getattr(batch, field.name) for field in dataclasses.fields(batch)]
+    else:
+        yield batch
+        return
+    for child in children:
+        yield from batch_leaves(child)
 
 
 def _per_sample_values(value: list[Any], samples: int) -> bool:
@@ -102,7 +128,7 @@ def batch_fingerprint(batch: Any) -> int | None:
     uses them), a label may not. A large tensor is sampled (:data:`FINGERPRINT_SAMPLES` evenly spaced entries): two
     different batches differ almost everywhere, and the step's host time stays in microseconds."""
     parts: list[int] = []
-    for leaf in tree_leaves(batch):
+    for leaf in batch_leaves(batch):
         if isinstance(leaf, Tensor):
             if leaf.is_floating_point() or leaf.is_complex() or leaf.device.type != "cpu":
                 continue
@@ -118,13 +144,8 @@ def batch_fingerprint(batch: Any) -> int | None:
 
 
 def batch_size(batch: Any) -> int:
-    """Size of dim 0 of the first tensor found in a (nested) batch."""
-    if isinstance(batch, Tensor):
-        return batch.shape[0] if batch.dim() else 1
-    values: Sequence[Any] = list(batch.values()) if isinstance(batch, Mapping) else batch if isinstance(batch, (list, tuple)) else ()
-    for value in values:
-        try:
-            return batch_size(value)
-        except ValueError:
-            continue
-    raise ValueError("the batch holds no tensor, so it cannot be split into micro-batches.")
+    """Size of dim 0 of the first tensor found in a (nested) batch (:func:`batch_leaves`)."""
+    first = next((leaf for leaf in batch_leaves(batch) if isinstance(leaf, Tensor)), None)
+    if first is None:
+        raise ValueError("the batch holds no tensor, so it cannot be split into micro-batches.")
+    return first.shape[0] if first.dim() else 1

@@ -5,6 +5,8 @@ predictions with their sample ids come back as one device's."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import lightning as L
 import pytest
 import torch
@@ -14,6 +16,7 @@ from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 from lightning_pipe import PipeStrategy
 from lightning_pipe.engine import split_micro_batches
+from lightning_pipe.engine.stage import batch_size as samples_in
 from lightning_pipe.lightning.module_glue import merge_outputs, step_loss
 
 
@@ -100,6 +103,43 @@ def test_tensors_that_are_not_one_row_per_sample_are_shared_by_every_micro_batch
     parts = split_micro_batches(batch, 3)
     assert [p[0].flatten().tolist() for p in parts] == [[0, 1, 2], [3, 4], [5, 6]]
     assert all(p[1] is batch[1] and p[2] is batch[2] for p in parts)
+
+
+@dataclasses.dataclass
+class LabelledBatch:
+    """A batch as a dataclass, which Lightning moves to the device field by field."""
+
+    x: torch.Tensor
+    y: torch.Tensor
+    source: str = "train"
+
+
+def test_a_dataclass_batch_is_split_field_by_field():
+    """It counted as a batch without tensors ('cannot be split into micro-batches')."""
+    batch = LabelledBatch(torch.arange(6)[:, None].float(), torch.arange(6))
+    parts = split_micro_batches(batch, 2)
+    assert [type(p) for p in parts] == [LabelledBatch] * 2 and samples_in(batch) == 6
+    assert [p.y.tolist() for p in parts] == [[0, 1, 2], [3, 4, 5]] and parts[1].source == "train"
+
+
+def test_a_dataclass_batch_trains_as_on_one_device():
+    g = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(32, 6, generator=g), torch.randint(0, 4, (32,), generator=g))
+
+    class FromDataclass(BiasedByTheCollate):
+        def training_step(self, batch, batch_idx):
+            return F.cross_entropy(self.trunk(batch.x), batch.y)
+
+    def fit(strategy: PipeStrategy | None) -> list[float]:
+        module = FromDataclass()
+        trainer = L.Trainer(accelerator="cpu", devices=1, max_epochs=1, logger=False, enable_checkpointing=False,
+                            enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,
+                            **({"strategy": strategy} if strategy else {}))
+        collate = lambda samples: LabelledBatch(*torch.utils.data.default_collate(samples))  # noqa: E731
+        trainer.fit(module, DataLoader(data, batch_size=8, collate_fn=collate))
+        return module.losses
+
+    assert fit(PipeStrategy(schedule="1f1b", stages=2, micro_batches=2)) == pytest.approx(fit(None), rel=1e-5)
 
 
 class BiasedByTheCollate(L.LightningModule):
