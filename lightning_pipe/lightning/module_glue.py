@@ -102,11 +102,11 @@ class ModuleStages:
 
         def run(inputs: Any, micro_batch: Any) -> Any:
             layer_seed = seeds.layers(micro_batch, vs) if seeds else None
-            kept = [] if first else [(module, name, getattr(module, name).clone()) for module, name in self.outside_buffers]
+            put_back = None if first else buffers_as_now(self.outside_buffers)
 
             def entering_layers() -> None:
-                for module, name, value in kept:  # undo what the code before the trunk updated again, as BatchNorm
-                    getattr(module, name).data.copy_(value)  # updates its statistics: not a change autograd checks
+                if put_back is not None:  # the code before the trunk updated them again
+                    put_back()
                 if layer_seed is not None:
                     reseed(layer_seed)
 
@@ -137,6 +137,18 @@ class ModuleStages:
                 raise
             self.partition.check_step_output(stage_pass, output)
             return output
+
+
+def buffers_as_now(buffers: Sequence[tuple[nn.Module, str]]) -> Callable[[], None]:
+    """What puts the ``(module, name)`` buffers back to their values now. It writes through ``.data``, as BatchNorm
+    updates its statistics: a forward that saved one for backward (BatchNorm saves them) does not see it changed."""
+    kept = [(module, name, getattr(module, name).clone()) for module, name in buffers]
+
+    def put_back() -> None:
+        for module, name, value in kept:
+            getattr(module, name).data.copy_(value)
+
+    return put_back
 
 
 def merge_outputs(outputs: Sequence[Any], sizes: Sequence[int]) -> Any:
