@@ -26,7 +26,7 @@ from lightning_pipe.engine.outside import reject_shared
 from lightning_pipe.engine.p2p import flatten_activation
 from lightning_pipe.engine.random_state import StepSeeds, reseed
 from lightning_pipe.engine.stage import batch_size
-from lightning_pipe.errors import SharedParameterError
+from lightning_pipe.errors import SharedParameterError, TrunkUsageError
 from lightning_pipe.lightning import _compat
 from lightning_pipe.lightning.log_replay import LogCapture
 from lightning_pipe.lightning.logger_calls import LoggerCalls
@@ -135,6 +135,14 @@ class ModuleStages:
             except StageStop as done:
                 self.partition.check_step_output(stage_pass, done.output)
                 raise
+            except RuntimeError as error:
+                if _UNUSED_IN_GRAPH in str(error):  # torch.autograd.grad through the trunk, from inside the step
+                    raise TrunkUsageError(
+                        f"the step differentiates with respect to a tensor from before {self.partition.name} (torch: "
+                        f"{error}). Each stage's step sees only its own part of the graph: a gradient with respect to the "
+                        "inputs (adversarial examples, an input-gradient penalty) cannot be taken inside a pipelined step."
+                    ) from error
+                raise
             self.partition.check_step_output(stage_pass, output)
             return output
 
@@ -149,6 +157,10 @@ def buffers_as_now(buffers: Sequence[tuple[nn.Module, str]]) -> Callable[[], Non
             getattr(module, name).data.copy_(value)
 
     return put_back
+
+
+#: How torch says that ``torch.autograd.grad`` found no path to one of its inputs.
+_UNUSED_IN_GRAPH = "appears to not have been used in the graph"
 
 
 def merge_outputs(outputs: Sequence[Any], sizes: Sequence[int]) -> Any:

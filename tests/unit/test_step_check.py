@@ -122,3 +122,22 @@ def test_a_second_call_of_the_trunk_on_another_input_is_refused():
 
 def test_a_second_call_on_the_same_input_equals_one_device():
     assert_pipelined_equals_one_device(lambda: TwoCalls("again"))
+
+
+class InputGradientPenalty(Penalized):
+    """Penalises the gradient of the loss with respect to the inputs (double backpropagation)."""
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        x = x.clone().requires_grad_(True)
+        loss = F.cross_entropy(self(x), y)
+        (grad,) = torch.autograd.grad(loss, x, create_graph=True)
+        return loss + grad.pow(2).sum()
+
+
+def test_a_gradient_with_respect_to_the_inputs_is_refused_with_the_reason():
+    """torch's own message ('The differentiated Tensor ... appears to not have been used in the graph') said nothing of
+    the pipeline: the last stage's step starts its graph at the received activation."""
+    with pytest.raises(TrunkUsageError, match=r"the step differentiates with respect to a tensor from before trunk .* "
+                                              r"cannot be taken inside a pipelined step"):
+        fit(InputGradientPenalty(None), PipeStrategy(schedule="1f1b", stages=2, micro_batches=2))
