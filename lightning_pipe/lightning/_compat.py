@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 
 #: Lightning's launcher that re-runs the script once per local rank (``Trainer(devices=N)`` from a plain
 #: ``python train.py``). :class:`~.launcher.PipeLauncher` subclasses it to run the model checks before the
@@ -89,6 +90,22 @@ def loaded_checkpoint(trainer: Any) -> dict[str, Any]:
     tuned values before the model is cut; Lightning hands the checkpoint to the public hooks
     (``on_load_checkpoint``) only after setup."""
     return trainer._checkpoint_connector._loaded_checkpoint or {}
+
+
+def batch_is_last(trainer: Any) -> bool:
+    """Whether the batch now running ends its loop's epoch: the ``batch_progress.is_last_batch`` of the loop that runs
+    (training, validation during fit or the sanity check, ``validate``, ``test``, ``predict``). Lightning sets it when it
+    fetches the batch (its fetcher reads one batch ahead); no public property says which loop runs."""
+    stage = trainer.state.stage
+    if stage == RunningStage.TRAINING:
+        loop = trainer.fit_loop.epoch_loop
+    elif stage in (RunningStage.VALIDATING, RunningStage.SANITY_CHECKING):
+        loop = trainer.fit_loop.epoch_loop.val_loop if trainer.state.fn == TrainerFn.FITTING else trainer.validate_loop
+    elif stage == RunningStage.TESTING:
+        loop = trainer.test_loop
+    else:
+        loop = trainer.predict_loop
+    return bool(loop.batch_progress.is_last_batch)
 
 
 def should_accumulate(trainer: Any) -> bool:

@@ -262,3 +262,15 @@ def check_loader(options: PipeOptions, pipelines: int, loader: Any) -> None:
             f"micro_batches={options.micro_batches}; use a batch size of at least {needed} (the batch holds every "
             "replica's mini-batch)."
         )
+
+
+def uneven_batches_message(last: Sequence[int], others: Sequence[int], loop: str) -> str:
+    """Why the ranks cannot go on when the ranks ``last`` are at their ``loop``'s last batch of the epoch and the
+    ranks ``others`` are not."""
+    return (
+        f"the {loop} DataLoader of rank(s) {', '.join(map(str, last))} ends its epoch with this batch, that of rank(s) "
+        f"{', '.join(map(str, others))} does not. Every rank must load as many batches per epoch (the stages of a "
+        "pipeline the same batches, every pipeline as many), or the ranks that go on wait for the others. A dataset "
+        "that shards itself must shard by pipeline, into parts of one length: rank=trainer.global_rank // "
+        "trainer.strategy.num_stages, world_size=trainer.strategy.num_pipelines, and drop the remainder (docs/faq.md)."
+    )

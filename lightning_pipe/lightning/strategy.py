@@ -33,7 +33,7 @@ from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
-from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from torch import Tensor
@@ -812,18 +812,30 @@ class PipeStrategy(DDPStrategy, metaclass=_NamesItsOptions):
             self._preemption.install()
 
     def _stop_on_sigterm(self) -> None:
-        """At a step boundary, every rank in step: did any rank receive SIGTERM? Then all stop after this batch."""
+        """At a step boundary, every rank in step: did any rank receive SIGTERM? Then all stop after this batch.
+
+        The same all-reduce checks that the ranks agree on whether this batch ends the epoch: a rank whose DataLoader
+        ran out first would go on to the epoch's end while the others wait in the next batch's collectives, until
+        ``process_group_timeout`` (an hour by default), with no word of why."""
         if self._preemption is None:
             return
         self._handle_sigterm()
         received = self._preemption.pending
-        if self.world_size > 1:
-            flag = torch.tensor([int(received)], device=self.root_device)
-            with self._guard("every rank at the step boundary (the SIGTERM check)"):
-                torch.distributed.all_reduce(flag, op=ReduceOp.MAX)
-            received = bool(flag.item())
-        self._preemption.steps_begin()  # every rank is past start-up: a SIGTERM now stops after a batch
         trainer = self.lightning_module.trainer
+        if self.world_size > 1:
+            # predict shares the samples out unevenly (Lightning's unrepeated sampler), and its pipelines never meet
+            # during the epoch: each agrees within itself
+            within = trainer.state.stage == RunningStage.PREDICTING and self.num_pipelines > 1 and self._topology is not None
+            ranks = list(self._topology.pipeline_ranks) if within else list(range(self.world_size))
+            flags = torch.zeros(1 + len(ranks), dtype=torch.int32, device=self.root_device)
+            flags[0], flags[1 + ranks.index(self.global_rank)] = int(received), int(_compat.batch_is_last(trainer))
+            with self._guard("every rank at the step boundary (the SIGTERM check)"):
+                torch.distributed.all_reduce(flags, op=ReduceOp.SUM, group=self._topology.pipeline_group if within else None)
+            received, last = bool(flags[0].item()), [r for r, flag in zip(ranks, flags[1:].tolist()) if flag]
+            if last and len(last) < len(ranks):
+                raise PipeConfigError(checks.uneven_batches_message(last, [r for r in ranks if r not in last],
+                                                                    trainer.state.stage.value))
+        self._preemption.steps_begin()  # every rank is past start-up: a SIGTERM now stops after a batch
         if self._preemption.stop_now(received) and not trainer.received_sigterm:
             _compat.set_received_sigterm(trainer)
 

@@ -290,3 +290,25 @@ def test_every_stage_of_a_pipeline_draws_the_same_mixup_in_the_step_and_the_same
     assert len({draws[0][0] for draws in first["mixup_draws"].values()}) == 24
     assert len(first["labels"]) == 6 and first["labels"] == last["labels"]
     assert any(0 in labels for labels in first["labels"])
+
+
+def test_a_rank_whose_dataloader_ends_first_stops_every_rank_at_once_with_the_reason():
+    """A rank whose DataLoader ran out first went on to the epoch's end while the others waited in the next batch's
+    collectives, until process_group_timeout (an hour by default) ended the job with no word of why. The step boundary's
+    all-reduce now also compares whether the batch ends the epoch."""
+    code, output, _ = launch({"epochs": 1, "short_rank": 0, "devices": 2, "strategy": {"schedule": "1f1b", "micro_batches": 4}},
+                             timeout=120)
+    assert code != 0
+    assert "the train DataLoader of rank(s) 0 ends its epoch with this batch, that of rank(s) 1 does not" in output
+
+
+def test_predict_with_two_pipelines_takes_the_uneven_shares_lightning_gives_them():
+    """Lightning shares the samples out to predict without repeating any (9 samples: 5 and 4), so one pipeline ran a
+    batch more than the other, whose ranks had left: the step boundary's all-reduce over every rank failed. During
+    predict each pipeline now agrees within itself."""
+    code, output, records = launch({"devices": 4, "epochs": 1, "evaluate": True, "eval_samples": 9, "eval_batch_size": 4,
+                                    "trainer": {"use_distributed_sampler": True},
+                                    "strategy": {"schedule": "1f1b", "micro_batches": 2, "pipelines": 2}}, timeout=180)
+    assert code == 0, output[-3000:]
+    rows = {record["rank"]: [len(p) for p in record["predict"]] for record in records}
+    assert rows == {0: [4, 1], 1: [4, 1], 2: [4], 3: [4]}

@@ -380,6 +380,8 @@ def train(config: dict[str, Any]) -> dict[str, Any]:
     dataset = data(config.get("samples", 96))
     if config.get("shard_by_rank"):  # a dataset that shards itself by global rank, as under DDP: each stage its own half
         dataset = torch.utils.data.Subset(dataset, range(trainer.global_rank, len(dataset), trainer.world_size))
+    if trainer.global_rank == config.get("short_rank"):  # that rank's DataLoader gives the same batches but one fewer
+        dataset = torch.utils.data.Subset(dataset, range(len(dataset) - config.get("batch_size", 16)))
     sampler = None
     pipelines = config.get("pipelines_in_sampler", 1)
     if pipelines > 1:
@@ -388,7 +390,7 @@ def train(config: dict[str, Any]) -> dict[str, Any]:
     if config.get("masking_main"):  # the same random masking in the main process (num_workers=0)
         masking = {"collate_fn": masking_collate}
     loader = DataLoader(dataset, batch_size=config.get("batch_size", 16), shuffle=False, sampler=sampler, **masking)
-    eval_loader = DataLoader(data(40, seed=1), batch_size=config.get("eval_batch_size", 12))
+    eval_loader = DataLoader(data(config.get("eval_samples", 40), seed=1), batch_size=config.get("eval_batch_size", 12))
     evaluate = config.get("evaluate", False)
     validate_during_fit = evaluate or bool(config.get("full_callbacks"))
     groups = GroupCount() if config.get("count_groups") else None

@@ -7,6 +7,7 @@ A failure here means Lightning changed one of its internals: the message names w
 from __future__ import annotations
 
 import inspect
+import operator
 import os
 
 import lightning as L
@@ -16,7 +17,7 @@ from lightning.pytorch.callbacks import ModelSummary
 from lightning.pytorch.plugins.environments import LightningEnvironment
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
-from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from lightning.pytorch.utilities.enums import GradClipAlgorithmType
 from lightning.pytorch.utilities.model_summary import summarize
 from torchmetrics import MeanMetric
@@ -133,6 +134,22 @@ def test_should_accumulate_follows_accumulate_grad_batches():
     assert _compat.should_accumulate(trainer) is True, _changed("fit_loop._should_accumulate")
     trainer.fit_loop.epoch_loop.batch_progress.increment_ready()
     assert _compat.should_accumulate(trainer) is False, _changed("fit_loop._should_accumulate")
+
+
+@pytest.mark.parametrize("fn, stage, loop", [
+    (TrainerFn.FITTING, RunningStage.TRAINING, "fit_loop.epoch_loop"),
+    (TrainerFn.FITTING, RunningStage.SANITY_CHECKING, "fit_loop.epoch_loop.val_loop"),
+    (TrainerFn.FITTING, RunningStage.VALIDATING, "fit_loop.epoch_loop.val_loop"),
+    (TrainerFn.VALIDATING, RunningStage.VALIDATING, "validate_loop"),
+    (TrainerFn.TESTING, RunningStage.TESTING, "test_loop"),
+    (TrainerFn.PREDICTING, RunningStage.PREDICTING, "predict_loop"),
+])
+def test_batch_is_last_reads_the_running_loops_progress(trainer: L.Trainer, fn, stage, loop: str):
+    trainer.state.fn, trainer.state.stage = fn, stage
+    progress = operator.attrgetter(loop)(trainer).batch_progress
+    for last in (True, False):
+        progress.is_last_batch = last
+        assert _compat.batch_is_last(trainer) is last, _changed(f"{loop}.batch_progress.is_last_batch")
 
 
 def test_logs_this_step_follows_log_every_n_steps():
