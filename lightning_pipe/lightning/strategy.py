@@ -744,7 +744,7 @@ class PipeStrategy(DDPStrategy, metaclass=_NamesItsOptions):
         its loss on every rank. Flushing schedules run one whole step here; asynchronous ones one
         window of the stream, with optimizer steps inside."""
         assert self._runtime is not None and self._metrics is not None
-        self._stop_on_sigterm()
+        self._agree_at_step_boundary()
         if self._tracer is not None:
             self._tracer.start_step()
         self._metrics.begin()
@@ -811,7 +811,7 @@ class PipeStrategy(DDPStrategy, metaclass=_NamesItsOptions):
         if self._preemption is not None:
             self._preemption.install()
 
-    def _stop_on_sigterm(self) -> None:
+    def _agree_at_step_boundary(self) -> None:
         """At a step boundary, every rank in step: did any rank receive SIGTERM? Then all stop after this batch.
 
         The same all-reduce checks that the ranks agree on whether this batch ends the epoch: a rank whose DataLoader
@@ -827,11 +827,13 @@ class PipeStrategy(DDPStrategy, metaclass=_NamesItsOptions):
             # during the epoch: each agrees within itself
             within = trainer.state.stage == RunningStage.PREDICTING and self.num_pipelines > 1 and self._topology is not None
             ranks = list(self._topology.pipeline_ranks) if within else list(range(self.world_size))
-            flags = torch.zeros(1 + len(ranks), dtype=torch.int32, device=self.root_device)
-            flags[0], flags[1 + ranks.index(self.global_rank)] = int(received), int(_compat.batch_is_last(trainer))
+            values = [int(received)] + [0] * len(ranks)
+            values[1 + ranks.index(self.global_rank)] = int(_compat.batch_is_last(trainer))
+            flags = torch.tensor(values, dtype=torch.int32, device=self.root_device)  # one copy there and one back
             with self._guard("every rank at the step boundary (the SIGTERM check)"):
                 torch.distributed.all_reduce(flags, op=ReduceOp.SUM, group=self._topology.pipeline_group if within else None)
-            received, last = bool(flags[0].item()), [r for r, flag in zip(ranks, flags[1:].tolist()) if flag]
+            values = flags.tolist()
+            received, last = bool(values[0]), [r for r, flag in zip(ranks, values[1:]) if flag]
             if last and len(last) < len(ranks):
                 raise PipeConfigError(checks.uneven_batches_message(last, [r for r in ranks if r not in last],
                                                                     trainer.state.stage.value))
@@ -866,7 +868,7 @@ class PipeStrategy(DDPStrategy, metaclass=_NamesItsOptions):
 
     def _forward_step(self, hook: str, args: tuple, kwargs: dict) -> Any:
         assert self._pipeline is not None
-        self._stop_on_sigterm()
+        self._agree_at_step_boundary()
         try:
             return self._pipeline.forward_step(hook, args, kwargs)
         finally:
