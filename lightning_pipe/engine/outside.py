@@ -25,6 +25,13 @@ from lightning_pipe.engine.stand_ins import is_absent
 from lightning_pipe.engine.topology import Topology
 
 
+def buffer_slots(module: nn.Module) -> list[tuple[str, nn.Module, str]]:
+    """Every buffer of ``module``: its name in the state dict, the module that holds it and its attribute there (what
+    reads and writes it in place, whatever tensor the attribute holds by then)."""
+    return [(f"{path}.{leaf}" if path else leaf, holder, leaf)
+            for path, holder in module.named_modules() for leaf, _ in holder.named_buffers(recurse=False)]
+
+
 def reject_shared(users: dict[str, list[int]], why: str, error: type[Exception]) -> None:
     """Raise ``error`` naming every parameter used on several stages (``users``: name -> stages),
     for schedules that step each stage's parameters on their own; ``why`` says what goes wrong."""
@@ -84,9 +91,13 @@ class OutsideParameters:
         if self.users is None and self._buffers_before is None:
             self._buffers_before = {name: buffer.detach().to("cpu", copy=True) for name, buffer in self._buffers()}
 
+    def buffers(self) -> list[tuple[str, nn.Module, str]]:
+        """The buffers outside the trunk, as :func:`buffer_slots` lists them."""
+        return [slot for slot in buffer_slots(self.module) if not self.in_trunk(slot[0])]
+
     def _buffers(self) -> list[tuple[str, torch.Tensor]]:
-        return [(name, buffer) for name, buffer in self.module.named_buffers()
-                if not self.in_trunk(name) and not is_absent(buffer)]
+        present = [(name, getattr(holder, leaf)) for name, holder, leaf in self.buffers()]
+        return [(name, buffer) for name, buffer in present if not is_absent(buffer)]
 
     def _changed_buffers(self) -> list[str]:
         before, self._buffers_before = self._buffers_before or {}, None

@@ -44,6 +44,11 @@ def reseed(seed: int) -> None:
     random.seed(seed)
 
 
+def layers_seed(seed: int | None, virtual_stage: int) -> int | None:
+    """The seed ``virtual_stage``'s own layers draw from, for a micro-batch whose step draws from ``seed``."""
+    return None if seed is None else derive_seed(seed, virtual_stage)
+
+
 @dataclass(frozen=True)
 class StepSeeds:
     """The seeds of one step's micro-batches, alike on every stage of the pipeline.
@@ -60,11 +65,6 @@ class StepSeeds:
         """The seed the step's code draws from for ``micro_batch`` (``None`` for one not of this step)."""
         index = next((i for i, each in enumerate(self.micro_batches) if each is micro_batch), None)
         return None if index is None else derive_seed(self.step, index)
-
-    def layers(self, micro_batch: Any, virtual_stage: int) -> int | None:
-        """The seed ``virtual_stage``'s own layers draw from for ``micro_batch``."""
-        seed = self.of(micro_batch)
-        return None if seed is None else derive_seed(seed, virtual_stage)
 
     @contextmanager
     def running(self, seed: int | None) -> Iterator[None]:

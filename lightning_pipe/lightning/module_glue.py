@@ -22,9 +22,9 @@ import torch
 from torch import Tensor, nn
 from torchmetrics import Metric
 
-from lightning_pipe.engine.outside import reject_shared
+from lightning_pipe.engine.outside import buffer_slots, reject_shared
 from lightning_pipe.engine.p2p import flatten_activation
-from lightning_pipe.engine.random_state import StepSeeds, reseed
+from lightning_pipe.engine.random_state import StepSeeds, layers_seed, reseed
 from lightning_pipe.engine.stage import batch_size
 from lightning_pipe.errors import SharedParameterError, TrunkUsageError
 from lightning_pipe.lightning import _compat
@@ -95,13 +95,14 @@ class ModuleStages:
         if not (first or last or partition.middle_runs_step):  # a Sequential's middle stage: its layers only
 
             def run_layers(inputs: Any, micro_batch: Any) -> Any:
-                with seeds.running(seeds.layers(micro_batch, vs)) if seeds else nullcontext():
+                with seeds.running(layers_seed(seeds.of(micro_batch), vs)) if seeds else nullcontext():
                     return partition.run_chunk(chunk, inputs)
 
             return run_layers
 
         def run(inputs: Any, micro_batch: Any) -> Any:
-            layer_seed = seeds.layers(micro_batch, vs) if seeds else None
+            step_seed = seeds.of(micro_batch) if seeds else None
+            layer_seed = layers_seed(step_seed, vs)
             put_back = None if first else buffers_as_now(self.outside_buffers)
 
             def entering_layers() -> None:
@@ -112,7 +113,7 @@ class ModuleStages:
 
             stage_pass = StagePass(chunk, first, inputs, stop=not last, entering_layers=entering_layers)
             try:
-                with seeds.running(seeds.of(micro_batch)) if seeds else nullcontext():
+                with seeds.running(step_seed) if seeds else nullcontext():
                     output = self._run_step(micro_batch, stage_pass)
             except StageStop as done:
                 return done.output
@@ -244,7 +245,7 @@ def stage_parameter_names(
     outside = [(n, p) for n, p in named if id(p) not in stage_of]
     users: dict[str, list[int]] = {}
     if outside:
-        buffers = {n: b.detach().clone() for n, b in module.named_buffers()}
+        put_back = buffers_as_now([(holder, leaf) for _, holder, leaf in buffer_slots(module)])
         metrics = _metric_states(module)
         with torch.random.fork_rng(devices=[]), torch.enable_grad():
             value: Any = None
@@ -257,9 +258,7 @@ def stage_parameter_names(
                 for name, p in outside:
                     if id(p) in reached:
                         users.setdefault(name, []).append(vs)
-        with torch.no_grad():
-            for name, b in module.named_buffers():
-                b.copy_(buffers[name])
+        put_back()
         _restore_metric_states(metrics)
     reject_shared(users, "which step at different times under an asynchronous schedule", SharedParameterError)
     names: list[set[str]] = [set() for _ in bounds]

@@ -202,9 +202,7 @@ class StagePipeline:
         context = self.context
         # the last stage's initial seed (seed_everything's): the stages agree even where the user seeded each rank apart
         self.random_base = self.from_last_stage(torch.initial_seed(), "the last stage's random seed")
-        inside = {id(m) for m in self.partition.trunk.modules()}
-        self.outside_buffers = [(m, name) for m in self.module.modules() if id(m) not in inside
-                                for name, _ in m.named_buffers(recurse=False)]
+        self.outside_buffers = [(holder, leaf) for _, holder, leaf in self.outside.buffers()]
         self.outside.note_buffers()  # until the first training step shows which stage changes each of them
         if context.emulating:
             self.executor = LocalPipeline(context.num_stages, context.options.chunks_per_stage, self.watchdog, names,

@@ -16,7 +16,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_pipe import PipeStrategy
-from lightning_pipe.engine.random_state import StepSeeds, derive_seed
+from lightning_pipe.engine.random_state import StepSeeds, derive_seed, layers_seed
 
 
 class MixupNet(L.LightningModule):
@@ -115,4 +115,5 @@ def test_a_step_seeds_each_of_its_micro_batches_by_position_and_nothing_else():
     assert seeds.of(micro_batches[0]) != seeds.of(micro_batches[1])
     assert seeds.of(micro_batches[1]) == derive_seed(7, 1)
     assert seeds.of(torch.zeros(2)) is None  # an equal tensor of another step is not this step's micro-batch
-    assert seeds.layers(micro_batches[0], 0) != seeds.layers(micro_batches[0], 1) != seeds.of(micro_batches[0])
+    first = seeds.of(micro_batches[0])
+    assert layers_seed(first, 0) != layers_seed(first, 1) != first and layers_seed(None, 0) is None
