@@ -15,6 +15,7 @@ import warnings
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+import torch
 from lightning.pytorch import LightningModule
 from lightning.pytorch.callbacks import (
     GradientAccumulationScheduler,
@@ -177,6 +178,26 @@ def check_callbacks(callbacks: Sequence[Any], stages: int) -> None:
                 "(on 2 processes the pruned weights differed from one device's); use "
                 "ModelPruning(..., use_global_unstructured=False), which prunes each layer on its own, exactly."
             )
+
+
+def check_optimizers(optimizers: Sequence[Any], stages: int) -> None:
+    """Optimizers that compute over all of the model's parameters at once cannot step one stage's share of them
+    (emulated too, so that the emulation refuses what the processes would)."""
+    if stages == 1:
+        return
+    for optimizer in optimizers:
+        optimizer = getattr(optimizer, "optimizer", optimizer)  # Lightning's LightningOptimizer wraps the user's
+        members = getattr(optimizer, "optimizers", [optimizer])  # a CombinedOptimizer's
+        for member in members:
+            if isinstance(member, torch.optim.LBFGS):
+                raise PipeConfigError(
+                    f"{type(member).__name__} takes its search direction and line search from dot products over all of "
+                    "the model's parameters and evaluates the closure until they converge, but each stage's process "
+                    "holds only its own parameters: every stage would search on its own (on 2 processes it wrote into "
+                    "another stage's stand-in parameters), and the stages could run the pipeline a different number of "
+                    "times and hang. Use a first-order optimizer (SGD, Adam, AdamW), or train with strategy='ddp' or on "
+                    "one device."
+                )
 
 
 def warn_quality(schedule: str, stages: int, optimizer: Any) -> None:

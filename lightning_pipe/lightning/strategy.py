@@ -642,6 +642,7 @@ class PipeStrategy(DDPStrategy, metaclass=_NamesItsOptions):
             self._update_mixed_groups_per_tensor()
             checks.check_trainer(self.options.spec, trainer.accumulate_grad_batches, len(self.optimizers), trainer.callbacks)
             checks.check_callbacks(trainer.callbacks, self.num_stages)
+            checks.check_optimizers(self.optimizers, self.num_stages)
             if self.options.quality_warning and self.is_global_zero:
                 checks.warn_quality(self.options.schedule, self.num_stages, self.optimizers[0])
             if self.options.spec.policy is not None and live_policies.copies_weights(self.options.spec.policy):

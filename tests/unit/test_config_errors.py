@@ -215,3 +215,28 @@ def test_weight_averaging_is_refused_beside_several_stages():
     with pytest.raises(PipeConfigError, match=r"EMAWeightAveraging keeps an averaged copy of the whole module"):
         trainer.fit(TrunkModel(), DataLoader(TensorDataset(torch.randn(16, 8), torch.randint(0, 4, (16,))), batch_size=8))
     check_callbacks([EMAWeightAveraging(decay=0.9)], stages=1)
+
+
+class LBFGSModel(TrunkModel):
+    def configure_optimizers(self):
+        return torch.optim.LBFGS(self.parameters(), lr=0.5, max_iter=3)
+
+
+def test_lbfgs_is_refused_beside_several_stages():
+    """LBFGS's direction and line search take dot products over every parameter: on 2 processes it wrote into another
+    stage's stand-in parameters (``unsupported operation: more than one element of the written-to tensor``), and the
+    stages' searches could run the closure a different number of times. The emulation refuses it as the processes
+    would; one stage holds every parameter and steps as one device."""
+    from lightning_pipe.lightning.checks import check_optimizers
+
+    trainer = L.Trainer(strategy=PipeStrategy(schedule="1f1b", stages=2, micro_batches=2), accelerator="cpu", devices=1,
+                        max_steps=1, logger=False, enable_progress_bar=False, enable_checkpointing=False,
+                        enable_model_summary=False)
+    data = TensorDataset(torch.randn(16, 8), torch.randint(0, 4, (16,)))
+    with pytest.raises(PipeConfigError, match=r"LBFGS takes its search direction .* first-order optimizer"):
+        trainer.fit(LBFGSModel(), DataLoader(data, batch_size=8))
+    check_optimizers([torch.optim.LBFGS([nn.Parameter(torch.zeros(2))])], stages=1)
+    combined = lightning_pipe.optim.CombinedOptimizer(torch.optim.SGD([nn.Parameter(torch.zeros(2))], lr=0.1),
+                                                      torch.optim.LBFGS([nn.Parameter(torch.zeros(2))]))
+    with pytest.raises(PipeConfigError, match="LBFGS"):
+        check_optimizers([combined], stages=2)
