@@ -211,6 +211,29 @@ def plan(
     """
     if timeline and os.path.exists(timeline) and not overwrite:
         raise PlanError(f"{timeline} exists; pass --overwrite true to replace it, another --timeline, or --timeline null.")
+    _check_counts(stages=stages, chunks=chunks, min_micro_batches=min_micro_batches, repeats=repeats,
+                  max_parallel_pipelines=max_parallel_pipelines)
+    if micro_batches is not None and min(micro_batches, default=1) < 1:
+        raise PlanError(f"--micro_batches {micro_batches} must hold counts of at least 1.")
+    if advance_forward is not None and min(advance_forward, default=0) < 0:
+        raise PlanError(f"--advance_forward {advance_forward} must hold counts of at least 0.")
+    for name, value in (("memory_gib", memory_gib), ("bandwidth_gbps", bandwidth_gbps)):
+        if value is not None and min(value if isinstance(value, list) else [value], default=0) <= 0:
+            raise PlanError(f"--{name} {value} must be positive; leave it out for no limit.")
+    machine = Machine(
+        memory=None if memory_gib is None else (
+            [m * GIB for m in memory_gib] if isinstance(memory_gib, list) else memory_gib * GIB),
+        speeds=speeds,
+        bandwidth=None if bandwidth_gbps is None else bandwidth_gbps * 1e9,
+        latency=latency_us * 1e-6,
+        kappa=kappa,
+        recompute=checkpoint_activations,
+    )
+    machine.check(stages)  # before minutes of profiling
+    chosen = list(schedules) if schedules else list(registry.names("synchronous"))
+    unknown = [s for s in chosen if s not in registry.SCHEDULES]  # avgpipe goes through its tuner
+    if unknown:
+        raise PlanError(f"schedule {unknown[0]!r} is not known; choose among {', '.join(registry.SCHEDULES)}.")
     if threads is not None:
         torch.set_num_threads(threads)
     name, trunk = find_trunk(model, module)
@@ -226,9 +249,15 @@ def plan(
         total = int(batch_shape[0])
     else:
         raise PlanError("give batch_shape (e.g. --batch_shape [256,784]) or a datamodule to take a batch from.")
+    if total < 1:
+        raise PlanError(f"the batch has {total} samples; give a batch of at least one (--batch_shape's first entry).")
+    if micro_batches and max(micro_batches) > total:
+        raise PlanError(f"--micro_batches {micro_batches} asks for more micro-batches than the batch's {total} samples; "
+                        f"give counts up to {total}.")
     candidates = list(micro_batches) if micro_batches else candidate_micro_batches(total, min_micro_batches, max_micro_batches)
     if not candidates:
-        raise PlanError(f"no micro-batch count between {min_micro_batches} and {max_micro_batches} divides the batch of {total}.")
+        raise PlanError(f"no micro-batch count between {min_micro_batches} and {max_micro_batches or total} divides the "
+                        f"batch of {total}; give --micro_batches, or other --min_micro_batches / --max_micro_batches.")
     sizes = sorted({total // max(candidates), total // min(candidates)})
     model.train()
     profiles = []
@@ -237,19 +266,6 @@ def plan(
         with ProfileProgress(f"profiling {len(trunk)} layers at micro-batch size {size}", progress) as shown:
             profiles.append(profile_trunk(trunk, sample, device, repeats=repeats, cache=cache, module=model,
                                           max_spread=max_spread, max_repeats=max_repeats, progress=shown))
-    machine = Machine(
-        memory=None if memory_gib is None else (
-            [m * GIB for m in memory_gib] if isinstance(memory_gib, list) else memory_gib * GIB),
-        speeds=speeds,
-        bandwidth=None if bandwidth_gbps is None else bandwidth_gbps * 1e9,
-        latency=latency_us * 1e-6,
-        kappa=kappa,
-        recompute=checkpoint_activations,
-    )
-    chosen = list(schedules) if schedules else list(registry.names("synchronous"))
-    unknown = [s for s in chosen if s not in registry.SCHEDULES]  # avgpipe goes through its tuner
-    if unknown:
-        raise PlanError(f"schedule {unknown[0]!r} is not known; choose among {', '.join(registry.SCHEDULES)}.")
     if checkpoint_activations:  # PipeStrategy refuses these with it (docs/options.md)
         refused = [s for s in chosen if not SCHEDULES[s].recomputes_activations]
         if schedules and refused:
@@ -294,6 +310,13 @@ def plan(
         report.timeline = timeline
     report.text = render(report, type(model).__name__, name, total, stages, machine) + quality_text(model, chosen, stages)
     return report
+
+
+def _check_counts(**counts: int) -> None:
+    """Each of ``counts`` (``--name``: value) must be at least 1."""
+    for name, value in counts.items():
+        if value < 1:
+            raise PlanError(f"--{name} {value} must be at least 1.")
 
 
 def render(report: PlanReport, model_name: str, trunk_name: str, total: int, stages: int, machine: Machine) -> str:

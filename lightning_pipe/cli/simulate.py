@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+from lightning_pipe.errors import PipeConfigError
 from lightning_pipe.registry import DEFAULT, build_schedule, spec
 from lightning_pipe.sim import Costs, Simulation, chrome_trace, measured_costs, read_trace, simulate, simulate_async, timeline_png
 
@@ -50,6 +51,15 @@ def simulate_schedule(
     ms = 1e-3
     row = spec(schedule)
     chunks = row.default_chunks if chunks is None else chunks
+    for name, count in (("stages", stages), ("micro_batches", micro_batches), ("chunks", chunks)):
+        if count < 1:
+            raise PipeConfigError(f"--{name} {count} must be at least 1.")
+    for name, milliseconds in (("forward", forward), ("backward", backward), ("transfer", transfer), ("step", step)):
+        if milliseconds < 0:
+            raise PipeConfigError(f"--{name} {milliseconds} must be at least 0 (milliseconds).")
+    if row.family == "asynchronous" and windows < 4:
+        raise PipeConfigError(f"--windows {windows}: the simulator needs at least 4 windows to reach a steady state.")
+    row.check(stages, micro_batches)
     if costs_from is None:
         costs = Costs.uniform(stages * chunks, forward * ms, backward * ms, transfer * ms, step * ms)
     else:

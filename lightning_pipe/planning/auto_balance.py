@@ -66,6 +66,12 @@ class AutoBalanceOptions:
     min_gain: float = MIN_GAIN
 
     def __post_init__(self) -> None:
+        memory = self.memory_gib if isinstance(self.memory_gib, list) else [self.memory_gib]
+        if self.memory_gib is not None and (not memory or min(memory) <= 0):
+            raise PipeConfigError(f"auto_balance memory_gib={self.memory_gib} must be positive (GiB per device, one "
+                                  "value or one per stage), or None for the device's memory.")
+        if self.speeds is not None and (not self.speeds or min(self.speeds) <= 0):
+            raise PipeConfigError(f"auto_balance speeds={self.speeds} must be positive (one relative speed per stage).")
         if self.refine < 0:
             raise PipeConfigError(f"auto_balance refine={self.refine} must be at least 0 (0: no refinement).")
         if self.min_gain < 0:

@@ -179,12 +179,18 @@ class Machine:
     recompute: bool = False
 
     def check(self, stages: int) -> None:
-        """Per-device lists must have one entry per stage; speeds must be positive."""
+        """Per-device lists must have one entry per stage; speeds, memory, bandwidth and kappa must be positive."""
         for name, values in (("memory", self.memory), ("speeds", self.speeds)):
             if isinstance(values, Sequence) and len(values) != stages:
                 raise PlanError(f"{name} has {len(values)} entries but the pipeline has {stages} stages; give one per stage.")
         if self.speeds is not None and min(self.speeds) <= 0:
             raise PlanError(f"speeds {list(self.speeds)} must all be positive.")
+        if self.memory is not None and min(self.memory if isinstance(self.memory, Sequence) else [self.memory]) <= 0:
+            raise PlanError(f"the memory limit {self.memory} must be positive (bytes per device); None for no limit.")
+        if self.bandwidth is not None and self.bandwidth <= 0:
+            raise PlanError(f"bandwidth {self.bandwidth} must be positive (bytes per second); None for free transfers.")
+        if self.latency < 0 or self.kappa <= 0:
+            raise PlanError(f"latency {self.latency} must be at least 0 and kappa {self.kappa} positive.")
 
     def cap(self, device: int) -> float:
         if self.memory is None:

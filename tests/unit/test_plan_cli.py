@@ -229,6 +229,44 @@ def test_plan_exits_non_zero_when_no_schedule_fits(capsys):
                                                "datamodule to take a batch from.")
 
 
+@pytest.mark.parametrize("arguments, message", [
+    (["--stages", "0"], "--stages 0 must be at least 1."),  # these three were ZeroDivisionErrors
+    (["--chunks", "0"], "--chunks 0 must be at least 1."),
+    (["--micro_batches", "[0]"], "--micro_batches [0] must hold counts of at least 1."),
+    (["--micro_batches", "[32]"], "--micro_batches [32] asks for more micro-batches than the batch's 16 samples"),
+    (["--memory_gib", "-1"], "--memory_gib -1.0 must be positive"),  # was planned against -1 GiB
+    (["--bandwidth_gbps", "0"], "--bandwidth_gbps 0.0 must be positive"),
+    (["--speeds", "[1,0]"], "speeds [1.0, 0.0] must all be positive."),
+    (["--batch_shape", "[0,8]"], "the batch has 0 samples"),
+    (["--min_micro_batches", "5", "--max_micro_batches", "7"], "between 5 and 7 divides the batch of 16; give"),
+])
+def test_plan_refuses_options_before_profiling(arguments, message, capsys, monkeypatch):
+    """A count of 0, a micro-batch count above the batch or a negative limit stops with one line naming the option,
+    before any profiling (an unknown schedule was only refused after it)."""
+    import lightning_pipe.cli.plan as plan_module
+
+    profiled = []
+    monkeypatch.setattr(plan_module, "profile_trunk", lambda *a, **k: profiled.append(1))
+    with pytest.raises(SystemExit) as done:
+        main(["plan", "--model", "tests.harness.lightning_run.TrunkModel", "--model.depth", "3", "--batch_shape", "[16,8]",
+              "--stages", "2", "--timeline", "null", "--progress", "false", *arguments])
+    assert done.value.code == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("lightning-pipe: error: ") and message in err
+    assert not profiled
+
+
+def test_auto_balance_refuses_a_memory_limit_that_is_not_positive():
+    from lightning_pipe import PipeConfigError
+    from lightning_pipe.planning.auto_balance import AutoBalanceOptions
+
+    with pytest.raises(PipeConfigError, match=r"memory_gib=-1 must be positive"):
+        AutoBalanceOptions(memory_gib=-1)
+    with pytest.raises(PipeConfigError, match=r"speeds=\[1.0, 0.0\] must be positive"):
+        AutoBalanceOptions(speeds=[1.0, 0.0])
+    assert AutoBalanceOptions(memory_gib=[1.0, 2.0]).memory_gib == [1.0, 2.0]
+
+
 def test_profiling_shows_progress_as_plain_lines_in_a_log():
     import io
 

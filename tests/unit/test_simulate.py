@@ -270,3 +270,23 @@ def test_weight_copies_bound_what_the_policies_hold(name, stages, micro_batches)
     assert all(h <= c for h, c in zip(held, counted)), (held, counted)
     if name != "pipedream":
         assert held == counted
+
+
+@pytest.mark.parametrize("arguments, message", [
+    (["--stages", "0"], "--stages 0 must be at least 1."),  # was a ZeroDivisionError
+    (["--micro_batches", "0"], "--micro_batches 0 must be at least 1."),
+    (["--forward", "-1"], "--forward -1.0 must be at least 0 (milliseconds)."),  # said "pass durations in seconds"
+    (["--schedule", "pipemare", "--windows", "0"], "--windows 0: the simulator needs at least 4 windows"),
+    (["--schedule", "dualpipev", "--micro_batches", "4"], "dualpipev needs micro_batches >= 2 * stages"),  # a traceback
+    (["--schedule", "interleaved_1f1b", "--micro_batches", "6"], "use micro_batches=8."),
+])
+def test_command_line_refuses_options_with_one_line(arguments, message, capsys) -> None:
+    """Every option the simulator cannot run says so in one line on stderr and exits 1, as an unknown schedule did;
+    before, these ended in a traceback (a ZeroDivisionError for a count of 0)."""
+    from lightning_pipe.cli import main
+
+    with pytest.raises(SystemExit) as done:
+        main(["simulate", *arguments])
+    assert done.value.code == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("lightning-pipe: error: ") and message in err and "Traceback" not in err
