@@ -65,6 +65,14 @@ def _bounded(fn: Callable[[], T], seconds: float) -> tuple[bool, T | None]:
     return (True, box[0]) if box else (False, None)
 
 
+def describe(error: BaseException) -> str:
+    """How a report names ``error``: ``raised ValueError: bad shape``; Ctrl-C (a ``KeyboardInterrupt``, which has no
+    message) as ``was interrupted (KeyboardInterrupt)``."""
+    if isinstance(error, KeyboardInterrupt):
+        return f"was interrupted ({type(error).__name__})"
+    return f"raised {type(error).__name__}: {error}" if str(error) else f"raised {type(error).__name__}"
+
+
 class Watchdog:
     """Waits on requests and explains their failures.
 
@@ -158,7 +166,7 @@ class Watchdog:
         if self.store is None or self.store_silent or self.reported or isinstance(error, PeerFailure):
             return
         self.reported = True
-        message = f"rank {self.rank} raised {type(error).__name__}: {error}"
+        message = f"rank {self.rank} {describe(error)}"
 
         def tell() -> tuple[int, bool]:
             first = not self.store.check([self.key])

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 from lightning.pytorch import LightningModule
 from typing_extensions import override
 
+from lightning_pipe.engine import shm
 from lightning_pipe.engine.watchdog import FAILURE_GRACE, process_alive
 from lightning_pipe.lightning import _compat
 from lightning_pipe.lightning.checks import check_loader, check_model
@@ -73,6 +74,24 @@ class PipeLauncher(_compat.ScriptLauncher):
                     self._observer.stop.set()  # the children's deaths below are this process's doing
                 end_children(self.procs)
             raise
+
+    @override
+    def kill(self, signum: Any) -> None:
+        """Lightning calls this after Ctrl-C on this rank, to SIGKILL the others at once. They heard of it (from a
+        terminal's Ctrl-C themselves, or from this rank's report) and are ending on their own, removing their
+        shared-memory files: give them up to ``FAILURE_GRACE`` seconds, kill only those still running, and remove
+        the files any killed one left (so that none outlives the job)."""
+        if self._observer is not None:
+            self._observer.stop.set()  # the children's ends below are this process's doing
+        deadline = time.monotonic() + FAILURE_GRACE
+        while any(child.poll() is None for child in self.procs) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        killed = [child for child in self.procs if child.poll() is None]
+        super().kill(signum)
+        for child in killed:
+            child.wait()
+        if killed:
+            shm.remove_dead_jobs_files()
 
     def startup_over(self) -> None:
         """The pipeline is built: from now on the watchdog ends the job's ranks on a failure, and a rank

@@ -1038,7 +1038,8 @@ class PipeStrategy(DDPStrategy, metaclass=_NamesItsOptions):
             return
         if self._watchdog is not None:
             self._watchdog.report(exception)
-            if not isinstance(exception, LightningPipeError):  # e.g. a raw collective error inside Lightning
+            # e.g. a raw collective error inside Lightning; Ctrl-C reaches every rank of a terminal itself
+            if not isinstance(exception, (LightningPipeError, KeyboardInterrupt)):
                 report = self._watchdog.peer_error(wait=self._watchdog.grace)
                 if report is not None and not report.startswith(f"rank {self.global_rank} "):
                     log.error(f"rank {self.global_rank} failed ({type(exception).__name__}: {exception}) "

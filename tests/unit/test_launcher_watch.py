@@ -46,3 +46,24 @@ def test_a_rank_whose_launcher_is_gone_exits(tmp_path):
     assert not alive, "the orphaned rank is still running"
     with open(log) as f:
         assert "the launching process (pid" in f.read()
+
+
+def test_after_ctrl_c_the_launcher_lets_the_other_ranks_end_before_it_kills_what_is_left(monkeypatch):
+    """Lightning SIGKILLs the other ranks as soon as Ctrl-C reaches the launching rank; a rank killed while it ended
+    on its own (it got the Ctrl-C, or rank 0's report) left its shared-memory files behind. The launcher now waits
+    for the ranks to end (at most FAILURE_GRACE), kills only those still running, and removes what they left."""
+    import signal
+
+    import lightning_pipe.lightning.launcher as launcher
+
+    swept = []
+    monkeypatch.setattr(launcher, "FAILURE_GRACE", 1.0)
+    monkeypatch.setattr(launcher.shm, "remove_dead_jobs_files", lambda: swept.append(1) or 0)
+    ending = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(0.3)"])
+    hung = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    pipe_launcher = launcher.PipeLauncher.__new__(launcher.PipeLauncher)  # no strategy needed for kill
+    pipe_launcher.procs, pipe_launcher._observer = [ending, hung], None
+    pipe_launcher.kill(signal.SIGKILL)
+    assert ending.returncode == 0  # ended on its own, not killed
+    assert hung.returncode == -signal.SIGKILL
+    assert swept == [1]

@@ -60,3 +60,18 @@ def test_a_rank_reporting_after_a_peer_does_not_claim_the_first_report():
     later.report(ZeroDivisionError("second"))
     assert later.reported_first is None
     assert later.peer_error(wait=0.0) == "rank 1 raised ValueError: first"
+
+
+def test_a_report_names_ctrl_c_as_an_interruption_not_an_empty_error():
+    """Ctrl-C on a 2-process run printed ``rank 1 failed (KeyboardInterrupt: ) after rank 0 raised KeyboardInterrupt: ``,
+    as if one rank's failure had brought the other down; the strategy no longer prints that line for Ctrl-C (which
+    reaches every rank of a terminal), and a peer on another node reads that rank 0 was interrupted."""
+    from lightning_pipe.engine.watchdog import describe
+
+    assert describe(KeyboardInterrupt()) == "was interrupted (KeyboardInterrupt)"
+    assert describe(RuntimeError()) == "raised RuntimeError"
+    assert describe(ValueError("bad shape")) == "raised ValueError: bad shape"
+    store = dist.TCPStore("127.0.0.1", free_port(), 1, is_master=True, timeout=timedelta(seconds=10))
+    Watchdog(timeout=10.0, store=store, rank=0, generation=0).report(KeyboardInterrupt())
+    peer = Watchdog(timeout=10.0, store=store, rank=1, generation=0)
+    assert peer.peer_error(wait=0.0) == "rank 0 was interrupted (KeyboardInterrupt)"
