@@ -31,6 +31,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.nn.utils.rnn import PackedSequence
 from torch.utils._pytree import tree_leaves
 
 from lightning_pipe.engine.watchdog import stream_ordered
@@ -74,15 +75,17 @@ class TensorMeta:
     requires_grad: bool
 
 
-#: Codes of :func:`flatten_activation`'s structure: a tensor, a ``None``; a count ``n >= 0`` is a tuple of ``n`` entries.
-TENSOR, NONE = -1, -2
+#: Codes of :func:`flatten_activation`'s structure: a tensor, a ``None``, an ``nn.utils.rnn.PackedSequence`` (its four
+#: fields follow); a count ``n >= 0`` is a tuple of ``n`` entries.
+TENSOR, NONE, PACKED = -1, -2, -3
 
 
 def flatten_activation(value: Any) -> tuple[tuple[Tensor, ...], tuple[int, ...]] | None:
     """The tensors of a stage output in order, and its structure in prefix order (:data:`TENSOR`,
     :data:`NONE`, or a tuple's length before its entries), or ``None`` if ``value`` holds anything else.
     Tuples and lists nest to any depth, so ``nn.LSTM``'s ``(output, (h, c))`` or a block's
-    ``(hidden, None)`` crosses a stage boundary as it is; a list arrives as a tuple."""
+    ``(hidden, None)`` crosses a stage boundary as it is; a list arrives as a tuple. A ``PackedSequence`` (an RNN's
+    packed output) arrives as one, rebuilt from its fields."""
     tensors: list[Tensor] = []
     structure: list[int] = []
 
@@ -92,6 +95,9 @@ def flatten_activation(value: Any) -> tuple[tuple[Tensor, ...], tuple[int, ...]]
             structure.append(TENSOR)
         elif item is None:
             structure.append(NONE)
+        elif isinstance(item, PackedSequence):  # data, batch_sizes, sorted_indices, unsorted_indices
+            structure.append(PACKED)
+            return all(visit(entry) for entry in item)
         elif isinstance(item, (tuple, list)) and not hasattr(item, "_fields"):  # a namedtuple would lose its type
             structure.append(len(item))
             return all(visit(entry) for entry in item)
@@ -112,6 +118,10 @@ def rebuild_activation(tensors: Sequence[Tensor], structure: Sequence[int]) -> A
             return next(remaining)
         if code == NONE:
             return None
+        if code == PACKED:
+            data, batch_sizes, sorted_indices, unsorted_indices = (build() for _ in range(4))
+            # an RNN reads batch_sizes on the host (pack_padded_sequence keeps it there)
+            return PackedSequence(data, batch_sizes.cpu(), sorted_indices, unsorted_indices)
         return tuple(build() for _ in range(code))
 
     return build()
