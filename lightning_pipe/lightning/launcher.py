@@ -77,10 +77,14 @@ class PipeLauncher(_compat.ScriptLauncher):
 
     @override
     def kill(self, signum: Any) -> None:
-        """Lightning calls this after Ctrl-C on this rank, to SIGKILL the others at once. They heard of it (from a
+        """Send ``signum`` to the ranks this process started. Any signal but SIGKILL (the preemption handler's
+        SIGTERM) goes at once. SIGKILL is Lightning's after Ctrl-C on this rank; the others heard of it (from a
         terminal's Ctrl-C themselves, or from this rank's report) and are ending on their own, removing their
-        shared-memory files: give them up to ``FAILURE_GRACE`` seconds, kill only those still running, and remove
-        the files any killed one left (so that none outlives the job)."""
+        shared-memory files: they get up to ``FAILURE_GRACE`` seconds, then those still running are killed and the
+        files they left removed (so that none outlives the job)."""
+        if signum != signal.SIGKILL:
+            super().kill(signum)
+            return
         if self._observer is not None:
             self._observer.stop.set()  # the children's ends below are this process's doing
         deadline = time.monotonic() + FAILURE_GRACE

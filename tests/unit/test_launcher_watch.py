@@ -67,3 +67,8 @@ def test_after_ctrl_c_the_launcher_lets_the_other_ranks_end_before_it_kills_what
     assert ending.returncode == 0  # ended on its own, not killed
     assert hung.returncode == -signal.SIGKILL
     assert swept == [1]
+    # the preemption handler forwards SIGTERM through kill too: at once, from inside a signal handler
+    asleep = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    pipe_launcher.procs = [asleep]
+    pipe_launcher.kill(signal.SIGTERM)
+    assert asleep.wait(timeout=0.9) == -signal.SIGTERM  # sent before any grace (1 s) could run out
