@@ -23,7 +23,7 @@ from torch import Tensor, nn
 from torchmetrics import Metric
 
 from lightning_pipe.engine.outside import buffer_slots, reject_shared
-from lightning_pipe.engine.p2p import flatten_activation
+from lightning_pipe.engine.p2p import flatten_activation, rebuild_activation
 from lightning_pipe.engine.random_state import StepSeeds, layers_seed, reseed
 from lightning_pipe.engine.stage import batch_size
 from lightning_pipe.errors import SharedParameterError, TrunkUsageError
@@ -213,13 +213,18 @@ def _differentiable(value: Any) -> list[Tensor]:
 
 
 def _detached(value: Any) -> Any:
-    if isinstance(value, (tuple, list)):
-        return tuple(_detached(t) for t in value)
-    if not isinstance(value, Tensor):
-        return value
-    if value.dtype.is_floating_point or value.dtype.is_complex:
-        return value.detach().requires_grad_(value.requires_grad)
-    return value.detach()
+    """``value`` as the next virtual stage receives it, in :func:`flatten_activation`'s structure (a list as a tuple, a
+    ``PackedSequence`` as one): every tensor a new leaf, the floating ones tracking gradients where the sent ones did."""
+    flat = flatten_activation(value)
+    if flat is None:  # cannot cross a boundary (the executor says why at the first step): detach what can
+        return tuple(_detached(v) for v in value) if isinstance(value, (tuple, list)) else value
+    return rebuild_activation([_new_leaf(t) for t in flat[0]], flat[1])
+
+
+def _new_leaf(tensor: Tensor) -> Tensor:
+    if tensor.dtype.is_floating_point or tensor.dtype.is_complex:
+        return tensor.detach().requires_grad_(tensor.requires_grad)
+    return tensor.detach()
 
 
 def stage_parameter_names(

@@ -248,6 +248,39 @@ def test_packed_sequences_cross_stage_boundaries_and_train_like_one_device(sched
                 fit(PackedRNN(), None))
 
 
+class PaddedGRU(PackedGRU):
+    """The same GRU layer between padded tensors: it packs its input by the lengths that travel beside it."""
+
+    def forward(self, value: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        x, lengths = value
+        packed = nn.utils.rnn.pack_padded_sequence(x, lengths.cpu(), batch_first=True, enforce_sorted=False)
+        return nn.utils.rnn.pad_packed_sequence(self.gru(packed)[0], batch_first=True, total_length=CONTEXT)[0], lengths
+
+
+class PaddedRNN(PackedRNN):
+    """PackedRNN's model with padded tensors and the lengths crossing the stage boundaries instead."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(VOCAB, D_MODEL)
+        self.layers = nn.Sequential(*(PaddedGRU() for _ in range(BLOCKS)))
+        self.head = nn.Linear(D_MODEL, VOCAB)
+
+    def forward(self, idx):
+        hidden, _ = self.layers((self.embed(idx), 3 + idx[:, 0] % (CONTEXT - 3)))
+        return self.head(hidden)
+
+
+@pytest.mark.parametrize("schedule", ["pipemare", "pipedream_2bw"])
+def test_packed_sequences_cross_the_boundaries_of_asynchronous_schedules(schedule):
+    """The emulation's first-step probe of the asynchronous schedules passed a PackedSequence on as a plain tuple
+    (``'tuple' object has no attribute 'dim'``); it now hands each virtual stage what a process would receive, and the
+    packed trunk trains as the same layers passing padded tensors and their lengths."""
+    strategy = {"schedule": schedule, "stages": 2, "micro_batches": 4, "shape_headers": "always"}
+    assert_same(fit(PackedRNN(), PipeStrategy(**strategy)), fit(PaddedRNN(), PipeStrategy(**strategy)))
+
+
 @pytest.mark.parametrize("schedule", ["1f1b", "pipemare", "pipedream_2bw", "xpipe"])
 def test_a_module_list_trunk_trains_exactly_like_the_same_blocks_in_a_sequential(schedule):
     """The Sequential trunk is checked against one device and the literal references elsewhere
