@@ -30,6 +30,7 @@ from torch.utils.data import DataLoader
 
 from lightning_pipe.errors import AsyncQualityWarning, MicroBatchNormWarning, PipeConfigError
 from lightning_pipe.lightning import _compat
+from lightning_pipe.optim import CombinedOptimizer
 from lightning_pipe.partition import find_trunk, resolve_balance, stage_bounds
 from lightning_pipe.partition.split import check_shared_layers, check_tied_outside
 from lightning_pipe.partition.trunk import candidates_of
@@ -186,9 +187,7 @@ def check_optimizers(optimizers: Sequence[Any], stages: int) -> None:
     if stages == 1:
         return
     for optimizer in optimizers:
-        optimizer = getattr(optimizer, "optimizer", optimizer)  # Lightning's LightningOptimizer wraps the user's
-        members = getattr(optimizer, "optimizers", [optimizer])  # a CombinedOptimizer's
-        for member in members:
+        for member in optimizer.optimizers if isinstance(optimizer, CombinedOptimizer) else [optimizer]:
             if isinstance(member, torch.optim.LBFGS):
                 raise PipeConfigError(
                     f"{type(member).__name__} takes its search direction and line search from dot products over all of "
