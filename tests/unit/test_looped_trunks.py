@@ -223,11 +223,13 @@ class PackedRNN(StackedLSTM):
     """Sequences of several lengths (from the tokens: each sample's own) packed before an nn.Sequential of GRU
     layers and padded after it: a ``PackedSequence`` crosses every stage boundary."""
 
+    block: type[nn.Module] = PackedGRU
+
     def __init__(self) -> None:
         super().__init__()
         torch.manual_seed(0)
         self.embed = nn.Embedding(VOCAB, D_MODEL)
-        self.layers = nn.Sequential(*(PackedGRU() for _ in range(BLOCKS)))
+        self.layers = nn.Sequential(*(self.block() for _ in range(BLOCKS)))
         self.head = nn.Linear(D_MODEL, VOCAB)
 
     def forward(self, idx):
@@ -260,12 +262,7 @@ class PaddedGRU(PackedGRU):
 class PaddedRNN(PackedRNN):
     """PackedRNN's model with padded tensors and the lengths crossing the stage boundaries instead."""
 
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.embed = nn.Embedding(VOCAB, D_MODEL)
-        self.layers = nn.Sequential(*(PaddedGRU() for _ in range(BLOCKS)))
-        self.head = nn.Linear(D_MODEL, VOCAB)
+    block = PaddedGRU
 
     def forward(self, idx):
         hidden, _ = self.layers((self.embed(idx), 3 + idx[:, 0] % (CONTEXT - 3)))
