@@ -48,12 +48,18 @@ from lightning_pipe.engine.recompute_guard import refuse_recomputation
 from lightning_pipe.engine.recorder import ActionRecorder
 from lightning_pipe.engine.split_backward import backward_input
 from lightning_pipe.engine.watchdog import Watchdog
+from lightning_pipe.engine.weight_worker import WORKER, overlaps
 from lightning_pipe.errors import MessageMismatchError, StageOutputError
 from lightning_pipe.schedules.ir import Action, Kind, Schedule
 
 StageFn = Callable[[Any, Any], Any]
 #: What crosses a stage boundary: a tensor, or tensors in tuples nested to any depth (``None`` entries allowed).
 Activation = Tensor | tuple[Any, ...]
+#: The actions that may run while a ``W`` runs in the background (weight_worker.py): none of them adds to or
+#: reads a weight gradient (an ``I`` that cannot split waits before its whole backward). A tuple: its ``in``
+#: compares identities, where a set would call the enum's Python ``__hash__`` at every action.
+_BESIDE_BACKGROUND_W = (Kind.FORWARD, Kind.BACKWARD_INPUT, Kind.BACKWARD_WEIGHT, Kind.SEND_ACTIVATION,
+                        Kind.SEND_GRADIENT, Kind.RECV_ACTIVATION, Kind.RECV_GRADIENT)
 
 
 @dataclass
@@ -194,7 +200,10 @@ class Executor:
         self._recording: ActionRecorder | None = None
         self._started = 0.0
         self._in_flight: dict[tuple[int, int, int], _InFlight] = {}  # (replica, chunk, micro-batch)
-        self._deferred: dict[tuple[int, int, int], Callable[[], None]] = {}  # a split backward's W, by the same key
+        # a split backward's W and the device of its graph, by the same key
+        self._deferred: dict[tuple[int, int, int], tuple[Callable[[], None], torch.device | None]] = {}
+        self._overlap_w = False  # this run may hand a W to the background worker (weight_worker.py)
+        self._wrapped = False  # the action running now is wrapped by a context (execute): its W runs here
         self._send_windows: deque[list[Any]] = deque()  # the requests of each run's sends
         if shape_headers not in ("on_change", "always"):
             raise ValueError(f"shape_headers={shape_headers!r}: use 'on_change' or 'always'.")
@@ -320,6 +329,8 @@ class Executor:
         self._sends: list[Any] = []
         self._send_windows.append(self._sends)
         self._recording = self.recorder if self.recorder is not None and self.recorder.enabled else None
+        # a weight policy's versions and a recording's action times need each W to run where it is dispatched
+        self._overlap_w = self.policy is None and self._recording is None
 
     def execute(self, index: int, step: Callable[[], None] | None = None) -> None:
         """Run action ``index`` of this device's list (after :meth:`begin`, in list order)."""
@@ -329,16 +340,23 @@ class Executor:
         chunk_last = self._chunk_last_backward is not None and index in self._chunk_last_backward[0]
         early = self._chunk_early_forward is not None and index in self._chunk_early_forward[0]
         if not (last or chunk_last or early):
+            if action.kind not in _BESIDE_BACKGROUND_W:  # it adds to or reads weight gradients
+                WORKER.join()
             self._execute(actions, index, action, step)
             return
-        with ExitStack() as wrapped:
-            if last:
-                wrapped.enter_context(self._last_backward[1]())  # type: ignore[index]
-            if chunk_last:
-                wrapped.enter_context(self._chunk_last_backward[1]())  # type: ignore[index]
-            if early:
-                wrapped.enter_context(self._chunk_early_forward[1]())  # type: ignore[index]
-            self._execute(actions, index, action, step)
+        WORKER.join()  # a gradient-reduction context sees every gradient it reduces complete
+        self._wrapped = True
+        try:
+            with ExitStack() as wrapped:
+                if last:
+                    wrapped.enter_context(self._last_backward[1]())  # type: ignore[index]
+                if chunk_last:
+                    wrapped.enter_context(self._chunk_last_backward[1]())  # type: ignore[index]
+                if early:
+                    wrapped.enter_context(self._chunk_early_forward[1]())  # type: ignore[index]
+                self._execute(actions, index, action, step)
+        finally:
+            self._wrapped = False
 
     def _execute(self, actions: Sequence[Action], index: int, action: Action, step: Callable[[], None] | None) -> None:
         if action.kind.is_compute:
@@ -353,12 +371,14 @@ class Executor:
 
     def end(self, carry_over: bool = False) -> list[Any]:
         """Finish a run; return what :meth:`run` returns."""
+        WORKER.join()  # the caller reads the gradients next
         if not carry_over:
             self.finish()
         return [self._outputs[key] for key in sorted(self._outputs)]
 
     def abort(self) -> None:
         """Forget everything in flight after a failure."""
+        WORKER.discard()
         self._in_flight.clear()
         self._deferred.clear()
         self._send_windows.clear()
@@ -366,6 +386,7 @@ class Executor:
 
     def finish(self) -> None:
         """Wait for every pending send and forget the micro-batches in flight (end of a segment)."""
+        WORKER.join()
         while self._send_windows:
             self._wait_sends(self._send_windows.popleft())
         self._in_flight.clear()
@@ -386,9 +407,13 @@ class Executor:
         elif kind.takes_gradient:
             self._backward(action)
         elif kind is Kind.BACKWARD_WEIGHT:
-            run = self._deferred.pop((action.replica, action.chunk, action.micro_batch), None)
-            if run is not None:  # None: the I before it could not split and ran the whole backward
-                run()
+            deferred = self._deferred.pop((action.replica, action.chunk, action.micro_batch), None)
+            if deferred is not None:  # None: the I before it could not split and ran the whole backward
+                run, device = deferred
+                if self._overlap_w and not self._wrapped and device is not None and overlaps(device):
+                    WORKER.submit(run, device)
+                else:
+                    run()
         elif kind is Kind.SEND_ACTIVATION:
             key = (action.replica, action.chunk, action.micro_batch)
             # a forward-only schedule has no backward to keep the activation for
@@ -491,13 +516,13 @@ class Executor:
                 if roots:
                     torch.autograd.backward(roots, root_grads)
             elif flight.inputs and roots:
-                input_grads, deferred = backward_input(roots, root_grads, flight.inputs)
+                input_grads, deferred = backward_input(roots, root_grads, flight.inputs, before_whole_backward=WORKER.join)
                 for tensor, grad in zip(flight.inputs, input_grads):
                     tensor.grad = grad
                 if deferred is not None:
-                    self._deferred[key] = deferred.run
+                    self._deferred[key] = (deferred.run, deferred.device)
             elif roots:  # no input gradient to send (the first virtual stage): W runs the whole backward
-                self._deferred[key] = lambda: torch.autograd.backward(roots, root_grads)
+                self._deferred[key] = (lambda: torch.autograd.backward(roots, root_grads), roots[0].device)
         if self.policy is not None:
             self.policy.finished(mb)
         flight.output = None  # free the graph before anything else runs

@@ -48,6 +48,11 @@ class DeferredWeightGradients:
         self._groups = groups
         self._recorded = recorded
 
+    @property
+    def device(self) -> torch.device | None:
+        """The device of the recorded gradients; ``None`` if none reached this stage's weights."""
+        return next((g.device for grads in self._recorded.values() for g in grads if g is not None), None)
+
     def run(self, one_task: bool | None = None) -> None:
         """Accumulate every weight's gradient into its ``.grad`` and drop the graph.
 
@@ -56,7 +61,7 @@ class DeferredWeightGradients:
                 (:func:`in_one_engine_task`); by default on an accelerator (autograd hands a CPU graph
                 to no other thread, so there it would only add a node).
         """
-        device = next((g.device for grads in self._recorded.values() for g in grads if g is not None), None)
+        device = self.device
         if device is None:  # no gradient reached this stage's weights
             self._run_groups()
             return
@@ -133,15 +138,19 @@ def _accumulate(edges: list[GradientEdge], grads: list[Tensor], weights: list[Te
 
 
 def backward_input(
-    outputs: Sequence[Tensor], grad_outputs: Sequence[Tensor | None], inputs: Sequence[Tensor]
+    outputs: Sequence[Tensor], grad_outputs: Sequence[Tensor | None], inputs: Sequence[Tensor],
+    before_whole_backward: Callable[[], None] | None = None,
 ) -> tuple[list[Tensor], DeferredWeightGradients | None]:
     """Compute the gradients of ``inputs`` (leaf tensors that require grad) and defer the weights'.
 
     Returns the inputs' gradients (zeros for an input the outputs do not depend on) and the deferred
-    ``W``; ``None`` when the graph cannot be split, in which case the whole backward ran here.
+    ``W``; ``None`` when the graph cannot be split, in which case the whole backward ran here, after
+    ``before_whole_backward`` (the executor waits there for the ``W`` halves still running in the background).
     """
     groups = _weight_groups(outputs, inputs)
     if groups is None:
+        if before_whole_backward is not None:
+            before_whole_backward()
         torch.autograd.backward(list(outputs), list(grad_outputs))
         return [t.grad if t.grad is not None else torch.zeros_like(t) for t in inputs], None
     recorded: dict[Node, tuple[Tensor | None, ...]] = {}
