@@ -44,6 +44,7 @@ action, the optimizer step and the CUDA calls that wait for the device, and the 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import gc
 import json
@@ -59,6 +60,7 @@ from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import asdict, dataclass, field
 from typing import Any
+from unittest import mock
 
 import lightning as L
 import torch
@@ -70,7 +72,8 @@ from torch.utils.data import DataLoader, Dataset
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import lightning_pipe  # noqa: E402
-from lightning_pipe.engine import split_backward  # noqa: E402
+from lightning_pipe.engine import split_backward, weight_worker  # noqa: E402
+from lightning_pipe.engine.policies.saved_casts import BackwardCasts  # noqa: E402
 from lightning_pipe.registry import names, spec  # noqa: E402
 
 # ------------------------------------------------------------------------------------------ model
@@ -270,7 +273,7 @@ class StepClock(L.Callback):
             self._labels.close()  # type: ignore[union-attr]
             os.makedirs(self.profile_dir, exist_ok=True)
             report = idle_report(self._profiler, self.label, self.cuda)
-            with open(os.path.join(self.profile_dir, f"{self.label}.txt"), "w") as f:
+            with open(os.path.join(self.profile_dir, self.label.replace("/", "+") + ".txt"), "w") as f:  # zbv/w-main-thread
                 f.write(report + "\n\n")
                 f.write(self._profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=40))
             print(report, flush=True)
@@ -392,13 +395,31 @@ class Row:
     aten_ops: int | None = None  #: aten operations dispatched in one step (``--count``)
 
 
-#: A variant ``SCHEDULE + PER_GROUP_W`` runs a zero-bubble schedule with one autograd task per weight
-#: group in ``W`` (lightning_pipe.engine.split_backward.ONE_TASK_ON_DEVICES off): what one task saves.
-PER_GROUP_W = "/w-task-per-group"
+@dataclass(frozen=True)
+class Ablation:
+    """A variant ``SCHEDULE/NAME``: the schedule with one piece of the engine changed, to measure what it costs."""
+
+    options: dict[str, Any] = field(default_factory=dict)  #: merged into the schedule's PipeStrategy options
+    patches: tuple[tuple[Any, str, Any], ...] = ()  #: ``(object, attribute, value)`` set during the run
+
+
+#: Asked for by name (``--variants zbv zbv/w-main-thread``), never part of the default list.
+ABLATIONS = {
+    # one autograd task per weight group in W: what one task for all of them saves
+    "w-task-per-group": Ablation(patches=((split_backward, "ONE_TASK_ON_DEVICES", False),)),
+    # every W on the main thread: what the background worker (engine/weight_worker.py) saves
+    "w-main-thread": Ablation(patches=((weight_worker, "ON_CUDA", False),)),
+    # pipemare without its discrepancy correction: what the correction costs
+    "no-correction": Ablation(options={"pipemare": {"correction": False}}),
+    # pipemare's and xpipe's backwards read their forwards' bfloat16 casts of the weights (PipeDream's
+    # stashing, another rule): what their saved-cast hooks cost under bf16-mixed
+    "forward-casts": Ablation(patches=((BackwardCasts, "hooks", lambda self: contextlib.nullcontext()),)),
+}
 
 
 def variants(stages: int, chosen: list[str] | None) -> list[tuple[str, dict[str, Any] | None]]:
-    """``(name, PipeStrategy options or None for plain Lightning)`` of every variant."""
+    """``(name, PipeStrategy options or None for plain Lightning)`` of every variant, ablations included where
+    ``chosen`` names them."""
     out: list[tuple[str, dict[str, Any] | None]] = [("plain", None), ("accumulation", None)]
     for name in names():
         chunks = spec(name).fixed_chunks or (2 if spec(name).chunked else 1)
@@ -408,7 +429,13 @@ def variants(stages: int, chosen: list[str] | None) -> list[tuple[str, dict[str,
         if name == "avgpipe":  # one replica: the batch's samples in M micro-batches, as accumulation (module docstring)
             options["avgpipe"] = {"parallel_pipelines": 1}
         out.append((name, options))
-    out += [(name + PER_GROUP_W, options) for name, options in out if chosen and name + PER_GROUP_W in chosen]
+    base = dict(out)
+    for wanted in chosen or []:
+        name, _, ablation = wanted.partition("/")
+        if ablation and base.get(name) is not None:
+            if ablation not in ABLATIONS:
+                raise SystemExit(f"unknown ablation {ablation!r} in {wanted!r}: choose from {sorted(ABLATIONS)}")
+            out.append((wanted, {**base[name], **ABLATIONS[ablation].options}))
     return [v for v in out if chosen is None or v[0] in chosen]
 
 
@@ -425,14 +452,17 @@ def run_variant(name: str, options: dict[str, Any] | None, args: argparse.Namesp
     strategy: Any = "auto"
     if options is not None:
         strategy = lightning_pipe.PipeStrategy(micro_batches=args.micro_batches, quality_warning=False, **options)
-    split_backward.ONE_TASK_ON_DEVICES = not name.endswith(PER_GROUP_W)
     clock = StepClock(cuda, args.warmup, args.steps, args.sync_steps if cuda else 0,
                       args.profile_dir if profiling else None, name, args.clock, args.count)
     trainer = L.Trainer(accelerator=args.device, devices=1, strategy=strategy, precision=args.precision,
                         max_steps=total, accumulate_grad_batches=accumulate, logger=False, enable_progress_bar=False,
                         enable_model_summary=False, enable_checkpointing=False, callbacks=[clock])
+    ablation = ABLATIONS.get(name.partition("/")[2], Ablation())
     try:
-        trainer.fit(model, loader)
+        with ExitStack() as patches:
+            for target, attribute, value in ablation.patches:
+                patches.enter_context(mock.patch.object(target, attribute, value))
+            trainer.fit(model, loader)
     finally:
         clock.stop_counting()
     syncs = clock.syncs / args.sync_steps if cuda and args.sync_steps else None

@@ -7,6 +7,8 @@ import math
 import pathlib
 import sys
 
+import pytest
+
 
 def load_benchmark():
     path = pathlib.Path(__file__).parents[2] / "benchmarks" / "gpu.py"
@@ -29,3 +31,16 @@ def test_host_bound_counts_one_steps_python_calls_engine_calls_and_operations():
     assert zero_bubble.engine_calls > one_f_one_b.engine_calls
     # the same forward and backward kernels: a pipeline's step dispatches about what accumulation's does
     assert 0.9 < one_f_one_b.aten_ops / accumulation.aten_ops < 1.2
+
+
+def test_ablations_are_named_variants_of_their_schedule():
+    """``SCHEDULE/ABLATION`` runs the schedule's options with the ablation's merged in (its patches apply during
+    the run); an unknown ablation stops with the names there are."""
+    benchmark = load_benchmark()
+    chosen = ["accumulation", "pipemare", "pipemare/no-correction", "zbv/w-main-thread"]
+    got = dict(benchmark.variants(4, chosen))
+    assert list(got) == chosen
+    assert got["pipemare/no-correction"] == {**got["pipemare"], "pipemare": {"correction": False}}
+    assert got["zbv/w-main-thread"]["schedule"] == "zbv"
+    with pytest.raises(SystemExit, match="w-main-thread"):
+        benchmark.variants(4, ["zbv/no-such-thing"])
