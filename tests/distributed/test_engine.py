@@ -79,9 +79,20 @@ def make_transport(wire: str) -> Transport:
     return Transport(torch.device("cpu"), tagged=not nccl_rules, channels=ChannelGroups.create() if nccl_rules else None)
 
 
-def pipeline_worker(rank: int, world: int, name: str, micro_batches: int, chunks: int, batches: list, wire: str = "gloo"):
+def pipeline_worker(rank: int, world: int, name: str, micro_batches: int, chunks: int, batches: list, wire: str = "gloo",
+                    background_w: bool = False):
     """One pipeline of ``world`` devices over ``wire`` (:func:`make_transport`); returns losses (last
-    device) and local weights."""
+    device) and local weights. ``background_w``: zero-bubble ``W`` on the background worker, as on CUDA."""
+    from lightning_pipe.engine import weight_worker
+
+    weight_worker.ON_CPU = background_w  # this pooled process serves other tests next: put back below
+    try:
+        return _pipeline(rank, world, name, micro_batches, chunks, batches, wire)
+    finally:
+        weight_worker.ON_CPU = False
+
+
+def _pipeline(rank: int, world: int, name: str, micro_batches: int, chunks: int, batches: list, wire: str):
     trunk = make_trunk()
     parts = world * chunks
     bounds = stage_bounds(resolve_balance("uniform", trunk, parts))
@@ -138,6 +149,18 @@ def test_pipeline_equals_single_device(name, world, micro_batches, chunks, wire)
     assert merged.keys() == ref_state.keys()
     for key, value in ref_state.items():
         torch.testing.assert_close(merged[key], value, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("name,micro_batches,wire", [("zbv", 4, "nccl"), ("dualpipev", 5, "gloo")])
+def test_background_w_on_processes_computes_the_main_threads_bits(name, micro_batches, wire):
+    """Each rank's W on its background worker (engine/weight_worker.py, forced on here as on CUDA) while its main
+    thread sends and receives: the same losses and weights, bit for bit, as every W on the main thread."""
+    batches = [make_batch(seed=s) for s in range(3)]
+    runs = [values(run_workers(pipeline_worker, 2, name, micro_batches, 2, batches, wire, background, timeout=120))
+            for background in (True, False)]
+    for (losses, owned), (want_losses, want_owned) in zip(*runs):
+        assert losses == want_losses
+        assert owned.keys() == want_owned.keys() and all(torch.equal(owned[k], want_owned[k]) for k in owned)
 
 
 def reducer_worker(rank: int, world: int):
