@@ -4,6 +4,7 @@
     PYTHONPATH=. python benchmarks/gpu.py --device cpu --tiny          # a dry run on the CPU
     PYTHONPATH=. python benchmarks/gpu.py --host-bound --steps 16      # the host-bound proxy on a CPU
     PYTHONPATH=. python benchmarks/gpu.py --variants accumulation 1f1b zbv --profile 1f1b zbv --profile-dir traces/
+    PYTHONPATH=. python benchmarks/gpu.py --variants accumulation zbv zbv/w-main-thread pipemare pipemare/no-correction
 
 The model is a GPT (pre-LN blocks, causal attention through ``scaled_dot_product_attention``): by
 default d_model 2048, 8 blocks, sequence 1024, batch 32, ``bf16-mixed``, AdamW. Every variant trains
@@ -20,6 +21,12 @@ the same batches with one optimizer step per batch of ``--batch`` samples:
   micro-batches and step ``N`` times; with one replica it trains the ``batch`` in ``M`` micro-batches
   like accumulation, and its row shows what the replica's own optimizer step and the averaging with
   the center add.
+
+A variant ``SCHEDULE/ABLATION`` (asked for by name, never in the default list) runs the schedule with one
+piece of the engine changed (``ABLATIONS``): ``w-main-thread`` (every zero-bubble ``W`` on the main thread),
+``w-task-per-group`` (one autograd task per weight group), ``no-correction`` (pipemare without its
+discrepancy correction), ``forward-casts`` (pipemare's or xpipe's backwards read their forwards' casts). Set
+against the schedule in the same run, it measures what that piece costs.
 
 Per variant: milliseconds per optimizer step (median over ``--steps`` steps after ``--warmup``, the
 device synchronised at step boundaries), the ratio accumulation / variant (above 1: faster than
