@@ -249,10 +249,12 @@ class ShapeCache:
         """The sender's check that the shapes it does not announce are those the receiver assumes."""
         if known != actual:
             before = [m.shape for m in known.metas] if known is not None else "unknown shapes"
+            why = ("It returns a PackedSequence, whose data's length depends on the sequences' lengths: use"
+                   if PACKED in actual.structure else "If its output shapes depend on the data, use")
             raise StageOutputError(
                 f"{where} returned shapes {[m.shape for m in actual.metas]} after {before} for micro-batches "
-                "whose inputs have the same shapes, so its next stage would assume the old ones. If its output "
-                "shapes depend on the data, use PipeStrategy(shape_headers=\"always\")."
+                f"whose inputs have the same shapes, so its next stage would assume the old ones. {why} "
+                "PipeStrategy(shape_headers=\"always\")."
             )
 
 

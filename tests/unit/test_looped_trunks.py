@@ -250,6 +250,15 @@ def test_packed_sequences_cross_stage_boundaries_and_train_like_one_device(sched
                 fit(PackedRNN(), None))
 
 
+def test_a_packed_sequence_without_headers_on_every_message_is_told_why():
+    """With headers only on a change of the inputs' shapes, the second micro-batch's packed data (another total
+    length) stops the sender with an error that names the PackedSequence and the option."""
+    from lightning_pipe.errors import StageOutputError
+
+    with pytest.raises(StageOutputError, match=r"returns a PackedSequence.*shape_headers=\"always\""):
+        fit(PackedRNN(), PipeStrategy(schedule="1f1b", stages=2, micro_batches=4))
+
+
 class PaddedGRU(PackedGRU):
     """The same GRU layer between padded tensors: it packs its input by the lengths that travel beside it."""
 
