@@ -1,9 +1,9 @@
 """Zero-bubble ``W`` halves on a background thread, so that their host work overlaps the main thread's.
 
 A ``W`` computes weight gradients that nothing reads before the optimizer step (docs/algorithms.md §4a).
-Where the host is what limits a GPU step (docs/benchmarks.md, "One GPU": a ``W`` took about 6 ms of host
-time for 3 ms of device work on an H200's VM), the main thread running it cannot meanwhile queue the next
-forward. A worker thread runs the ``W`` instead; its autograd calls and kernel launches release the GIL,
+Where the host is what limits a GPU step (docs/benchmarks.md, "One GPU": on an H200's VM a ``W`` took 6.1 ms
+of host time, for 3.2 ms of which the device sat idle), the main thread running it cannot meanwhile queue the
+next forward. A worker thread runs the ``W`` instead; its autograd calls and kernel launches release the GIL,
 so the two threads' host work overlaps, and both feed the same CUDA stream.
 
 Exactness: one worker per process runs the ``W`` halves in the order they were handed over, and the executor
