@@ -280,7 +280,7 @@ class StepClock(L.Callback):
             self._labels.close()  # type: ignore[union-attr]
             os.makedirs(self.profile_dir, exist_ok=True)
             report = idle_report(self._profiler, self.label, self.cuda)
-            with open(os.path.join(self.profile_dir, self.label.replace("/", "+") + ".txt"), "w") as f:  # zbv/w-main-thread
+            with open(os.path.join(self.profile_dir, self.label.replace("/", "+") + ".txt"), "w") as f:  # an ablation's "/" is no folder
                 f.write(report + "\n\n")
                 f.write(self._profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=40))
             print(report, flush=True)

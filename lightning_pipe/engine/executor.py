@@ -202,8 +202,7 @@ class Executor:
         self._in_flight: dict[tuple[int, int, int], _InFlight] = {}  # (replica, chunk, micro-batch)
         # a split backward's W and the device of its graph, by the same key
         self._deferred: dict[tuple[int, int, int], tuple[Callable[[], None], torch.device | None]] = {}
-        self._overlap_w = False  # this run may hand a W to the background worker (weight_worker.py)
-        self._wrapped = False  # the action running now is wrapped by a context (execute): its W runs here
+        self._overlap_w = False  # a W dispatched now may go to the background worker (weight_worker.py)
         self._send_windows: deque[list[Any]] = deque()  # the requests of each run's sends
         if shape_headers not in ("on_change", "always"):
             raise ValueError(f"shape_headers={shape_headers!r}: use 'on_change' or 'always'.")
@@ -345,7 +344,7 @@ class Executor:
             self._execute(actions, index, action, step)
             return
         WORKER.join()  # a gradient-reduction context sees every gradient it reduces complete
-        self._wrapped = True
+        overlap, self._overlap_w = self._overlap_w, False  # and a W it wraps runs inside it, here
         try:
             with ExitStack() as wrapped:
                 if last:
@@ -356,7 +355,7 @@ class Executor:
                     wrapped.enter_context(self._chunk_early_forward[1]())  # type: ignore[index]
                 self._execute(actions, index, action, step)
         finally:
-            self._wrapped = False
+            self._overlap_w = overlap
 
     def _execute(self, actions: Sequence[Action], index: int, action: Action, step: Callable[[], None] | None) -> None:
         if action.kind.is_compute:
@@ -371,8 +370,9 @@ class Executor:
 
     def end(self, carry_over: bool = False) -> list[Any]:
         """Finish a run; return what :meth:`run` returns."""
-        WORKER.join()  # the caller reads the gradients next
-        if not carry_over:
+        if carry_over:
+            WORKER.join()  # the caller reads the gradients next (finish waits for it too)
+        else:
             self.finish()
         return [self._outputs[key] for key in sorted(self._outputs)]
 
@@ -410,7 +410,7 @@ class Executor:
             deferred = self._deferred.pop((action.replica, action.chunk, action.micro_batch), None)
             if deferred is not None:  # None: the I before it could not split and ran the whole backward
                 run, device = deferred
-                if self._overlap_w and not self._wrapped and device is not None and overlaps(device):
+                if self._overlap_w and device is not None and overlaps(device):
                     WORKER.submit(run, device)
                 else:
                     run()
