@@ -54,9 +54,10 @@ class AsyncEngine(Variant):
     """One window of an asynchronous schedule per step (the stream never drains while timed)."""
 
     def __init__(self, schedule: str, workload: Workload, micro_batches: int, rank: int, group: Any,
-                 copy_loads: bool = False, lookahead: float | None = None, shared_memory: bool = True,
+                 moves: str = "auto", lookahead: float | None = None, shared_memory: bool = True,
                  lag_every: int | None = None, cosine_every: int | None = None) -> None:
-        self.name = f"ours {schedule}" + (" (copy loads)" if copy_loads else "") + ("" if shared_memory else " (gloo)")
+        suffix = {"auto": "", "copy": " (copy loads)", "redirect": " (redirected backwards)"}[moves]
+        self.name = f"ours {schedule}{suffix}" + ("" if shared_memory else " (gloo)")
         if lag_every is not None:
             self.name += f" (weight_lag every {lag_every})"
         self.lag_every = lag_every
@@ -70,8 +71,8 @@ class AsyncEngine(Variant):
         self.micro_batches = micro_batches
         layers = stage_layers(workload, rank)
         policy_class = SCHEDULES[schedule].policy
-        if copy_loads:  # the live policies as they were before loads became storage exchanges
-            policy_class = type(f"Copying{policy_class.__name__}", (policy_class,), {"exchange_values": False})
+        if moves != "auto":  # a live policy copying its loads (as before exchanges), or redirecting (as on torch 2.11)
+            policy_class = type(f"{moves.title()}{policy_class.__name__}", (policy_class,), {"moves_values": moves})
         options = AsyncOptions() if lookahead is None else AsyncOptions(pipedream_2bw=DoubleBufferOptions(lookahead))
         policy = policy_class(layers, sgd(layers.parameters()), rank, STAGES, micro_batches, options)
         loss = workload.loss
@@ -114,8 +115,9 @@ def worker(rank: int, workload_name: str, micro_batches: int, args: dict[str, An
         variants.append(AsyncEngine(schedule, workload, micro_batches, rank, dist.new_group(backend="gloo")))
     for schedule in args["schedules"] if args["gloo"] else []:
         variants.append(AsyncEngine(schedule, workload, micro_batches, rank, dist.new_group(backend="gloo"), shared_memory=False))
-    for schedule in args["copy_loads"]:
-        variants.append(AsyncEngine(schedule, workload, micro_batches, rank, dist.new_group(backend="gloo"), True))
+    for moves in ("copy", "redirect"):
+        for schedule in args[f"{moves}_loads"]:
+            variants.append(AsyncEngine(schedule, workload, micro_batches, rank, dist.new_group(backend="gloo"), moves))
     for schedule in args["schedules"] if args["weight_lag"] else []:
         variants.append(AsyncEngine(schedule, workload, micro_batches, rank, dist.new_group(backend="gloo"),
                                     lag_every=args["weight_lag"]))
@@ -166,6 +168,9 @@ def main() -> None:
     parser.add_argument("--schedules", nargs="+", default=list(ASYNC_SCHEDULES), choices=ASYNC_SCHEDULES)
     parser.add_argument("--copy-loads", nargs="*", default=[], choices=("pipemare", "xpipe"),
                         help="also time these live policies with copied instead of exchanged loads")
+    parser.add_argument("--redirect-loads", nargs="*", default=[], choices=("pipemare", "xpipe"),
+                        help="also time these live policies redirecting their backwards through saved-tensor hooks "
+                             "instead of exchanging storages (what they do on a torch without the exchange, such as 2.11)")
     parser.add_argument("--lookahead", type=float, nargs="*", default=[],
                         help="also time pipedream_2bw with these look-ahead values (its `lookahead` option)")
     parser.add_argument("--gloo", action="store_true",
@@ -181,8 +186,8 @@ def main() -> None:
     parser.add_argument("--warmup-steps", type=int, default=3)
     parser.add_argument("--timeout", type=float, default=1200.0, help="seconds per job before its processes are killed")
     args = parser.parse_args()
-    options = {k: getattr(args, k) for k in ("schedules", "copy_loads", "lookahead", "windows", "steps_per_window", "warmup_steps",
-                                             "gloo", "weight_lag", "grad_cosine")}
+    options = {k: getattr(args, k) for k in ("schedules", "copy_loads", "redirect_loads", "lookahead", "windows",
+                                             "steps_per_window", "warmup_steps", "gloo", "weight_lag", "grad_cosine")}
     jobs = []
     for workload in args.workloads:
         for m in args.micro_batches:

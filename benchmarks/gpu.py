@@ -5,6 +5,7 @@
     PYTHONPATH=. python benchmarks/gpu.py --host-bound --steps 16      # the host-bound proxy on a CPU
     PYTHONPATH=. python benchmarks/gpu.py --variants accumulation 1f1b zbv --profile 1f1b zbv --profile-dir traces/
     PYTHONPATH=. python benchmarks/gpu.py --variants accumulation zbv zbv/w-main-thread pipemare pipemare/no-correction
+    PYTHONPATH=. python benchmarks/gpu.py --variants accumulation pipemare pipemare/copy-weights xpipe xpipe/copy-weights
 
 The model is a GPT (pre-LN blocks, causal attention through ``scaled_dot_product_attention``): by
 default d_model 2048, 8 blocks, sequence 1024, batch 32, ``bf16-mixed``, AdamW. Every variant trains
@@ -25,8 +26,11 @@ the same batches with one optimizer step per batch of ``--batch`` samples:
 A variant ``SCHEDULE/ABLATION`` (asked for by name, never in the default list) runs the schedule with one
 piece of the engine changed (``ABLATIONS``): ``w-main-thread`` (every zero-bubble ``W`` on the main thread),
 ``w-task-per-group`` (one autograd task per weight group), ``no-correction`` (pipemare without its
-discrepancy correction), ``forward-casts`` (pipemare's or xpipe's backwards read their forwards' casts). Set
-against the schedule in the same run, it measures what that piece costs.
+discrepancy correction), ``forward-casts`` (pipemare's or xpipe's backwards read what their forwards saved),
+``copy-weights`` (pipemare and xpipe copy each weight version into the parameters instead of exchanging
+storages or redirecting their backwards), ``redirect-weights`` (they redirect even where this torch can
+exchange). Set against the schedule in the same run, it measures what that
+piece costs.
 
 Per variant: milliseconds per optimizer step (median over ``--steps`` steps after ``--warmup``, the
 device synchronised at step boundaries), the ratio accumulation / variant (above 1: faster than
@@ -80,7 +84,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import lightning_pipe  # noqa: E402
 from lightning_pipe.engine import split_backward, weight_worker  # noqa: E402
-from lightning_pipe.engine.policies.saved_casts import BackwardCasts  # noqa: E402
+from lightning_pipe.engine.policies.live import _LivePolicy  # noqa: E402
+from lightning_pipe.engine.policies.saved_weights import BackwardWeights  # noqa: E402
 from lightning_pipe.registry import names, spec  # noqa: E402
 
 # ------------------------------------------------------------------------------------------ model
@@ -418,9 +423,15 @@ ABLATIONS = {
     "w-main-thread": Ablation(patches=((weight_worker, "ON_CUDA", False),)),
     # pipemare without its discrepancy correction: what the correction costs
     "no-correction": Ablation(options={"pipemare": {"correction": False}}),
-    # pipemare's and xpipe's backwards read their forwards' bfloat16 casts of the weights (PipeDream's
-    # stashing, another rule): what their saved-cast hooks cost under bf16-mixed
-    "forward-casts": Ablation(patches=((BackwardCasts, "hooks", lambda self: contextlib.nullcontext()),)),
+    # pipemare's and xpipe's backwards read what their forwards saved (their bfloat16 casts of the weights, and
+    # where storages cannot be exchanged their forwards' weights: another rule): what their saved-tensor hooks cost
+    "forward-casts": Ablation(patches=((BackwardWeights, "hooks", lambda self: contextlib.nullcontext()),)),
+    # pipemare and xpipe copy every weight version into the parameters: what exchanging storages (torch 2.13)
+    # or redirecting the backwards (engine/policies/saved_weights.py) saves
+    "copy-weights": Ablation(patches=((_LivePolicy, "moves_values", "copy"),)),
+    # pipemare and xpipe redirect their backwards even where storages can be exchanged (as they do on torch 2.11):
+    # what the saved-tensor hooks cost against the exchange, on a CPU with torch 2.13
+    "redirect-weights": Ablation(patches=((_LivePolicy, "moves_values", "redirect"),)),
 }
 
 

@@ -43,7 +43,6 @@ from typing_extensions import override
 
 from lightning_pipe.engine import Topology, Transport, Watchdog, batch_size, ending, shm
 from lightning_pipe.engine.policies import AvgPipeOptions, DoubleBufferOptions, PipeDreamOptions, PipeMareOptions, XPipeOptions
-from lightning_pipe.engine.policies import live as live_policies
 from lightning_pipe.engine.policies.options import Averaging, Prediction
 from lightning_pipe.engine.sharding import ShardedLayers, pipeline_mesh, single_tensor_updates_where_mixed
 from lightning_pipe.engine.stage import batch_fingerprint
@@ -645,10 +644,6 @@ class PipeStrategy(DDPStrategy, metaclass=_NamesItsOptions):
             checks.check_optimizers(self.optimizers, self.num_stages)
             if self.options.quality_warning and self.is_global_zero:
                 checks.warn_quality(self.options.schedule, self.num_stages, self.optimizers[0])
-            if self.options.spec.policy is not None and live_policies.copies_weights(self.options.spec.policy):
-                rank_zero_info(f"lightning_pipe: torch {torch.__version__} cannot exchange storages in place "
-                               f"(UntypedStorage._swap_data_ptr_), so {self.options.schedule} copies the weights at every "
-                               "forward and backward; a torch that has it (2.13 does) avoids the copies.")
             if self._runtime is None:
                 self._runtime = make_runtime(self._pipeline, self._sharded)
             self._runtime.attach(self._pipeline)

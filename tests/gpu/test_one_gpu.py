@@ -15,7 +15,7 @@ import math
 import pytest
 import torch
 
-from lightning_pipe.engine.policies.saved_casts import BackwardCasts
+from lightning_pipe.engine.policies.saved_weights import BackwardWeights
 from lightning_pipe.errors import PipeConfigError
 from lightning_pipe.registry import names
 from tests.harness.lightning_run import train
@@ -72,7 +72,7 @@ def test_bf16_mixed_trains(schedule):
 @pytest.mark.parametrize("schedule", ["pipemare", "xpipe"])
 def test_bf16_mixed_live_schedules_compute_their_reference_rule_on_cuda(schedule, monkeypatch):
     """Under bf16-mixed, pipemare's and xpipe's backwards read the weights their storage holds when they run,
-    not the bfloat16 casts their forwards saved (engine/policies/saved_casts.py): on CUDA, with the kernels
+    not the bfloat16 casts their forwards saved (engine/policies/saved_weights.py): on CUDA, with the kernels
     and fused weight arithmetic of a GPU, the final weights are the reference's (bit for bit on the CPU,
     tests/unit/test_emulation_mode.py), and ten times closer to them than the same run reading the
     forwards' casts, which is PipeDream's stashing (3.4e-4 away on the CPU)."""
@@ -81,7 +81,7 @@ def test_bf16_mixed_live_schedules_compute_their_reference_rule_on_cuda(schedule
 
     want_losses, want_state = reference(schedule, 4, 2, None, None, autocast=torch.bfloat16, device="cuda")
     got = emulated(schedule, 4, 2, accelerator="cuda", trainer={"precision": "bf16-mixed"})
-    monkeypatch.setattr(BackwardCasts, "hooks", lambda self: contextlib.nullcontext())  # the forwards' casts
+    monkeypatch.setattr(BackwardWeights, "hooks", lambda self: contextlib.nullcontext())  # the forwards' casts
     stashed = emulated(schedule, 4, 2, accelerator="cuda", trainer={"precision": "bf16-mixed"})
     assert losses(got) == pytest.approx(want_losses, rel=1e-5)
     assert weight_error(stashed) > 1e-4  # what the rule changes, seen on this device

@@ -55,18 +55,22 @@ def test_emulation_equals_reference(schedule, stages, micro):
         assert last[f"pipe/stage{stages - 1}/staleness"] == 0.0
 
 
-@pytest.mark.parametrize("schedule,stages,exchange", [("pipedream", 4, True), ("pipedream_2bw", 2, True), ("pipemare", 4, True),
-                                                     ("xpipe", 4, True), ("pipemare", 4, False), ("xpipe", 4, False)])
-def test_bf16_mixed_equals_reference(schedule, stages, exchange, monkeypatch):
+@pytest.mark.parametrize("schedule,stages,moves", [("pipedream", 4, "exchange"), ("pipedream_2bw", 2, "exchange"),
+                                                  ("pipemare", 4, "exchange"), ("xpipe", 4, "exchange"),
+                                                  ("pipemare", 4, "redirect"), ("xpipe", 4, "redirect"),
+                                                  ("pipemare", 4, "copy"), ("xpipe", 4, "copy")])
+def test_bf16_mixed_equals_reference(schedule, stages, moves, monkeypatch):
     """Under autocast a forward's graph keeps the bfloat16 cast of each weight it used; pipemare's and xpipe's
-    backwards must still read the weights the live storage holds when they run (the current or corrected
+    backwards must still read the weights the policy gives them when they run (the current or corrected
     ones, the backward prediction), cast as the forward cast them: as the reference, whose backward reads
     low-precision copies of its live storage written before each B. pipedream's and 2BW's read their stash.
-    The final weights are the reference's bit for bit, whether the policies exchange storages or copy (torch 2.11).
+    The final weights are the reference's bit for bit, whether the policies exchange storages, redirect the
+    backwards (torch 2.11) or copy.
     An epoch of one batch is a segment of one mini-batch: the next one's first backward reads the same token of
     weights (xpipe's ``("B", 0)``) but other values."""
-    if not exchange:
+    if moves != "exchange":
         monkeypatch.setattr(live, "exchanges_storage", lambda: False)
+    monkeypatch.setattr(live._LivePolicy, "moves_values", "copy" if moves == "copy" else "auto")
     for samples in (96, 16):
         got = emulated(schedule, stages, 2, trainer={"precision": "bf16-mixed"}, samples=samples)
         want_losses, want_state = reference(schedule, stages, 2, None, None, samples, autocast=torch.bfloat16)

@@ -9,21 +9,26 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_pipe.engine.policies import AsyncOptions, PipeMareOptions, PipeMarePolicy, live, saved_casts
+from lightning_pipe.engine.policies import AsyncOptions, PipeMareOptions, PipeMarePolicy, live, saved_weights
 
 BF16 = torch.bfloat16
 
 
-def linear_stage(monkeypatch, exchange: bool) -> tuple[nn.Module, PipeMarePolicy]:
+MOVES = ["exchange", "redirect", "copy"]
+
+
+def linear_stage(monkeypatch, moves: str) -> tuple[nn.Module, PipeMarePolicy]:
     """Two linear layers (an input gradient that depends on the weights alone) under pipemare without
-    correction, on stage 0 of 2: F(0), F(1), B(0), STEP, F(2), B(1), ...; exchanging storages or copying."""
-    if not exchange:
+    correction, on stage 0 of 2: F(0), F(1), B(0), STEP, F(2), B(1), ...; exchanging storages, redirecting the
+    backwards (as on torch 2.11) or copying."""
+    if moves != "exchange":
         monkeypatch.setattr(live, "exchanges_storage", lambda: False)
+    monkeypatch.setattr(live._LivePolicy, "moves_values", "copy" if moves == "copy" else "auto")
     torch.manual_seed(0)
     module = nn.Sequential(nn.Linear(4, 6), nn.Linear(6, 3))
     optimizer = torch.optim.SGD(module.parameters(), lr=1.0)
     policy = PipeMarePolicy(module, optimizer, 0, 2, 1, AsyncOptions(PipeMareOptions(correction=False)))
-    assert policy.aliased is exchange
+    assert policy.moves == moves
     return module, policy
 
 
@@ -42,9 +47,9 @@ def fresh(module: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
     return y.detach(), x.grad
 
 
-@pytest.mark.parametrize("exchange", [True, False], ids=["exchanging", "copying"])
-def test_a_backward_under_autocast_reads_the_weights_the_storage_holds_when_it_runs(exchange, monkeypatch):
-    module, policy = linear_stage(monkeypatch, exchange)
+@pytest.mark.parametrize("moves", MOVES)
+def test_a_backward_under_autocast_reads_the_weights_the_storage_holds_when_it_runs(moves, monkeypatch):
+    module, policy = linear_stage(monkeypatch, moves)
     x = [torch.randn(5, 4, requires_grad=True) for _ in range(2)]
     with torch.autocast("cpu", dtype=BF16, cache_enabled=False):
         y = []
@@ -61,9 +66,9 @@ def test_a_backward_under_autocast_reads_the_weights_the_storage_holds_when_it_r
     assert not torch.equal(x[1].grad, on_forward_weights)  # what the casts F(1) saved would have given
 
 
-@pytest.mark.parametrize("exchange", [True, False], ids=["exchanging", "copying"])
-def test_a_forward_does_not_reuse_a_cast_autocast_cached_for_an_earlier_one(exchange, monkeypatch):
-    module, policy = linear_stage(monkeypatch, exchange)
+@pytest.mark.parametrize("moves", MOVES)
+def test_a_forward_does_not_reuse_a_cast_autocast_cached_for_an_earlier_one(moves, monkeypatch):
+    module, policy = linear_stage(monkeypatch, moves)
     x = torch.randn(5, 4, requires_grad=True)
     with torch.autocast("cpu", dtype=BF16):  # torch's default caches a parameter's cast for the whole region
         with policy.forward(0):
@@ -80,9 +85,10 @@ def test_a_forward_does_not_reuse_a_cast_autocast_cached_for_an_earlier_one(exch
 
 
 def test_without_autocast_the_forward_saves_its_tensors_as_they_are(monkeypatch):
-    module, policy = linear_stage(monkeypatch, exchange=True)
+    """Where storages are exchanged, the hooks run under autocast only (a redirecting policy needs them always)."""
+    module, policy = linear_stage(monkeypatch, "exchange")
     packed = []
-    monkeypatch.setattr(saved_casts.BackwardCasts, "_pack", lambda self, saved: packed.append(saved) or saved)
+    monkeypatch.setattr(saved_weights.BackwardWeights, "_pack", lambda self, saved: packed.append(saved) or saved)
     with policy.forward(0):
         module(torch.randn(5, 4, requires_grad=True))
     assert not packed

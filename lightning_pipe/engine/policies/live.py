@@ -2,22 +2,28 @@
 
 The module's parameters are a storage that holds the wanted values before each forward and backward
 (autograd does not see the change), and a backward reads whatever it holds when it runs; the
-optimizer steps separate master copies. Values get into the storage without copying where possible,
-by exchanging the data pointers of two equally laid-out storages (graphs keep referencing the
-parameter's storage, so they see the exchange): xpipe's forward and backward predictions take turns
-in it, and pipemare's parameters share the masters' storage, so they follow every STEP and only a
-corrected backward exchanges in ``W - tau * delta``. Where a pointer exchange is impossible (a
-parameter that is a view) the values are copied instead.
+optimizer steps separate master copies. Values reach a forward or backward without copying in one of two
+ways, by what this torch can do (:func:`how_values_move`):
+
+- ``"exchange"``: the data pointers of two equally laid-out storages are exchanged (graphs keep referencing
+  the parameter's storage, so they see the exchange): xpipe's forward and backward predictions take turns in
+  it, and a corrected pipemare backward exchanges ``W - tau * delta`` in for its duration;
+- ``"redirect"`` (a torch without the exchange, such as 2.11): the forward's graph keeps its parameters, their
+  views and casts as references (:mod:`.saved_weights`), and a backward reads the tensors the policy names
+  when it runs; xpipe's parameters are re-pointed at each mini-batch's forward prediction (``.data``).
+
+Either way pipemare's parameters share the masters' storage, so they follow every STEP with no copies. Where
+neither works (a parameter that is a view of a larger buffer) the values are copied in instead (``"copy"``).
 
 Under autocast a forward's graph keeps the low-precision cast of each weight it used, not the weight: a
 backward would read the forward's weights. The policies' forwards therefore save such a cast as the
-parameter it came from, and the backward casts what the storage then holds (:mod:`.saved_casts`).
+parameter it came from, and the backward casts what it is given to read then (:mod:`.saved_weights`).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, ContextManager
@@ -27,34 +33,33 @@ from torch import Tensor, nn
 from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz
 
 from lightning_pipe.engine.policies.base import Binding, WeightPolicy, fused_chunks, norm_of, relative_distance
-from lightning_pipe.engine.policies.saved_casts import BackwardCasts
+from lightning_pipe.engine.policies.saved_weights import BackwardWeights
 from lightning_pipe.optim import BasisRotationAdam
 
 
 def exchanges_storage() -> bool:
     """Whether this torch can exchange two storages' data in place (``UntypedStorage._swap_data_ptr_``:
-    torch 2.13 has it, 2.11 does not). Without it pipemare and xpipe copy the weights at every forward
-    and backward instead (the same numbers, more memory traffic: on an H100 with torch 2.11, xpipe made
-    1,620 weight copies per step of the GPT in docs/benchmarks.md)."""
+    torch 2.13 has it, 2.11 does not). Without it pipemare and xpipe redirect their backwards instead."""
     return hasattr(torch.UntypedStorage, "_swap_data_ptr_")
 
 
-def copies_weights(policy: type) -> bool:
-    """Whether ``policy`` copies weight versions into the parameters at every forward and backward with
-    this torch: the policies that show each pass its version by exchanging storages (pipemare's and
-    xpipe's), where :func:`exchanges_storage` is false."""
-    return issubclass(policy, _LivePolicy) and not exchanges_storage()
+def _owns_storage(t: Tensor) -> bool:
+    """Whether ``t`` is the whole of its storage, laid out as ``empty_like`` lays it out (not a view of a larger
+    buffer), so that its data can be exchanged with, or viewed like, a tensor ``empty_like`` made."""
+    return (t.storage_offset() == 0 and t.untyped_storage().nbytes() == t.numel() * t.element_size()
+            and torch.empty_like(t, device="meta").stride() == t.stride())
 
 
-def _exchangeable(a: Tensor, b: Tensor) -> bool:
-    """Whether ``a`` and ``b`` each own their whole storage with the same layout, so their data
-    pointers can be exchanged."""
-    return (
-        exchanges_storage()
-        and a.dtype == b.dtype and a.device == b.device and a.shape == b.shape and a.stride() == b.stride()
-        and a.storage_offset() == 0 and b.storage_offset() == 0
-        and a.untyped_storage().nbytes() == b.untyped_storage().nbytes() == a.numel() * a.element_size()
-    )
+def how_values_move(tensors: Mapping[str, Tensor], wanted: str = "auto") -> str:
+    """How a live policy gives a forward or backward the weight version it wants in ``tensors`` (the ones it
+    re-points or exchanges): ``"exchange"`` where this torch can and ``wanted`` is ``"auto"``, else
+    ``"redirect"`` (no copy either way; see the module's docstring), or ``"copy"`` where ``wanted`` says so or
+    a tensor does not own its storage."""
+    if wanted not in ("auto", "redirect", "copy"):
+        raise ValueError(f"moves_values={wanted!r}: choose 'auto', 'redirect' or 'copy'")
+    if wanted == "copy" or not all(_owns_storage(t) for t in tensors.values()):
+        return "copy"
+    return "exchange" if wanted == "auto" and exchanges_storage() else "redirect"
 
 
 def _host_floats(scalars: list[Tensor | float]) -> list[float]:
@@ -79,9 +84,9 @@ FUSED_DIRECTIONS_ON_CPU = False
 class _LivePolicy(WeightPolicy):
     """The module's parameters are a storage; the optimizer steps master copies."""
 
-    #: load values by exchanging storage data pointers where possible (``False``: always copy; the
-    #: throughput benchmark measures the difference)
-    exchange_values = True
+    #: how weight versions reach the passes (:func:`how_values_move`): ``"auto"`` (exchange where this torch
+    #: can, else redirect), ``"redirect"`` or ``"copy"``; the benchmarks compare them
+    moves_values = "auto"
     #: the storage holds the backward's weights when a backward recomputes its forward
     keeps_forward_weights = False
 
@@ -96,7 +101,13 @@ class _LivePolicy(WeightPolicy):
                 self.optimizer.state[master_of[id(p)]] = self.optimizer.state.pop(p)
         self._holding: tuple[Any, ...] | None = ("masters", 0)
         self._binding: Binding | None = None  # binds the masters for grad_cosine's recompute (made when first needed)
-        self._casts = BackwardCasts(self.params, self.stage, self._held)
+        #: ``"exchange"``, ``"redirect"`` or ``"copy"`` (:func:`how_values_move`)
+        self.moves = how_values_move(self._moved_tensors(), self.moves_values)
+        self._weights = BackwardWeights(self.params, self.stage, self._held, redirect=self.moves == "redirect")
+
+    def _moved_tensors(self) -> Mapping[str, Tensor]:
+        """The tensors whose data the policy exchanges or re-points (their layout decides :attr:`moves`)."""
+        return self.params
 
     def _held(self) -> Any:
         """A token of the values the parameters hold now (what ``load`` and the exchanges record)."""
@@ -104,11 +115,11 @@ class _LivePolicy(WeightPolicy):
 
     def forward(self, g: int) -> ContextManager[Any]:
         super().forward(g)
-        return self._casts.hooks()  # under autocast, the backward reads the parameters' values when it runs
+        return self._weights.hooks()  # the backward reads the weights it is given when it runs
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
-        self._casts.forget()
+        self._weights.forget()
 
     def applied_tensors(self) -> list[Tensor]:
         return list(self.masters.values())
@@ -140,7 +151,7 @@ class _LivePolicy(WeightPolicy):
     def end_segment(self, mini_batches: int) -> None:
         super().end_segment(mini_batches)
         self.load_masters()
-        self._casts.forget()
+        self._weights.forget()
 
     def copies(self) -> int:
         return 1
@@ -159,12 +170,18 @@ class PipeMarePolicy(_LivePolicy):
         # (STEPs, tau) of the corrected weights the corrected storage holds: W_s - tau * delta_s changes only at a
         # STEP, so the backwards between two STEPs with the same tau (all of a stage's, mostly) write it once
         self._corrected_for: tuple[int, int] | None = None
-        self._exchanged_tau: int | None = None  # the delay whose corrected weights the masters' storage holds now
+        self._corrected_tau: int | None = None  # the delay whose corrected weights the running backward reads
         # the parameters share the masters' storage: they hold W_s at all times, with no copies
-        self.aliased = self.exchange_values and all(_exchangeable(m, torch.empty_like(m)) for m in self.masters.values())
+        self.aliased = self.moves != "copy"
         if self.aliased:
             for name, p in self.params.items():
                 p.data = self.masters[name].detach()
+        # only a corrected backward reads other weights than the parameters hold, and none is corrected on the last
+        # stage, whose backwards follow their forwards with no STEP between: no hooks there in float32
+        self._weights.redirect = self.moves == "redirect" and self.delta is not None and self.warmup > 0
+
+    def _moved_tensors(self) -> Mapping[str, Tensor]:
+        return self.masters  # the parameters alias them, and a corrected backward exchanges or redirects them
 
     def load_masters(self) -> None:
         if not self.aliased:
@@ -173,7 +190,7 @@ class PipeMarePolicy(_LivePolicy):
     def _held(self) -> Any:
         if not self.aliased:
             return super()._held()
-        tau = self._exchanged_tau  # the parameters share the masters' storage, which every STEP changes
+        tau = self._corrected_tau  # the parameters share the masters' storage, which every STEP changes
         return ("masters", self.steps) if tau is None else ("corrected", self.steps, tau)
 
     def forward(self, g: int) -> ContextManager[Any]:
@@ -210,22 +227,33 @@ class PipeMarePolicy(_LivePolicy):
 
     @contextmanager
     def _corrected(self, tau: int) -> Iterator[None]:
-        """During the backward the masters' storage (so the parameters') holds ``W_s - tau * delta_s``."""
+        """During the backward it reads ``W_s - tau * delta_s``: the masters' storage (so the parameters') holds
+        it by exchange, or the backward is redirected to it."""
         if self._corrected_storage is None:  # kept: a weight-sized allocation per backward costs page faults
             self._corrected_storage = {n: torch.empty_like(m, requires_grad=False) for n, m in self.masters.items()}
         corrected = self._corrected_storage
         if self._corrected_for != (self.steps, tau):
             self._write_corrected([corrected[n] for n in self.masters], list(self.masters), tau)
             self._corrected_for = (self.steps, tau)
-        for name, m in self.masters.items():
-            _exchange(m, corrected[name])
-        self._exchanged_tau = tau
+        self._corrected_tau = tau
+        self._show_corrected(corrected, True)
         try:
             yield
         finally:
-            for name, m in self.masters.items():
-                _exchange(m, corrected[name])
-            self._exchanged_tau = None
+            self._show_corrected(corrected, False)
+            self._corrected_tau = None
+
+    def _show_corrected(self, corrected: dict[str, Tensor], on: bool) -> None:
+        """Point the backward at ``corrected`` (``on``) or back at the masters: by redirecting it, or by
+        exchanging the two storages (a second exchange undoes the first)."""
+        if self.moves == "redirect":
+            if not self._weights.redirect:  # the forward kept its parameters as they are: it would read W_s
+                raise RuntimeError(f"lightning_pipe: a pipemare backward on stage {self.stage}, the last, is "
+                                   f"{self._corrected_tau} STEPs late; please report this")
+            self._weights.values = corrected if on else self.params
+            return
+        for name, m in self.masters.items():
+            _exchange(m, corrected[name])
 
     @property
     def _tau_hat(self) -> int:
@@ -346,11 +374,7 @@ class XPipePolicy(_LivePolicy):
         # which tensors hold each cached prediction's values (an exchange moves the values around)
         self._slots: dict[tuple[Any, ...], dict[str, Tensor]] = {}
         self._spare: dict[str, Tensor] | None = None  # a released prediction's tensors, for the next one
-        # a prediction's tensors are laid out as the masters (empty_like) or are storages the parameters held, so
-        # whether the parameters can exchange with them is known once (checked at every show, it made a third of
-        # xpipe's Python calls per step: docs/benchmarks.md, the host-bound proxy)
-        self._shows_by_exchange = self.exchange_values and all(
-            _exchangeable(p, torch.empty_like(self.masters[n])) for n, p in self.params.items())
+        self._reading: tuple[Any, ...] | None = None  # (when redirecting) the prediction the backwards read
 
     def _rules(self, rule: str) -> list[str]:
         """The prediction rule of each param group: ``rule``, or by the optimizer that owns the group
@@ -544,11 +568,22 @@ class XPipePolicy(_LivePolicy):
         self._show((which, batch))
 
     def _show(self, token: tuple[Any, ...]) -> None:
-        """Make the parameters hold the prediction ``token`` names, by exchange when possible."""
+        """Give the passes ``token`` names (``("F" or "B", mini-batch)``) that prediction: the parameters hold
+        it (by exchange or copy), or, when redirecting, a forward's parameters are re-pointed at it and a
+        backward reads it through the saved-tensor hooks."""
+        if self.moves == "redirect":
+            values = self._slots[token]
+            if token[0] == "B":
+                self._weights.values, self._reading = values, token
+            elif self._holding != token:
+                for name, p in self.params.items():
+                    p.data = values[name]
+                self._holding = token
+            return
         if self._holding == token:
             return
         values = self._slots.pop(token)
-        if not self._shows_by_exchange:
+        if self.moves == "copy":
             self._slots[token] = values
             self.load(values, token)
             return
@@ -561,6 +596,9 @@ class XPipePolicy(_LivePolicy):
             self._spare = values  # what the parameters held is needed no more
         self._holding = token
 
+    def _held(self) -> Any:
+        return self._reading if self.moves == "redirect" else super()._held()  # what the backwards read
+
     def forward(self, g: int) -> ContextManager[Any]:
         context = super().forward(g)
         self._use("F", g)
@@ -569,8 +607,8 @@ class XPipePolicy(_LivePolicy):
     def backward(self, g: int) -> ContextManager[Any]:
         context = super().backward(g)
         self._use("B", g)
-        if self.tracking_lag:  # the backward's prediction, which the parameters now hold, against the masters
-            self._record_lag(relative_distance(self.masters.values(), self.params.values()))
+        if self.tracking_lag:  # the backward's prediction against the masters
+            self._record_lag(relative_distance(self.masters.values(), self._weights.values.values()))
         return context
 
     def _before_update(self) -> None:
@@ -586,6 +624,7 @@ class XPipePolicy(_LivePolicy):
         super().end_segment(mini_batches)
         self._cache = {"F": None, "B": None}
         self._slots.clear()
+        self._weights.values, self._reading = self.params, None  # (when redirecting) drop the last backward's prediction
 
     def copies(self) -> int:
         return 1 + sum(c is not None for c in self._cache.values())
