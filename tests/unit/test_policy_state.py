@@ -93,29 +93,28 @@ def test_delay_compensation_corrects_the_gradient_and_its_average_survives_a_res
         torch.testing.assert_close(resumed.mean_square[n], policy.mean_square[n])
 
 
-@pytest.mark.parametrize("moves", ["exchange", "redirect"])
+@pytest.mark.parametrize("moves", ["redirect", "copy"])
 def test_an_xpipe_prediction_is_written_into_the_storage_the_last_one_released(moves, monkeypatch):
-    """xpipe allocates weight-sized tensors for its first prediction only: the next one reuses the
-    storage the parameters gave up (fresh large tensors page-fault on every STEP). Redirecting (a torch without
-    the exchange), the parameters point at the forward prediction, and the next one is written over it."""
+    """xpipe allocates weight-sized tensors for its first prediction only: the next one is written over the one
+    the last forwards used (fresh large tensors page-fault on every STEP). Redirecting, the parameters point at
+    it; copying, they keep their own storage."""
     from torch import nn
 
     from lightning_pipe.engine.policies import live
 
     layer = nn.Linear(4, 4)
-    monkeypatch.setattr(live.XPipePolicy, "moves_values", "auto" if moves == "exchange" else moves)
+    monkeypatch.setattr(live.XPipePolicy, "moves_values", "auto" if moves == "redirect" else moves)
     policy = live.XPipePolicy(layer, torch.optim.SGD(layer.parameters(), lr=0.1, momentum=0.9), 0, 2, 2)
     assert policy.moves == moves
     allocated: list[tuple[int, ...]] = []
     empty_like = torch.empty_like
     monkeypatch.setattr(torch, "empty_like", lambda t, *a, **k: allocated.append(tuple(t.shape)) or empty_like(t, *a, **k))
     first = layer.weight.data_ptr()
-    with policy.forward(0):  # mini-batch 0: a new prediction is exchanged into (or pointed at by) the parameters
+    with policy.forward(0):  # mini-batch 0: a new prediction, which the parameters point at (or copy)
         second = layer.weight.data_ptr()
-    assert second != first and allocated == [(4, 4), (4,)]  # the first prediction's weight and bias
-    with policy.forward(2):  # mini-batch 1: written into the storage given up, then exchanged in
-        assert layer.weight.data_ptr() == (first if moves == "exchange" else second)
-    with policy.forward(4):  # mini-batch 2: and again, into what mini-batch 0's prediction gave up
-        assert layer.weight.data_ptr() == second
+    assert (second != first if moves == "redirect" else second == first) and allocated == [(4, 4), (4,)]
+    for g in (2, 4):  # mini-batches 1 and 2: written over mini-batch 0's
+        with policy.forward(g):
+            assert layer.weight.data_ptr() == second
     assert len(allocated) == 2  # nothing allocated after the first prediction
     torch.testing.assert_close(layer.weight.detach(), policy.masters["weight"].detach())  # no state yet: W itself

@@ -1,7 +1,7 @@
 """pipemare and xpipe without in-place storage exchange (torch 2.11 lacks ``UntypedStorage._swap_data_ptr_``):
-they redirect their backwards to the weights they want through saved-tensor hooks instead, compute the same
-numbers, and copy no weights at forwards and backwards; copying every version in (the benchmarks' baseline,
-and parameters that are views of a larger buffer) computes them too (issue 30)."""
+pipemare redirects its backwards to the weights they want through saved-tensor hooks instead (xpipe always does),
+computes the same numbers, and copies no weights at forwards and backwards; copying every version in (the
+benchmarks' baseline, and parameters that are views of a larger buffer) computes them too (issue 30)."""
 
 from __future__ import annotations
 
@@ -28,46 +28,56 @@ def run(schedule: str) -> dict:
 
 
 @pytest.mark.parametrize("schedule", sorted(OPTIONS))
-def test_redirecting_or_copying_the_weights_computes_what_exchanging_them_computes(schedule, monkeypatch):
+def test_exchanging_redirecting_or_copying_the_weights_computes_the_same_numbers(schedule, monkeypatch):
+    """pipemare exchanges storages where this torch can and redirects its corrected backwards where it cannot
+    (torch 2.11); xpipe always redirects, so that a forward and a backward prediction made from the same STEP at
+    the same distance are one (here all of them: half the predictions). Copying every version in is the
+    benchmarks' baseline. All compute the same numbers, bit for bit; only copying copies at the passes."""
     assert live.exchanges_storage(), "this torch exchanges in place: the comparison needs it"
-    calls = {"exchange": 0, "copy": 0, "segment end": 0, "redirect": 0}
+    calls = {"exchange": 0, "copy": 0, "segment end": 0, "redirect": 0, "prediction": 0, "bellwether": 0}
     exchange, load, end_segment = live._exchange, live._LivePolicy.load, live._LivePolicy.end_segment
+    predict, distance = live.XPipePolicy.predict, live.XPipePolicy._distance
     pack = saved_weights.BackwardWeights._pack_parameter  # (float32: no casts to find)
+
+    def count(key: str) -> None:
+        calls[key] += 1
 
     def counted_load(self, values, token):
         calls["copy"] += self._holding != token and bool(self.params)
         return load(self, values, token)
-
-    def counted_end_segment(self, mini_batches):
-        calls["segment end"] += 1
-        return end_segment(self, mini_batches)
 
     def counted_pack(self, saved):
         packed = pack(self, saved)
         calls["redirect"] += not isinstance(packed, torch.Tensor)
         return packed
 
-    monkeypatch.setattr(live, "_exchange", lambda a, b: calls.update(exchange=calls["exchange"] + 1) or exchange(a, b))
+    monkeypatch.setattr(live, "_exchange", lambda a, b: count("exchange") or exchange(a, b))
     monkeypatch.setattr(live._LivePolicy, "load", counted_load)
-    monkeypatch.setattr(live._LivePolicy, "end_segment", counted_end_segment)
+    monkeypatch.setattr(live._LivePolicy, "end_segment", lambda self, m: count("segment end") or end_segment(self, m))
+    monkeypatch.setattr(live.XPipePolicy, "predict", lambda self, d: count("prediction") or predict(self, d))
+    monkeypatch.setattr(live.XPipePolicy, "_distance", lambda self, *a: count("bellwether") or distance(self, *a))
     monkeypatch.setattr(saved_weights.BackwardWeights, "_pack_parameter", counted_pack)
 
     def counted_run() -> tuple[dict, dict]:
         calls.update(dict.fromkeys(calls, 0))
         return run(schedule), dict(calls)
 
-    exchanged, by_exchange = counted_run()
-    assert by_exchange["exchange"] and not by_exchange["redirect"], by_exchange
+    default, by_default = counted_run()
+    if schedule == "pipemare":
+        assert by_default["exchange"] and not by_default["redirect"], by_default
+    else:
+        assert by_default["redirect"] and not by_default["exchange"], by_default
+        assert 2 * by_default["prediction"] == by_default["bellwether"], by_default
     monkeypatch.setattr(live._LivePolicy, "moves_values", "copy")
     copied, by_copy = counted_run()
-    assert by_copy["copy"] > 2 * by_copy["segment end"] and not by_copy["exchange"], by_copy
+    assert by_copy["copy"] > 2 * by_copy["segment end"] and not by_copy["exchange"] and not by_copy["redirect"], by_copy
     monkeypatch.setattr(live._LivePolicy, "moves_values", "auto")
     monkeypatch.setattr(live, "exchanges_storage", lambda: False)  # as on torch 2.11
     redirected, by_redirect = counted_run()
     assert by_redirect["redirect"] and not by_redirect["exchange"], by_redirect
     assert by_redirect["copy"] <= by_redirect["segment end"], "a copy only where a segment ends (the masters back in)"
-    assert_same_numbers(copied, exchanged)
-    assert_same_numbers(redirected, exchanged)
+    assert_same_numbers(copied, default)
+    assert_same_numbers(redirected, default)
 
 
 def test_a_parameter_that_is_a_view_of_a_larger_buffer_is_copied_in():
@@ -79,6 +89,7 @@ def test_a_parameter_that_is_a_view_of_a_larger_buffer_is_copied_in():
     assert live.how_values_move(whole) == ("exchange" if live.exchanges_storage() else "redirect")
     assert live.how_values_move(whole, "copy") == "copy"
     assert live.how_values_move(whole, "redirect") == "redirect"
+    assert live.how_values_move(whole, exchange=False) == "redirect"  # (xpipe's)
     with pytest.raises(ValueError, match="choose 'auto', 'redirect' or 'copy'"):
         live.how_values_move(whole, "exchange")
 

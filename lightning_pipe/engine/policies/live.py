@@ -3,17 +3,18 @@
 The module's parameters are a storage that holds the wanted values before each forward and backward
 (autograd does not see the change), and a backward reads whatever it holds when it runs; the
 optimizer steps separate master copies. Values reach a forward or backward without copying in one of two
-ways, by what this torch can do (:func:`how_values_move`):
+ways (:func:`how_values_move`):
 
-- ``"exchange"``: the data pointers of two equally laid-out storages are exchanged (graphs keep referencing
-  the parameter's storage, so they see the exchange): xpipe's forward and backward predictions take turns in
-  it, and a corrected pipemare backward exchanges ``W - tau * delta`` in for its duration;
-- ``"redirect"`` (a torch without the exchange, such as 2.11): the forward's graph keeps its parameters, their
-  views and casts as references (:mod:`.saved_weights`), and a backward reads the tensors the policy names
-  when it runs; xpipe's parameters are re-pointed at each mini-batch's forward prediction (``.data``).
+- ``"exchange"`` (pipemare, where this torch can: 2.13): the data pointers of two equally laid-out storages are
+  exchanged (graphs keep referencing the parameter's storage, so they see the exchange): a corrected pipemare
+  backward exchanges ``W - tau * delta`` into the masters' storage, which the parameters share, for its duration;
+- ``"redirect"`` (xpipe; pipemare on a torch without the exchange, such as 2.11): the forward's graph keeps its
+  parameters, their views and casts as references (:mod:`.saved_weights`), and a backward reads the tensors
+  the policy names when it runs; xpipe's parameters are re-pointed at each mini-batch's forward prediction
+  (``.data``), and its forward and backward predictions made from the same state at the same distance are one.
 
-Either way pipemare's parameters share the masters' storage, so they follow every STEP with no copies. Where
-neither works (a parameter that is a view of a larger buffer) the values are copied in instead (``"copy"``).
+pipemare's parameters share the masters' storage, so they follow every STEP with no copies. Where neither
+works (a parameter that is a view of a larger buffer) the values are copied in instead (``"copy"``).
 
 Under autocast a forward's graph keeps the low-precision cast of each weight it used, not the weight: a
 backward would read the forward's weights. The policies' forwards therefore save such a cast as the
@@ -39,7 +40,7 @@ from lightning_pipe.optim import BasisRotationAdam
 
 def exchanges_storage() -> bool:
     """Whether this torch can exchange two storages' data in place (``UntypedStorage._swap_data_ptr_``:
-    torch 2.13 has it, 2.11 does not). Without it pipemare and xpipe redirect their backwards instead."""
+    torch 2.13 has it, 2.11 does not). Without it pipemare redirects its backwards instead, as xpipe always does."""
     return hasattr(torch.UntypedStorage, "_swap_data_ptr_")
 
 
@@ -50,16 +51,16 @@ def _owns_storage(t: Tensor) -> bool:
             and torch.empty_like(t, device="meta").stride() == t.stride())
 
 
-def how_values_move(tensors: Mapping[str, Tensor], wanted: str = "auto") -> str:
+def how_values_move(tensors: Mapping[str, Tensor], wanted: str = "auto", exchange: bool = True) -> str:
     """How a live policy gives a forward or backward the weight version it wants in ``tensors`` (the ones it
-    re-points or exchanges): ``"exchange"`` where this torch can and ``wanted`` is ``"auto"``, else
-    ``"redirect"`` (no copy either way; see the module's docstring), or ``"copy"`` where ``wanted`` says so or
-    a tensor does not own its storage."""
+    re-points or exchanges): ``"exchange"`` where the policy ``exchange``-s, this torch can and ``wanted`` is
+    ``"auto"``, else ``"redirect"`` (no copy either way; see the module's docstring), or ``"copy"`` where
+    ``wanted`` says so or a tensor does not own its storage."""
     if wanted not in ("auto", "redirect", "copy"):
         raise ValueError(f"moves_values={wanted!r}: choose 'auto', 'redirect' or 'copy'")
     if wanted == "copy" or not all(_owns_storage(t) for t in tensors.values()):
         return "copy"
-    return "exchange" if wanted == "auto" and exchanges_storage() else "redirect"
+    return "exchange" if exchange and wanted == "auto" and exchanges_storage() else "redirect"
 
 
 def _host_floats(scalars: list[Tensor | float]) -> list[float]:
@@ -87,6 +88,8 @@ class _LivePolicy(WeightPolicy):
     #: how weight versions reach the passes (:func:`how_values_move`): ``"auto"`` (exchange where this torch
     #: can, else redirect), ``"redirect"`` or ``"copy"``; the benchmarks compare them
     moves_values = "auto"
+    #: exchange storages where this torch can (``how_values_move``), rather than redirect
+    exchanges = True
     #: the storage holds the backward's weights when a backward recomputes its forward
     keeps_forward_weights = False
 
@@ -102,7 +105,7 @@ class _LivePolicy(WeightPolicy):
         self._holding: tuple[Any, ...] | None = ("masters", 0)
         self._binding: Binding | None = None  # binds the masters for grad_cosine's recompute (made when first needed)
         #: ``"exchange"``, ``"redirect"`` or ``"copy"`` (:func:`how_values_move`)
-        self.moves = how_values_move(self._moved_tensors(), self.moves_values)
+        self.moves = how_values_move(self._moved_tensors(), self.moves_values, self.exchanges)
         self._weights = BackwardWeights(self.params, self.stage, self._held, redirect=self.moves == "redirect")
 
     def _moved_tensors(self) -> Mapping[str, Tensor]:
@@ -359,6 +362,10 @@ class XPipePolicy(_LivePolicy):
     """xpipe: forwards and backwards of a mini-batch see weights predicted ``s_f`` / ``s_b`` steps ahead
     (XPipe's formulas, or with ``distances="exact"`` up to the version the mini-batch's STEP updates)."""
 
+    #: redirected, a forward and a backward prediction made from the same state at the same distance are one set
+    #: of tensors (an exchange moves a prediction's values into the parameters): half the predictions, mostly
+    exchanges = False
+
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         k, K, T = self.stage, self.stages, self.micro_batches
@@ -369,12 +376,12 @@ class XPipePolicy(_LivePolicy):
         self._keeps_last_grad = "sgd" in self.rules or (
             "momentum" in self.rules and self.options.xpipe.momentum_direction == "spectrain")
         self._last_grad: dict[str, Tensor] = {}
-        self._cache: dict[str, tuple[int, dict[str, Tensor]] | None] = {"F": None, "B": None}
+        # per direction: (mini-batch, its prediction, (STEPs, distance) it was made at)
+        self._cache: dict[str, tuple[int, dict[str, Tensor], tuple[int, int]] | None] = {"F": None, "B": None}
         self.prediction_norm: Tensor | float = 0.0
-        # which tensors hold each cached prediction's values (an exchange moves the values around)
-        self._slots: dict[tuple[Any, ...], dict[str, Tensor]] = {}
         self._spare: dict[str, Tensor] | None = None  # a released prediction's tensors, for the next one
         self._reading: tuple[Any, ...] | None = None  # (when redirecting) the prediction the backwards read
+        self._shared = False  # the forward and backward predictions are one set of tensors
 
     def _rules(self, rule: str) -> list[str]:
         """The prediction rule of each param group: ``rule``, or by the optimizer that owns the group
@@ -555,46 +562,32 @@ class XPipePolicy(_LivePolicy):
 
     def _use(self, which: str, g: int) -> None:
         batch = g // self.micro_batches
-        cached = self._cache[which]
+        cached, other = self._cache[which], self._cache["B" if which == "F" else "F"]
         if cached is None or cached[0] != batch:  # the bellwether of a new mini-batch predicts
-            if cached is not None:
-                released = self._slots.pop((which, cached[0]), None)
-                if released is not None:  # else the parameters hold it (and the spare, if any, stays)
-                    self._spare = released
-            cached = (batch, self.predict(self._distance(which, batch)))
+            if cached is not None and not self._shared:  # (a shared prediction stays the other direction's)
+                self._spare = cached[1]
+            distance = self._distance(which, batch)
+            made = (self.steps, distance)
+            # the other direction's prediction from the same state and distance holds the same weights: with the
+            # formulas' distances, mostly (all of them at 4 stages and 8 micro-batches), half the predictions
+            self._shared = other is not None and other[2] == made
+            cached = (batch, other[1] if self._shared else self.predict(distance), made)
             self._cache[which] = cached
-            self._slots[(which, batch)] = cached[1]
             self._track_copies()
-        self._show((which, batch))
+        self._show((which, batch), cached[1])
 
-    def _show(self, token: tuple[Any, ...]) -> None:
-        """Give the passes ``token`` names (``("F" or "B", mini-batch)``) that prediction: the parameters hold
-        it (by exchange or copy), or, when redirecting, a forward's parameters are re-pointed at it and a
-        backward reads it through the saved-tensor hooks."""
-        if self.moves == "redirect":
-            values = self._slots[token]
-            if token[0] == "B":
-                self._weights.values, self._reading = values, token
-            elif self._holding != token:
-                for name, p in self.params.items():
-                    p.data = values[name]
-                self._holding = token
-            return
-        if self._holding == token:
-            return
-        values = self._slots.pop(token)
+    def _show(self, token: tuple[str, int], values: dict[str, Tensor]) -> None:
+        """Give the passes ``token`` names (``("F" or "B", mini-batch)``) the prediction ``values``: a forward's
+        parameters are re-pointed at it and a backward reads it through the saved-tensor hooks, or (``"copy"``)
+        the parameters hold a copy."""
         if self.moves == "copy":
-            self._slots[token] = values
             self.load(values, token)
-            return
-        for name, p in self.params.items():
-            _exchange(p, values[name])
-        held = self._holding
-        if held is not None and any(c is not None and (kind, c[0]) == held for kind, c in self._cache.items()):
-            self._slots[held] = values  # now holds what the parameters held
-        else:
-            self._spare = values  # what the parameters held is needed no more
-        self._holding = token
+        elif token[0] == "B":
+            self._weights.values, self._reading = values, token
+        elif self._holding != token:  # (a forward's prediction is written into tensors no pass reads then)
+            for name, p in self.params.items():
+                p.data = values[name]
+            self._holding = token
 
     def _held(self) -> Any:
         return self._reading if self.moves == "redirect" else super()._held()  # what the backwards read
@@ -623,11 +616,11 @@ class XPipePolicy(_LivePolicy):
     def end_segment(self, mini_batches: int) -> None:
         super().end_segment(mini_batches)
         self._cache = {"F": None, "B": None}
-        self._slots.clear()
+        self._shared = False
         self._weights.values, self._reading = self.params, None  # (when redirecting) drop the last backward's prediction
 
     def copies(self) -> int:
-        return 1 + sum(c is not None for c in self._cache.values())
+        return 1 + sum(c is not None for c in self._cache.values()) - self._shared
 
     def diagnostics(self) -> dict[str, float]:
         return {**super().diagnostics(), "prediction_norm": float(self.prediction_norm)}
