@@ -584,7 +584,7 @@ class XPipePolicy(_LivePolicy):
             self.load(values, token)
         elif token[0] == "B":
             self._weights.values, self._reading = values, token
-        elif self._holding != token:  # (a forward's prediction is written into tensors no pass reads then)
+        elif self._holding != token:  # once per mini-batch: its first forward
             for name, p in self.params.items():
                 p.data = values[name]
             self._holding = token
