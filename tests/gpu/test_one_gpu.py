@@ -71,17 +71,18 @@ def test_bf16_mixed_trains(schedule):
 
 @pytest.mark.parametrize("schedule", ["pipemare", "xpipe"])
 def test_bf16_mixed_live_schedules_compute_their_reference_rule_on_cuda(schedule, monkeypatch):
-    """Under bf16-mixed, pipemare's and xpipe's backwards read the weights their storage holds when they run,
-    not the bfloat16 casts their forwards saved (engine/policies/saved_weights.py): on CUDA, with the kernels
-    and fused weight arithmetic of a GPU, the final weights are the reference's (bit for bit on the CPU,
-    tests/unit/test_emulation_mode.py), and ten times closer to them than the same run reading the
-    forwards' casts, which is PipeDream's stashing (3.4e-4 away on the CPU)."""
+    """Under bf16-mixed, pipemare's and xpipe's backwards read the weights their policy gives them when they run,
+    not the bfloat16 casts (or, redirected, the weights) their forwards saved (engine/policies/saved_weights.py):
+    on CUDA, with the kernels and fused weight arithmetic of a GPU, the final weights are the reference's (bit for
+    bit on the CPU, tests/unit/test_emulation_mode.py), and ten times closer to them than the same run without
+    the saved-tensor hooks, which reads what the forwards saved (3.4e-4 away on the CPU, exchanging or
+    redirecting as torch 2.11 does)."""
     def weight_error(run: dict) -> float:
         return max(float((run["state"][key].cpu() - value.cpu()).abs().max()) for key, value in want_state.items())
 
     want_losses, want_state = reference(schedule, 4, 2, None, None, autocast=torch.bfloat16, device="cuda")
     got = emulated(schedule, 4, 2, accelerator="cuda", trainer={"precision": "bf16-mixed"})
-    monkeypatch.setattr(BackwardWeights, "hooks", lambda self: contextlib.nullcontext())  # the forwards' casts
+    monkeypatch.setattr(BackwardWeights, "hooks", lambda self: contextlib.nullcontext())  # what the forwards saved
     stashed = emulated(schedule, 4, 2, accelerator="cuda", trainer={"precision": "bf16-mixed"})
     assert losses(got) == pytest.approx(want_losses, rel=1e-5)
     assert weight_error(stashed) > 1e-4  # what the rule changes, seen on this device
