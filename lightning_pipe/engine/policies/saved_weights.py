@@ -5,8 +5,8 @@ forward ran on (docs/async-semantics.md, implementation notes). A forward's grap
 the parameters it used (or views of them) and, under autocast, the low-precision cast it made of each: a
 tensor of its own, which no exchange or copy into the parameters' storage reaches, so the backward would read
 the forward's weights. :class:`BackwardWeights` holds saved-tensor hooks that keep such a cast as a reference
-to the parameter it came from, and, when the policy *redirects* (where storages cannot be exchanged in place:
-``live.exchanges_storage``), the parameters and their views too; when the backward unpacks one, it gets the
+to the parameter it came from, and, when the policy *redirects* (xpipe always, pipemare where storages cannot be
+exchanged in place: ``live.how_values_move``), the parameters and their views too; when the backward unpacks one, it gets the
 values the policy names at that moment (:attr:`BackwardWeights.values`), viewed and cast as the forward's were.
 A cast is kept while those values stay the same (a backward per micro-batch reads the same weights between two
 STEPs), so a stage casts its weights for its backwards about once per STEP, and the micro-batches in flight no
