@@ -181,3 +181,24 @@ def test_a_redirecting_pipemare_stage_hooks_its_forwards_only_where_a_backward_c
         with policy.forward(0):
             module(torch.randn(2, 4, requires_grad=True))
         assert bool(packed) is corrected, (stage, correction)
+
+
+def test_a_corrected_backward_on_a_redirecting_pipemare_stage_without_hooks_stops_rather_than_reads_w(monkeypatch):
+    """The last stage's forwards keep their parameters as they are (no STEP falls between its forward and backward);
+    should a corrected backward ever come there, it stops instead of reading the uncorrected weights."""
+    from torch import nn
+
+    from lightning_pipe.engine.policies import AsyncOptions, PipeMareOptions, PipeMarePolicy
+
+    monkeypatch.setattr(live, "exchanges_storage", lambda: False)  # as on torch 2.11
+    module = nn.Linear(4, 4)
+    policy = PipeMarePolicy(module, torch.optim.SGD(module.parameters(), lr=0.1), 1, 2, 1,
+                            AsyncOptions(PipeMareOptions(correction=True)))
+    assert policy.moves == "redirect" and not policy._weights.redirect
+    with policy.forward(0):
+        y = module(torch.randn(2, 4))
+    y.sum().backward()
+    policy.step()  # a STEP between the forward and its backward: tau = 1
+    with pytest.raises(RuntimeError, match="pipemare backward on stage 1, the last, is 1 STEPs late"):
+        with policy.backward(0):
+            pass
