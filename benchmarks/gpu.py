@@ -36,7 +36,9 @@ Per variant: milliseconds per optimizer step (median over ``--steps`` steps afte
 device synchronised at step boundaries), the ratio accumulation / variant (above 1: faster than
 accumulation), peak memory allocated on the device, and host synchronisations per step, counted over
 ``--sync-steps`` further steps with ``torch.cuda.set_sync_debug_mode("warn")`` (every implicit
-synchronisation raises a warning; the timing's own ``torch.cuda.synchronize`` is off then). The
+synchronisation raises a warning; the timing's own ``torch.cuda.synchronize`` is off then), and the caching
+allocator's ``cudaMalloc`` calls per timed step (the ``--json`` rows also hold its frees, retries and all-stream
+synchronisations): a steady step should make none, and one that does waits on the driver. The
 result is a markdown table (and ``--json`` rows); write the device, versions and date beside it
 (printed above the table).
 
@@ -198,6 +200,8 @@ class StepClock(L.Callback):
         self.syncs = 0
         self.sync_sites: Counter[str] = Counter()
         self.peak = 0
+        self.allocator: dict[str, float] = {}  #: the caching allocator's events per timed step (:data:`ALLOCATOR_EVENTS`)
+        self._allocator_start: dict[str, int] = {}
         self._last_step = -1
         self._recorder: warnings.catch_warnings | None = None
         self._caught: list[warnings.WarningMessage] = []
@@ -225,8 +229,10 @@ class StepClock(L.Callback):
             self.times.append(self.clock())
             if step == self.warmup and self.cuda:
                 torch.cuda.reset_peak_memory_stats()
+                self._allocator_start = torch.cuda.memory_stats()
             if step == timing_end and self.cuda:
                 self.peak = torch.cuda.max_memory_allocated()
+                self.allocator = allocator_events(self._allocator_start, torch.cuda.memory_stats(), self.steps)
         if step == timing_end and self.cuda and self.sync_steps:  # count from here on
             self._recorder = warnings.catch_warnings(record=True)
             self._caught = self._recorder.__enter__()
@@ -294,6 +300,17 @@ class StepClock(L.Callback):
     def ms_per_step(self) -> float:
         gaps = [b - a for a, b in zip(self.times, self.times[1:])]
         return 1e3 * statistics.median(gaps) if gaps else math.nan
+
+
+#: The caching allocator's counters (``torch.cuda.memory_stats``) that cost the host or the device when they move in
+#: a steady step: a ``cudaMalloc`` or ``cudaFree`` (the latter synchronises the device), a retry after freeing the
+#: cache, a synchronisation of every stream.
+ALLOCATOR_EVENTS = ("num_device_alloc", "num_device_free", "num_alloc_retries", "num_sync_all_streams")
+
+
+def allocator_events(before: dict[str, int], after: dict[str, int], steps: int) -> dict[str, float]:
+    """Each of :data:`ALLOCATOR_EVENTS` per step between two ``memory_stats()`` (0 where this torch lacks one)."""
+    return {name.removeprefix("num_"): (after.get(name, 0) - before.get(name, 0)) / steps for name in ALLOCATOR_EVENTS}
 
 
 @contextmanager
@@ -405,6 +422,7 @@ class Row:
     python_calls: int | None = None  #: Python and builtin calls in one step (``--count``)
     engine_calls: int | None = None  #: autograd engine calls among them
     aten_ops: int | None = None  #: aten operations dispatched in one step (``--count``)
+    allocator: dict[str, float] = field(default_factory=dict)  #: allocator events per timed step (:func:`allocator_events`)
 
 
 @dataclass(frozen=True)
@@ -485,7 +503,7 @@ def run_variant(name: str, options: dict[str, Any] | None, args: argparse.Namesp
         clock.stop_counting()
     syncs = clock.syncs / args.sync_steps if cuda and args.sync_steps else None
     row = Row(name, clock.ms_per_step(), clock.peak / 2**30 if cuda else None, syncs,
-              sync_sites=dict(clock.sync_sites.most_common(6)))
+              sync_sites=dict(clock.sync_sites.most_common(6)), allocator=clock.allocator)
     if clock.calls is not None and clock.ops is not None:
         row.python_calls, row.engine_calls, row.aten_ops = clock.calls.calls, clock.calls.engine_calls, clock.ops.count
     del trainer, model, strategy
@@ -500,12 +518,12 @@ def table(rows: list[Row]) -> str:
         return "-" if value is None or (isinstance(value, float) and math.isnan(value)) else format(value, fmt)
 
     counted = any(r.aten_ops is not None for r in rows)
-    head = "| variant | ms / step | vs accumulation | peak GiB | host syncs / step |"
+    head = "| variant | ms / step | vs accumulation | peak GiB | host syncs / step | cudaMalloc / step |"
     lines = [head + (" Python calls / step | engine calls / step | aten ops / step |" if counted else ""),
-             "|---" * (8 if counted else 5) + "|"]
+             "|---" * (9 if counted else 6) + "|"]
     for r in rows:
         line = (f"| {r.variant} | {cell(r.ms_per_step, '.1f')} | {cell(r.vs_accumulation, '.2f')} | {cell(r.peak_gib, '.2f')} "
-                f"| {cell(r.syncs_per_step, '.1f')} |")
+                f"| {cell(r.syncs_per_step, '.1f')} | {cell(r.allocator.get('device_alloc'), '.1f')} |")
         if counted:
             line += f" {cell(r.python_calls, ',')} | {cell(r.engine_calls, ',')} | {cell(r.aten_ops, ',')} |"
         lines.append(line)

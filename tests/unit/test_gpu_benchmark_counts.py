@@ -44,3 +44,11 @@ def test_ablations_are_named_variants_of_their_schedule():
     assert got["zbv/w-main-thread"]["schedule"] == "zbv"
     with pytest.raises(SystemExit, match="w-main-thread"):
         benchmark.variants(4, ["zbv/no-such-thing"])
+
+
+def test_allocator_events_are_per_step_differences_and_zero_where_torch_lacks_a_counter():
+    benchmark = load_benchmark()
+    before = {"num_device_alloc": 10, "num_device_free": 4, "num_alloc_retries": 0}
+    after = {"num_device_alloc": 26, "num_device_free": 4, "num_alloc_retries": 2}
+    assert benchmark.allocator_events(before, after, steps=8) == {
+        "device_alloc": 2.0, "device_free": 0.0, "alloc_retries": 0.25, "sync_all_streams": 0.0}
