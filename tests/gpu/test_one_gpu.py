@@ -105,7 +105,8 @@ def test_fp16_mixed_is_refused_with_an_asynchronous_schedule():
 
 
 def test_the_gpu_benchmark_runs_tiny_and_counts_host_syncs():
-    """benchmarks/gpu.py on the GPU with the tiny model: every row timed, peak memory and host syncs counted."""
+    """benchmarks/gpu.py on the GPU with the tiny model: every row timed, peak memory, host syncs and the allocator's
+    calls to the driver counted."""
     import importlib.util
     import pathlib
     import sys
@@ -118,6 +119,8 @@ def test_the_gpu_benchmark_runs_tiny_and_counts_host_syncs():
     assert [r.variant for r in rows] == ["plain", "accumulation", "1f1b", "zbv"]
     for row in rows:
         assert math.isfinite(row.ms_per_step) and row.peak_gib > 0 and row.syncs_per_step is not None
+        assert set(row.allocator) == {"device_alloc", "device_free", "alloc_retries", "sync_all_streams"}
+        assert all(count >= 0 for count in row.allocator.values())
     plain = rows[0].syncs_per_step
     for row in rows[2:]:  # issue 30's bound: plain Lightning's + 3 (measured: 0 against plain's 0.5)
         assert row.syncs_per_step <= plain + 3, (row.variant, row.sync_sites)
