@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # What one call on a lent GPU runs (docs/benchmarks.md, "One GPU"): the one-GPU tests, then benchmarks/gpu.py's
-# table for what issue 30 still measures, with profiles, and a second round of the synchronous schedules so their
-# ratios can be read against the run's own noise. Everything lands under $OUT (default gpu_results/).
+# table for what issue 30 still measures, with profiles, a second round of the synchronous schedules so their
+# ratios can be read against the run's own noise, and gpipe under the expandable-segments allocator. Everything
+# lands under $OUT (default gpu_results/).
 #
 #   PYTHONPATH=. bash benchmarks/gpu_session.sh                                       # on the GPU
 #   OUT=/tmp/dry EXTRA="--device cpu --tiny" bash benchmarks/gpu_session.sh           # a dry run on a CPU
@@ -35,4 +36,6 @@ tail -3 "$out/tests.txt"
 bench round1 --profile gpipe 1f1b accumulation \
     --variants accumulation gpipe 1f1b pipemare pipemare/copy-weights pipemare/no-correction xpipe xpipe/copy-weights zbv
 bench round2 --variants accumulation gpipe 1f1b interleaved_1f1b pipemare xpipe
+# the allocator mapping memory in place of new cudaMalloc blocks: does gpipe's larger working set cost it steps?
+(export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True; bench expandable --variants accumulation gpipe 1f1b)
 stamp done
