@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # What one call on a lent GPU runs (docs/benchmarks.md, "One GPU"): the one-GPU tests, then benchmarks/gpu.py's
-# table for what issue 30 still measures, with profiles, a second round of the synchronous schedules so their
-# ratios can be read against the run's own noise, and gpipe under the expandable-segments allocator. Everything
+# table for what issue 30 still measures, with profiles, a second round (the synchronous schedules, pipemare and
+# xpipe) so their ratios can be read against the run's own noise, and gpipe under the expandable-segments allocator. Everything
 # lands under $OUT (default gpu_results/).
 #
 #   PYTHONPATH=. bash benchmarks/gpu_session.sh                                       # on the GPU
