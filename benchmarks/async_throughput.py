@@ -41,7 +41,7 @@ from throughput import (  # noqa: E402  (a sibling script)
     timed_windows,
 )
 
-from lightning_pipe.engine import Executor, SequentialStage, Transport, Watchdog, split_micro_batches  # noqa: E402
+from lightning_pipe.engine import Executor, RunOptions, SequentialStage, Transport, Watchdog, split_micro_batches  # noqa: E402
 from lightning_pipe.engine.policies.options import AsyncOptions, DoubleBufferOptions  # noqa: E402
 from lightning_pipe.engine.shm import SharedMemoryTransport  # noqa: E402
 from lightning_pipe.registry import SCHEDULES, names  # noqa: E402
@@ -97,7 +97,8 @@ class AsyncEngine(Variant):
         measured = self.cosine_every is not None and self.window % self.cosine_every == 0
         if self.cosine_every is not None:  # what PipeStrategy(grad_cosine_every=K) does on every K-th step
             self.policy.request_cosine(measured)
-        losses = self.executor.run(schedule, parts, first_micro_batch=self.window * self.micro_batches, carry_over=True)
+        window = RunOptions(first_micro_batch=self.window * self.micro_batches, carry_over=True)
+        losses = self.executor.run(schedule, parts, window)
         if logged or measured:  # and the read-back when the metrics are logged (here: every measured step, the worst case)
             self.policy.diagnostics()
         self.window += 1

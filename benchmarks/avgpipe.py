@@ -46,7 +46,7 @@ try:
 except ModuleNotFoundError:  # a source checkout without `pip install -e .`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from lightning_pipe.engine import Executor, SequentialStage, Transport, Watchdog, split_micro_batches
+from lightning_pipe.engine import Executor, RunOptions, SequentialStage, Transport, Watchdog, split_micro_batches
 from lightning_pipe.engine.policies import ElasticAveraging
 from lightning_pipe.engine.shm import SharedMemoryTransport
 from lightning_pipe.registry import build_schedule
@@ -125,7 +125,7 @@ class Runner:
 
     def step(self) -> None:
         step = None if self.variant.schedule == "avgpipe" else self.optimizer.step
-        self.executor.run(self.schedule, self.micro_batches, step=step)
+        self.executor.run(self.schedule, self.micro_batches, RunOptions(step=step))
         if step is not None:
             self.optimizer.zero_grad(set_to_none=True)
 

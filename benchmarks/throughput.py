@@ -71,7 +71,7 @@ try:
 except ModuleNotFoundError:  # running from a source checkout without `pip install -e .`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from lightning_pipe.engine import Executor, SequentialStage, Transport, Watchdog, split_micro_batches
+from lightning_pipe.engine import Executor, RunOptions, SequentialStage, Transport, Watchdog, split_micro_batches
 from lightning_pipe.engine.shm import SharedMemoryTransport
 from lightning_pipe.registry import build_schedule
 
@@ -353,7 +353,7 @@ class Engine(Variant):
 
     def step(self) -> Tensor | None:
         parts = split_micro_batches(self.batch, self.micro_batches)
-        losses = self.executor.run(self.schedule, parts, step=self._optimizer_step)
+        losses = self.executor.run(self.schedule, parts, RunOptions(step=self._optimizer_step))
         return torch.stack(losses).mean() if losses else None
 
 

@@ -1,6 +1,7 @@
 """The pipeline engine: runs schedules on ranks. Imports no Lightning; tests and benchmarks drive it directly.
 
-* :class:`Executor` runs one device's action list; :class:`Transport` moves activations and
+* :class:`Executor` runs one device's action list (:class:`RunOptions`: what a run needs beyond the
+  schedule and its micro-batches); :class:`Transport` moves activations and
   gradients; :class:`Watchdog` turns a failed or hung peer into a clear error. Their interfaces are the
   ``typing.Protocol``s :class:`ScheduleRunner` and :class:`MessageTransport`.
 * :class:`~lightning_pipe.engine.local.LocalPipeline` runs every device of a pipeline in one process.
@@ -11,7 +12,7 @@
 
 from lightning_pipe.engine.async_segments import AsyncSegments
 from lightning_pipe.engine.avgpipe_rounds import AvgPipeRounds, keeps_one_fifo_order
-from lightning_pipe.engine.executor import Executor, ScheduleRunner
+from lightning_pipe.engine.executor import Executor, RunOptions, ScheduleRunner
 from lightning_pipe.engine.p2p import MessageTransport, Transport
 from lightning_pipe.engine.recorder import ActionRecorder
 from lightning_pipe.engine.stage import SequentialStage, batch_size, run_layers, split_micro_batches
@@ -20,7 +21,7 @@ from lightning_pipe.engine.watchdog import Watchdog
 from lightning_pipe.errors import PeerFailure, PipelineTimeout, StageOutputError
 
 __all__ = [
-    "ActionRecorder", "AsyncSegments", "AvgPipeRounds", "Executor", "MessageTransport", "PeerFailure", "PipelineTimeout", "ScheduleRunner",
-    "SequentialStage", "StageOutputError", "Topology", "Transport", "Watchdog", "batch_size", "keeps_one_fifo_order", "run_layers",
-    "split_micro_batches",
+    "ActionRecorder", "AsyncSegments", "AvgPipeRounds", "Executor", "MessageTransport", "PeerFailure", "PipelineTimeout", "RunOptions",
+    "ScheduleRunner", "SequentialStage", "StageOutputError", "Topology", "Transport", "Watchdog", "batch_size",
+    "keeps_one_fifo_order", "run_layers", "split_micro_batches",
 ]

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_pipe.engine.executor import Executor
+from lightning_pipe.engine.executor import Executor, RunOptions
 from lightning_pipe.engine.policies import AsyncOptions, Clip, WeightPolicy
 from lightning_pipe.engine.policies.base import PolicyStates
 from lightning_pipe.schedules import async_schedule, validate_async
@@ -67,10 +67,9 @@ class AsyncSegments(PolicyStates):
             validate_async(self.name, self.stages, self.micro_batches, self.window + 1, size)
             self.short = size
         schedule = async_schedule(self.name, self.stages, self.micro_batches, self.window, size=size)
-        outputs = self.executor.run(
-            schedule, micro_batches, weights, scale_loss=scale_loss,
-            first_micro_batch=self.window * self.micro_batches, carry_over=True,
-        )
+        window = RunOptions(loss_weights=weights, scale_loss=scale_loss,
+                            first_micro_batch=self.window * self.micro_batches, carry_over=True)
+        outputs = self.executor.run(schedule, micro_batches, window)
         self.window += 1
         return outputs
 
@@ -83,7 +82,7 @@ class AsyncSegments(PolicyStates):
         if not self.window:
             return
         drain = async_schedule(self.name, self.stages, self.micro_batches, None, self.window, size=self.short)
-        self.executor.run(drain, [], carry_over=True)
+        self.executor.run(drain, [], RunOptions(carry_over=True))
         self.executor.finish()
         for policy in self.policies:
             policy.end_segment(self.window)

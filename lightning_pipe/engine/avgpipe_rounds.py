@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_pipe.engine.executor import Executor
+from lightning_pipe.engine.executor import Executor, RunOptions
 from lightning_pipe.engine.policies import AvgPipeOptions, Clip, ElasticAveraging
 from lightning_pipe.engine.policies.base import PolicyStates
 from lightning_pipe.engine.stage import batch_size, split_micro_batches
@@ -109,6 +109,6 @@ class AvgPipeRounds(PolicyStates):
         """One round: every replica's ``count`` micro-batches (replica-major), STEPs and AVGs."""
         self.executor.policy = self.policy
         try:
-            return self.executor.run(self.schedule(count), micro_batches, weights)
+            return self.executor.run(self.schedule(count), micro_batches, RunOptions(loss_weights=weights))
         finally:
             self.executor.policy = None

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from lightning_pipe.engine.avgpipe_rounds import AvgPipeRounds
+from lightning_pipe.engine.executor import RunOptions
 from lightning_pipe.engine.local import LocalPipeline, LocalTransport
 from lightning_pipe.engine.policies import AvgPipeOptions, Clip, ElasticAveraging
 from lightning_pipe.engine.stage_optimizers import HyperparameterMirror, group_names, stage_optimizer
@@ -86,7 +87,7 @@ class EmulatedAvgPipeRounds(AvgPipeRounds):
         for executor, policy in zip(executors, self.policies):
             executor.policy = policy
         try:
-            return self.pipeline.run(self.schedule(count), micro_batches, weights)
+            return self.pipeline.run(self.schedule(count), micro_batches, RunOptions(loss_weights=weights))
         finally:
             for executor in executors:
                 executor.policy = None

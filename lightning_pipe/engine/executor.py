@@ -26,7 +26,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager, nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, ContextManager, Protocol, runtime_checkable
 
 import torch
@@ -121,25 +121,51 @@ def _describe(value: Any) -> str:
     return type(value).__name__
 
 
+ActionWrapper = Callable[[], ContextManager[Any]]
+"""A context manager factory the executor enters around chosen actions (gradient reduction that overlaps them)."""
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    """What one run needs beyond the schedule and its micro-batches. The defaults suit a flushed step with no
+    loss scaling and no gradient reduction to overlap; :class:`~.local.LocalPipeline` takes the same options."""
+
+    loss_weights: Sequence[float] | None = None
+    """Each micro-batch loss is multiplied by its weight before backward, indexed like ``micro_batches``
+    (default ``1/M``, so accumulated gradients are the (replica's) mini-batch mean)."""
+    step: Callable[[], None] | None = None
+    """Called at every STEP action when there is no weight policy (e.g. ``optimizer.step``)."""
+    scale_loss: Callable[[Tensor], Tensor] | None = None
+    """Applied to the weighted loss before backward (fp16 loss scaling)."""
+    first_micro_batch: int = 0
+    """Stream index of ``micro_batches[0]`` (an asynchronous segment's later windows)."""
+    carry_over: bool = False
+    """Keep micro-batches in flight and sends pending after the run (asynchronous windows); call
+    :meth:`Executor.finish` after the segment's drain."""
+    last_backward: ActionWrapper | None = None
+    """Wraps this device's last backward of the run, after which its gradients are final (e.g.
+    :meth:`~lightning_pipe.engine.collectives.GradientReducer.armed`)."""
+    chunk_last_backward: ActionWrapper | None = None
+    """Wraps the last backward of each chunk of this device, after which the gradients of that chunk's own
+    layers are final (FSDP2's reduce-scatter, :mod:`~.sharding`)."""
+    chunk_early_forward: ActionWrapper | None = None
+    """Wraps every forward of a chunk but the one whose backward is the chunk's last: forwards whose backward
+    only adds to gradients that a later one completes (FSDP2 units kept gathered for the step run them
+    without FSDP2's hooks, :mod:`~.sharding`)."""
+
+    def without_wrappers(self) -> RunOptions:
+        """The same run with nothing entered around its actions (a pipeline emulated in one process, where
+        no reduction could overlap and there are no data-parallel copies to shard across)."""
+        return replace(self, last_backward=None, chunk_last_backward=None, chunk_early_forward=None)
+
+
 @runtime_checkable
 class ScheduleRunner(Protocol):
     """What runs a schedule for one training step (or one window of an asynchronous segment):
     :class:`Executor` (this device's list) and :class:`~.local.LocalPipeline` (every device's, in one process)
     conform structurally. Arguments and result as :meth:`Executor.run`."""
 
-    def run(
-        self,
-        schedule: Schedule,
-        micro_batches: Sequence[Any],
-        loss_weights: Sequence[float] | None = None,
-        step: Callable[[], None] | None = None,
-        scale_loss: Callable[[Tensor], Tensor] | None = None,
-        first_micro_batch: int = 0,
-        carry_over: bool = False,
-        last_backward: Callable[[], ContextManager[Any]] | None = None,
-        chunk_last_backward: Callable[[], ContextManager[Any]] | None = None,
-        chunk_early_forward: Callable[[], ContextManager[Any]] | None = None,
-    ) -> list[Any]:
+    def run(self, schedule: Schedule, micro_batches: Sequence[Any], options: RunOptions = RunOptions()) -> list[Any]:
         """Run the schedule's actions; what the last virtual stage returned for each micro-batch forwarded."""
         ...
 
@@ -167,7 +193,7 @@ class Executor:
         watchdog: bounds every wait; default: no error reports, 30 minutes.
         names: human names of the chunks for error messages (e.g. ``"stage 1 (trunk layers 4-7)"``).
         policy: the weight policy of an asynchronous schedule (``None``: the current weights, and
-            STEP calls the ``step`` given to :meth:`run`).
+            STEP calls the ``step`` of the run's :class:`RunOptions`).
         recorder: while ``recorder.enabled``, every action's start and end are recorded (a receive
             when its compute waits for it); ``None``: nothing is timed.
         shape_headers: ``"on_change"``: an activation carries its shapes only when its micro-batch's
@@ -199,6 +225,7 @@ class Executor:
         self.recorder = recorder
         self._recording: ActionRecorder | None = None
         self._started = 0.0
+        self._options = RunOptions()  # the current run's (begin)
         self._in_flight: dict[tuple[int, int, int], _InFlight] = {}  # (replica, chunk, micro-batch)
         # a split backward's W and the device of its graph, by the same key
         self._deferred: dict[tuple[int, int, int], tuple[Callable[[], None], torch.device | None]] = {}
@@ -213,55 +240,30 @@ class Executor:
             raise ValueError("a pipeline with more than one device needs a Transport.")
 
     # ------------------------------------------------------------------ public
-    def run(
-        self,
-        schedule: Schedule,
-        micro_batches: Sequence[Any],
-        loss_weights: Sequence[float] | None = None,
-        step: Callable[[], None] | None = None,
-        scale_loss: Callable[[Tensor], Tensor] | None = None,
-        first_micro_batch: int = 0,
-        carry_over: bool = False,
-        last_backward: Callable[[], ContextManager[Any]] | None = None,
-        chunk_last_backward: Callable[[], ContextManager[Any]] | None = None,
-        chunk_early_forward: Callable[[], ContextManager[Any]] | None = None,
-    ) -> list[Any]:
+    def run(self, schedule: Schedule, micro_batches: Sequence[Any], options: RunOptions = RunOptions()) -> list[Any]:
         """Run this device's actions for one step (or one window of an asynchronous segment).
 
         Args:
             schedule: the schedule (all devices run the same one).
             micro_batches: the micro-batches whose forwards this run starts; micro-batch ``g`` is
-                ``micro_batches[g - first_micro_batch]``. Only the first and last stage read them, but
+                ``micro_batches[g - options.first_micro_batch]``. Only the first and last stage read them, but
                 with ``shape_headers="on_change"`` every stage must be given the same ones: their shapes
                 decide, on both ends of a link, which activations carry a shape header. With
                 several replicas (avgpipe), replica ``r``'s micro-batch ``j`` is at ``r * M + j``
-                (``M = schedule.micro_batches``), and so are ``loss_weights``.
-            loss_weights: each micro-batch loss is multiplied by its weight before backward
-                (default ``1/M``), so accumulated gradients are the (replica's) mini-batch mean.
-            step: called at every STEP action when there is no weight policy (e.g. ``optimizer.step``).
-            scale_loss: applied to the weighted loss before backward (fp16 loss scaling).
-            first_micro_batch: stream index of ``micro_batches[0]``.
-            carry_over: keep micro-batches in flight and sends pending after the run (asynchronous
-                windows); call :meth:`finish` after the segment's drain.
-            last_backward: wraps this device's last backward of the run, after which its gradients
-                are final (e.g. :meth:`~lightning_pipe.engine.collectives.GradientReducer.armed`).
-            chunk_last_backward: wraps the last backward of each chunk of this device, after which the
-                gradients of that chunk's own layers are final (FSDP2's reduce-scatter, :mod:`~.sharding`).
-            chunk_early_forward: wraps every forward of a chunk but the one whose backward is the chunk's
-                last: forwards whose backward only adds to gradients that a later one completes (FSDP2 units
-                kept gathered for the step run them without FSDP2's hooks, :mod:`~.sharding`).
+                (``M = schedule.micro_batches``), and so are ``options.loss_weights``.
+            options: loss weights, the step without a weight policy, loss scaling, an asynchronous window's
+                place in its segment, and what to enter around chosen actions (:class:`RunOptions`).
 
         Returns:
             What the last virtual stage returned for every micro-batch forwarded in this run (in
             the order of ``micro_batches``), on the device holding it (the detached, unweighted loss when training; the raw output for
             a forward-only schedule); an empty list elsewhere.
         """
-        self.begin(schedule, micro_batches, loss_weights, scale_loss, first_micro_batch, carry_over, last_backward,
-                   chunk_last_backward, chunk_early_forward)
+        self.begin(schedule, micro_batches, options)
         try:
             for index in range(len(schedule.actions[self.device_index])):
-                self.execute(index, step)
-            return self.end(carry_over)
+                self.execute(index)
+            return self.end()
         except BaseException:
             self.abort()
             raise
@@ -280,34 +282,26 @@ class Executor:
     # ------------------------------------------------------------------ one action at a time
     # ``run`` is begin, execute every index, end. An in-process pipeline (engine/local.py) calls the
     # same three on several executors, interleaving their actions in one valid global order.
-    def begin(
-        self,
-        schedule: Schedule,
-        micro_batches: Sequence[Any],
-        loss_weights: Sequence[float] | None = None,
-        scale_loss: Callable[[Tensor], Tensor] | None = None,
-        first_micro_batch: int = 0,
-        carry_over: bool = False,
-        last_backward: Callable[[], ContextManager[Any]] | None = None,
-        chunk_last_backward: Callable[[], ContextManager[Any]] | None = None,
-        chunk_early_forward: Callable[[], ContextManager[Any]] | None = None,
-    ) -> None:
+    def begin(self, schedule: Schedule, micro_batches: Sequence[Any], options: RunOptions = RunOptions()) -> None:
         """Prepare a run (arguments as in :meth:`run`)."""
+        carry_over, loss_weights = options.carry_over, options.loss_weights
         if not carry_over and len(micro_batches) != schedule.micro_batches * schedule.replicas:
             raise ValueError(
                 f"schedule expects {schedule.micro_batches * schedule.replicas} micro-batches, got {len(micro_batches)}."
             )
         self._schedule = schedule
         self._micro_batches = micro_batches
-        self._first = first_micro_batch
+        self._options = options
+        self._first = options.first_micro_batch
         if not carry_over:  # a flushed run: every link starts empty on both sides
             self._shapes.reset()
         count = max(len(micro_batches) // schedule.replicas, 1)  # each replica's gradient is its mini-batch mean
         self._weights = list(loss_weights) if loss_weights is not None else [1.0 / count] * max(len(micro_batches), 1)
-        self._scale_loss = scale_loss
         # the last backward that accumulates weight gradients (a W, in a split one)
         backwards = [i for i, a in enumerate(schedule.actions[self.device_index])
                      if a.kind in (Kind.BACKWARD, Kind.BACKWARD_WEIGHT)]
+        last_backward, chunk_last_backward, chunk_early_forward = (
+            options.last_backward, options.chunk_last_backward, options.chunk_early_forward)
         self._last_backward = (backwards[-1], last_backward) if backwards and last_backward is not None else None
         actions = schedule.actions[self.device_index]
         last_of_chunk = {actions[i].chunk: i for i in backwards}
@@ -331,7 +325,7 @@ class Executor:
         # a weight policy's versions and a recording's action times need each W to run where it is dispatched
         self._overlap_w = self.policy is None and self._recording is None
 
-    def execute(self, index: int, step: Callable[[], None] | None = None) -> None:
+    def execute(self, index: int) -> None:
         """Run action ``index`` of this device's list (after :meth:`begin`, in list order)."""
         actions = self._schedule.actions[self.device_index]
         action = actions[index]
@@ -341,7 +335,7 @@ class Executor:
         if not (last or chunk_last or early):
             if action.kind not in _BESIDE_BACKGROUND_W:  # it adds to or reads weight gradients
                 WORKER.join()
-            self._execute(actions, index, action, step)
+            self._execute(actions, index, action)
             return
         WORKER.join()  # a gradient-reduction context sees every gradient it reduces complete
         overlap, self._overlap_w = self._overlap_w, False  # and a W it wraps runs inside it, here
@@ -353,24 +347,24 @@ class Executor:
                     wrapped.enter_context(self._chunk_last_backward[1]())  # type: ignore[index]
                 if early:
                     wrapped.enter_context(self._chunk_early_forward[1]())  # type: ignore[index]
-                self._execute(actions, index, action, step)
+                self._execute(actions, index, action)
         finally:
             self._overlap_w = overlap
 
-    def _execute(self, actions: Sequence[Action], index: int, action: Action, step: Callable[[], None] | None) -> None:
+    def _execute(self, actions: Sequence[Action], index: int, action: Action) -> None:
         if action.kind.is_compute:
             self._post_receives(actions, index)
         recording = self._recording
         if recording is None or action.kind.is_recv:  # receives are timed where they are waited for
-            self._dispatch(action, step)
+            self._dispatch(action)
             return
         self._started = recording.clock()
-        self._dispatch(action, step)
+        self._dispatch(action)
         recording.record(action, self._started, recording.clock())
 
-    def end(self, carry_over: bool = False) -> list[Any]:
+    def end(self) -> list[Any]:
         """Finish a run; return what :meth:`run` returns."""
-        if carry_over:
+        if self._options.carry_over:
             WORKER.join()  # the caller reads the gradients next (finish waits for it too)
         else:
             self.finish()
@@ -398,7 +392,7 @@ class Executor:
             self.watchdog.wait(work, "a peer to receive this stage's messages", stream_ordered=self._stream_ordered)
 
     # ------------------------------------------------------------------ actions
-    def _dispatch(self, action: Action, step: Callable[[], None] | None) -> None:
+    def _dispatch(self, action: Action) -> None:
         kind = action.kind
         if self.policy is not None and (kind.is_compute or kind in (Kind.STEP, Kind.AVG)):
             self.policy.select(action.replica)
@@ -441,8 +435,8 @@ class Executor:
         elif kind is Kind.STEP:
             if self.policy is not None:
                 self.policy.step()
-            elif step is not None:
-                step()
+            elif self._options.step is not None:
+                self._options.step()
         elif kind is Kind.AVG:
             if self.policy is None:
                 raise RuntimeError("an AVG action needs a weight policy that averages (engine.policies.averaging.ElasticAveraging).")
@@ -567,8 +561,8 @@ class Executor:
         """What backward starts from: the weighted (and scaled) loss, or the outputs that carry a gradient."""
         if grads is None:
             loss = flight.output * flight.weight
-            if self._scale_loss is not None:
-                loss = self._scale_loss(loss)
+            if self._options.scale_loss is not None:
+                loss = self._options.scale_loss(loss)
             return ([loss], [None]) if loss.requires_grad else ([], [])
         outputs = [t for t, m in zip(_as_tensors(flight.output), flight.header.metas) if is_differentiable(m)]
         return outputs, list(grads) if outputs else []

@@ -21,12 +21,12 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
-from typing import Any, ContextManager
+from typing import Any
 
 import torch
 from torch import Tensor
 
-from lightning_pipe.engine.executor import Executor
+from lightning_pipe.engine.executor import Executor, RunOptions
 from lightning_pipe.engine.p2p import ACTIVATION_TAG, GRADIENT_TAG, TAGS_PER_LANE, Header, TensorMeta, flatten_activation
 from lightning_pipe.engine.watchdog import Watchdog
 from lightning_pipe.errors import MessageMismatchError
@@ -198,31 +198,18 @@ class LocalPipeline:
     def policies(self) -> list[Any]:
         return [executor.policy for executor in self.executors]
 
-    def run(
-        self,
-        schedule: Schedule,
-        micro_batches: Sequence[Any],
-        loss_weights: Sequence[float] | None = None,
-        step: Callable[[], None] | None = None,
-        scale_loss: Callable[[Tensor], Tensor] | None = None,
-        first_micro_batch: int = 0,
-        carry_over: bool = False,
-        last_backward: Callable[[], ContextManager[Any]] | None = None,
-        chunk_last_backward: Callable[[], ContextManager[Any]] | None = None,
-        chunk_early_forward: Callable[[], ContextManager[Any]] | None = None,
-    ) -> list[Any]:
-        """Run every device's actions (arguments and result as :meth:`Executor.run`; ``step`` is
-        called at every device's STEP when it has no weight policy). ``last_backward`` is not used:
-        in one process nothing could overlap it, so a gradient reducer does all its work after the run;
-        nor are ``chunk_last_backward`` and ``chunk_early_forward`` (an emulated pipeline has no data-parallel copies
-        to shard across)."""
+    def run(self, schedule: Schedule, micro_batches: Sequence[Any], options: RunOptions = RunOptions()) -> list[Any]:
+        """Run every device's actions (arguments and result as :meth:`Executor.run`). Nothing is entered around
+        actions (``options.last_backward`` and the chunk wrappers are not used): in one process nothing could
+        overlap a gradient reduction, so a reducer does all its work after the run, and an emulated pipeline
+        has no data-parallel copies to shard across."""
         if (schedule.stages, schedule.chunks, schedule.placement) != (self.stages, self.chunks_per_stage, self.placement):
             raise ValueError(
                 f"this pipeline emulates {self.stages} stages × {self.chunks_per_stage} chunks placed {self.placement!r}; "
                 f"the schedule has {schedule.stages} × {schedule.chunks} placed {schedule.placement!r}."
             )
         for executor in self.executors:
-            executor.begin(schedule, micro_batches, loss_weights, scale_loss, first_micro_batch, carry_over)
+            executor.begin(schedule, micro_batches, options.without_wrappers())
         position = [0] * self.stages
         try:
             progress = True
@@ -231,14 +218,14 @@ class LocalPipeline:
                 for d, executor in enumerate(self.executors):
                     actions = schedule.actions[d]
                     while position[d] < len(actions) and self._may_run(schedule, d, actions[position[d]]):
-                        executor.execute(position[d], step)
+                        executor.execute(position[d])
                         position[d] += 1
                         progress = True
             stuck = [d for d in range(self.stages) if position[d] < len(schedule.actions[d])]
             if stuck:
                 where = ", ".join(f"stage {d} at {schedule.actions[d][position[d]]}" for d in stuck)
                 raise RuntimeError(f"the emulated pipeline cannot go on: {where} wait for messages never sent.")
-            outputs = [executor.end(carry_over) for executor in self.executors]
+            outputs = [executor.end() for executor in self.executors]
         except BaseException:
             self.abort()
             raise

@@ -21,7 +21,7 @@ at a time as it is materialized (``deferred``, :meth:`ShardedLayers.shard_initia
 Gradients are reduce-scattered once per step, not once per micro-batch: every unit runs with
 ``set_requires_gradient_sync(False)`` (FSDP2 sums the micro-batches' gradients unsharded) except
 inside :meth:`ShardedLayers.reducing`, which the executor enters around each chunk's last backward
-(:meth:`~lightning_pipe.engine.executor.Executor.run`'s ``chunk_last_backward``). A trunk layer
+(:class:`~lightning_pipe.engine.executor.RunOptions`' ``chunk_last_backward``). A trunk layer
 belongs to exactly one chunk, so every unit's last backward of the step runs inside it, and FSDP2
 reduce-scatters the sum into the sharded parameters' ``.grad`` (a ``DTensor``), averaged over the
 stage group like the ``"ddp"`` all-reduce.

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from lightning.pytorch import LightningModule
 from torch import Tensor
 
-from lightning_pipe.engine import Executor, Topology, Transport, Watchdog, batch_size, split_micro_batches
+from lightning_pipe.engine import Executor, RunOptions, Topology, Transport, Watchdog, batch_size, split_micro_batches
 from lightning_pipe.engine.local import LocalPipeline
 from lightning_pipe.engine.outside import OutsideParameters
 from lightning_pipe.engine.random_state import StepSeeds, derive_seed
@@ -277,7 +277,7 @@ class StagePipeline:
               last_backward: Callable[[], Any] | None = None, chunk_last_backward: Callable[[], Any] | None = None,
               chunk_early_forward: Callable[[], Any] | None = None) -> Ran:
         """One flushed step of the synchronous ``schedule`` (forwards only when not ``training``); ``last_backward``,
-        ``chunk_last_backward`` and ``chunk_early_forward`` as in :meth:`~lightning_pipe.engine.executor.Executor.run`."""
+        ``chunk_last_backward`` and ``chunk_early_forward`` as in :class:`~lightning_pipe.engine.executor.RunOptions`."""
         context = self.context
         scaler = getattr(context.precision_plugin, "scaler", None) if training else None
         accumulate = self.module.trainer.accumulate_grad_batches if training else 1
@@ -290,9 +290,10 @@ class StagePipeline:
             weights = [batch_size(mb) / n / accumulate for mb in micro_batches] if training else None
             plan = build_schedule(schedule, context.num_stages, len(micro_batches), context.options.chunks_per_stage,
                                   not training)
-            return self.executor.run(plan, micro_batches, weights, scale_loss=scaler.scale if scaler else None,
-                                     last_backward=last_backward, chunk_last_backward=chunk_last_backward,
-                                     chunk_early_forward=chunk_early_forward)
+            options = RunOptions(loss_weights=weights, scale_loss=scaler.scale if scaler else None,
+                                 last_backward=last_backward, chunk_last_backward=chunk_last_backward,
+                                 chunk_early_forward=chunk_early_forward)
+            return self.executor.run(plan, micro_batches, options)
 
         return self.run(hook, args, kwargs, training, split, launch)
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_pipe.engine import Executor, SequentialStage, Transport, Watchdog, split_micro_batches
+from lightning_pipe.engine import Executor, RunOptions, SequentialStage, Transport, Watchdog, split_micro_batches
 from lightning_pipe.engine.policies import AsyncOptions, DoubleBufferOptions, PipeDreamOptions, PipeMareOptions, XPipeOptions
 from lightning_pipe.partition import resolve_balance, stage_bounds
 from lightning_pipe.registry import SCHEDULES, names
@@ -97,10 +97,10 @@ def distributed(rank: int, world: int) -> dict:
             for window in range(windows):
                 mbs = split_micro_batches(data[t], micro_batches)
                 t += 1
-                got = executor.run(async_schedule(name, world, micro_batches, window), mbs, None,
-                                   first_micro_batch=window * micro_batches, carry_over=True)
+                got = executor.run(async_schedule(name, world, micro_batches, window), mbs,
+                                   RunOptions(first_micro_batch=window * micro_batches, carry_over=True))
                 losses += [float(x) for x in got]
-            executor.run(async_schedule(name, world, micro_batches, None, windows), [], carry_over=True)
+            executor.run(async_schedule(name, world, micro_batches, None, windows), [], RunOptions(carry_over=True))
             executor.finish()
             policy.end_segment(windows)
         out[(name, micro_batches, optimizer_kind, variant)] = {

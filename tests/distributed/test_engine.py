@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_pipe.engine import Executor, SequentialStage, Transport, Watchdog, split_micro_batches
+from lightning_pipe.engine import Executor, RunOptions, SequentialStage, Transport, Watchdog, split_micro_batches
 from lightning_pipe.engine.p2p import ChannelGroups
 from lightning_pipe.partition import resolve_balance, stage_bounds
 from lightning_pipe.registry import build_schedule
@@ -115,7 +115,7 @@ def _pipeline(rank: int, world: int, name: str, micro_batches: int, chunks: int,
     for batch in batches:
         mbs = split_micro_batches(batch, micro_batches)
         weights = [len(mb[0]) / len(batch[0]) for mb in mbs]
-        out = executor.run(schedule, mbs, weights, step=lambda: (opt.step(), opt.zero_grad()))
+        out = executor.run(schedule, mbs, RunOptions(loss_weights=weights, step=lambda: (opt.step(), opt.zero_grad())))
         if out:
             losses.append(sum(w * l.item() for w, l in zip(weights, out)))
     owned = {}

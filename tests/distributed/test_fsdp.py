@@ -194,7 +194,7 @@ def _interleaved_sharded_step(rank: int, world: int, reshard: str, unit: str, qu
     import torch.distributed as dist
     from torch import nn
 
-    from lightning_pipe.engine import Executor, SequentialStage, split_micro_batches
+    from lightning_pipe.engine import Executor, RunOptions, SequentialStage, split_micro_batches
     from lightning_pipe.engine.sharding import ShardedLayers
     from lightning_pipe.registry import build_schedule
 
@@ -228,8 +228,8 @@ def _interleaved_sharded_step(rank: int, world: int, reshard: str, unit: str, qu
 
     FSDPParamGroup.pre_forward = counted_pre_forward
     try:
-        executor.run(build_schedule("interleaved_1f1b", 1, 4, 2), split_micro_batches(batch[rank], 4),
-                     chunk_last_backward=sharded.reducing, chunk_early_forward=sharded.early_forward if quiet else None)
+        wrappers = RunOptions(chunk_last_backward=sharded.reducing, chunk_early_forward=sharded.early_forward if quiet else None)
+        executor.run(build_schedule("interleaved_1f1b", 1, 4, 2), split_micro_batches(batch[rank], 4), wrappers)
     finally:
         FSDPParamGroup.pre_forward = pre_forward
         for name, original in originals.items():
