@@ -18,6 +18,7 @@ import torch
 from lightning_pipe.engine.policies.saved_weights import BackwardWeights
 from lightning_pipe.errors import PipeConfigError
 from lightning_pipe.registry import names
+from tests.harness.benchmark_scripts import load_benchmark
 from tests.harness.lightning_run import train
 from tests.reference.async_cases import emulated, reference
 
@@ -107,14 +108,7 @@ def test_fp16_mixed_is_refused_with_an_asynchronous_schedule():
 def test_the_gpu_benchmark_runs_tiny_and_counts_host_syncs():
     """benchmarks/gpu.py on the GPU with the tiny model: every row timed, peak memory, host syncs and the allocator's
     calls to the driver counted."""
-    import importlib.util
-    import pathlib
-    import sys
-
-    path = pathlib.Path(__file__).parents[2] / "benchmarks" / "gpu.py"
-    loaded = importlib.util.spec_from_file_location("gpu_benchmark", path)
-    benchmark = sys.modules["gpu_benchmark"] = importlib.util.module_from_spec(loaded)  # its dataclass looks itself up
-    loaded.loader.exec_module(benchmark)
+    benchmark = load_benchmark("gpu")
     rows = benchmark.main(["--device", "cuda", "--tiny", "--variants", "plain", "accumulation", "1f1b", "zbv"])
     assert [r.variant for r in rows] == ["plain", "accumulation", "1f1b", "zbv"]
     for row in rows:

@@ -2,24 +2,15 @@
 
 from __future__ import annotations
 
-import importlib.util
 import math
-import pathlib
-import sys
 
 import pytest
 
-
-def load_benchmark():
-    path = pathlib.Path(__file__).parents[2] / "benchmarks" / "gpu.py"
-    spec = importlib.util.spec_from_file_location("gpu_benchmark", path)
-    module = sys.modules["gpu_benchmark"] = importlib.util.module_from_spec(spec)  # its dataclass looks itself up
-    spec.loader.exec_module(module)
-    return module
+from tests.harness.benchmark_scripts import load_benchmark
 
 
 def test_host_bound_counts_one_steps_python_calls_engine_calls_and_operations():
-    benchmark = load_benchmark()
+    benchmark = load_benchmark("gpu")
     rows = benchmark.main(["--host-bound", "--blocks", "4", "--warmup", "1", "--steps", "1", "--count",
                            "--variants", "accumulation", "1f1b", "zb_h1"])
     accumulation, one_f_one_b, zero_bubble = rows
@@ -36,7 +27,7 @@ def test_host_bound_counts_one_steps_python_calls_engine_calls_and_operations():
 def test_ablations_are_named_variants_of_their_schedule():
     """``SCHEDULE/ABLATION`` runs the schedule's options with the ablation's merged in (its patches apply during
     the run); an unknown ablation stops with the names there are."""
-    benchmark = load_benchmark()
+    benchmark = load_benchmark("gpu")
     chosen = ["accumulation", "pipemare", "pipemare/no-correction", "zbv/w-main-thread"]
     got = dict(benchmark.variants(4, chosen))
     assert list(got) == chosen
@@ -47,7 +38,7 @@ def test_ablations_are_named_variants_of_their_schedule():
 
 
 def test_allocator_events_are_per_step_differences_and_zero_where_torch_lacks_a_counter():
-    benchmark = load_benchmark()
+    benchmark = load_benchmark("gpu")
     before = {"num_device_alloc": 10, "num_device_free": 4, "num_alloc_retries": 0}
     after = {"num_device_alloc": 26, "num_device_free": 4, "num_alloc_retries": 2}
     assert benchmark.allocator_events(before, after, steps=8) == {
