@@ -46,6 +46,8 @@ class StageReport(L.Callback):
                 cells.append(f"stage {s}: staleness {float(staleness):.2f}, {int(copies)} weight copies")
         if cells:
             print("  " + "; ".join(cells))
+        else:  # the strategy logs its stage metrics on the steps Lightning logs
+            print(f"  stage metrics: none logged yet (every {trainer.log_every_n_steps} steps; this epoch had fewer)")
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:

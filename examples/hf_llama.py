@@ -88,12 +88,12 @@ class LlamaLM(L.LightningModule):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--schedule", default="1f1b", help="any lightning_pipe schedule (default 1f1b)")
-    parser.add_argument("--micro-batches", type=int, default=4)
-    parser.add_argument("--steps", type=int, default=300)
-    parser.add_argument("--batch-size", type=int, default=32)
-    parser.add_argument("--context", type=int, default=64)
-    parser.add_argument("--devices", type=int, default=2)
-    parser.add_argument("--out", default="lightning_logs/hf_llama")
+    parser.add_argument("--micro-batches", type=int, default=4, help="micro-batches per batch (default 4)")
+    parser.add_argument("--steps", type=int, default=300, help="optimizer steps (default 300)")
+    parser.add_argument("--batch-size", type=int, default=32, help="sequences per batch (default 32)")
+    parser.add_argument("--context", type=int, default=64, help="characters per sequence (default 64)")
+    parser.add_argument("--devices", type=int, default=2, help="processes, one stage each (default 2)")
+    parser.add_argument("--out", default="lightning_logs/hf_llama", help="logs and checkpoint folder (default %(default)s)")
     args = parser.parse_args()
     if not (CORPUS / "train.txt").exists():
         sys.exit(f"the Brown corpus is not installed in {CORPUS}; run: python benchmarks/lm_quality.py install")

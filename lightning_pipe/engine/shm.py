@@ -146,7 +146,7 @@ def remove_dead_jobs_files() -> int:
                 _unlink(os.path.join(SHM_DIR, name))
                 removed += 1
     if removed:
-        log.info(f"lightning_pipe: removed {removed} file(s) that killed jobs left in {SHM_DIR}")
+        log.info(f"removed {removed} file(s) that killed jobs left in {SHM_DIR}")
     return removed
 
 

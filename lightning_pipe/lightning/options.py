@@ -14,6 +14,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal, TypeVar
 
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+
 from lightning_pipe.engine.policies import (
     AsyncOptions,
     AvgPipeOptions,
@@ -173,7 +175,22 @@ def resolve(given: Mapping[str, Any], deprecated: Mapping[str, Any] | None = Non
             values[name] = bool(values[name])
     options = PipeOptions(**values, **groups)
     check(options)
+    warn_unused_groups(options)
     return options
+
+
+def warn_unused_groups(options: PipeOptions) -> None:
+    """Warn (rank 0) about each option group set away from its defaults that the run will not read: most
+    likely a schedule changed without its group, or a group meant for another schedule."""
+    for name, cls in _GROUPS.items():
+        if getattr(options, name) == cls():
+            continue
+        if name == "auto_balance" and options.balance != "auto":
+            rank_zero_warn(f"lightning_pipe: auto_balance=... is ignored, since balance={options.balance!r}; use "
+                           "balance='auto' to profile and plan the split, or remove auto_balance.")
+        elif name != "auto_balance" and name != options.schedule:
+            rank_zero_warn(f"lightning_pipe: {name}=... is ignored, since schedule={options.schedule!r} does not read it; "
+                           f"use schedule={name!r}, or remove {name}.")
 
 
 def check(options: PipeOptions) -> None:

@@ -43,3 +43,15 @@ def test_pipe_options_are_built_by_name():
 def test_the_lightning_base_is_not_asked_for_the_signature():
     # DDPStrategy's own signature is left alone by PipeStrategy's
     assert "ddp_comm_hook" in inspect.signature(DDPStrategy).parameters
+
+
+def test_a_group_the_run_will_not_read_is_named_in_a_warning(recwarn):
+    """``pipemare=...`` with ``schedule="xpipe"`` (a schedule changed without its group) trains as if it were not
+    there: the warning says so and what to change. A group left at its defaults, as LightningCLI passes it, is quiet."""
+    with pytest.warns(UserWarning, match=r"xpipe=\.\.\. is ignored, since schedule='pipemare' does not read it; use schedule='xpipe'"):
+        PipeStrategy(schedule="pipemare", xpipe={"prediction": "sgd"})
+    with pytest.warns(UserWarning, match=r"auto_balance=\.\.\. is ignored, since balance='uniform'; use balance='auto'"):
+        PipeStrategy(schedule="1f1b", auto_balance={"refine": False})
+    recwarn.clear()
+    PipeStrategy(schedule="pipemare", pipemare={"correction": False}, xpipe={}, balance="auto", auto_balance={"refine": False})
+    assert not [w for w in recwarn if "is ignored" in str(w.message)]
