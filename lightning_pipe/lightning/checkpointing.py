@@ -6,9 +6,11 @@ and the torch optimizer state of the unpartitioned module, so ``MyModule.load_fr
 and a plain one-device Trainer read the file as if it had been written without a pipeline. Loading
 slices the same structures by parameter name.
 
-Optimizer states are matched by parameter *name*: the merged state lists parameters in the
-module's ``named_parameters()`` order, which is the order a one-device optimizer built from
-``self.parameters()`` uses. The names are stored under ``"pipe_param_names"`` (torch ignores it).
+Optimizer states are matched by parameter *name*. The merged state lists each param group's parameters in
+the order ``configure_optimizers`` gave them for the whole module (:func:`configured_order`, asked once before
+the cut), which is the order a one-device optimizer's state has, so plain Lightning resumes it position by
+position; where that order is unknown, in the module's ``named_parameters()`` order (an optimizer built from
+``self.parameters()``). The names are stored under ``"pipe_param_names"`` (torch ignores it).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from torch import Tensor, nn
 
 from lightning_pipe.engine.stage_optimizers import group_names
 from lightning_pipe.errors import CheckpointFileError, CheckpointMismatchError
+from lightning_pipe.lightning import _compat
 
 if TYPE_CHECKING:
     from lightning_pipe.lightning.pipeline import StagePipeline
@@ -84,16 +87,43 @@ def merge_state_dicts(
     return merged
 
 
+def configured_order(module: nn.Module) -> list[list[str]] | None:
+    """The parameter names of each param group of the optimizer ``configure_optimizers`` builds for the whole
+    module, in the order it lists them: the positions of a one-device checkpoint's optimizer state. Asked while
+    every stage's layers are still in the module (parameters on the meta device are fine: nothing is allocated);
+    ``None`` where the hook cannot run then or builds several optimizers (the Trainer's own call reports those)."""
+    try:
+        optimizers = _compat.module_optimizers(module)
+        return group_names(optimizers[0], module) if len(optimizers) == 1 else None
+    except Exception:  # e.g. a hook that reads self.trainer.estimated_stepping_batches outside fit
+        return None
+
+
+def group_order_key(order: Sequence[Sequence[str]] | None, name_order: Sequence[str], groups: int) -> Any:
+    """``key(g, name)``: where ``name`` stands in param group ``g`` of the whole module's optimizer: its place in
+    ``order`` (:func:`configured_order`) when that has ``groups`` groups, then the module's parameter order."""
+    rank = {name: i for i, name in enumerate(name_order)}
+    places = [{n: i for i, n in enumerate(names)} for names in order] if order is not None and len(order) == groups else None
+
+    def key(g: int, name: str) -> tuple[int, int]:
+        place = places[g].get(name, len(places[g])) if places is not None else 0
+        return place, rank.get(name, len(rank))
+
+    return key
+
+
 def merge_optimizer_states(
-    parts: Sequence[tuple[Mapping[str, Any], list[list[str]]]], name_order: Sequence[str], owner: Mapping[str, int]
+    parts: Sequence[tuple[Mapping[str, Any], list[list[str]]]], name_order: Sequence[str], owner: Mapping[str, int],
+    order: Sequence[Sequence[str]] | None = None,
 ) -> dict[str, Any]:
     """One torch optimizer state_dict for the whole module from each stage's
-    ``(optimizer.state_dict(), parameter names per param group)``."""
-    rank = {name: i for i, name in enumerate(name_order)}
+    ``(optimizer.state_dict(), parameter names per param group)``, each group's parameters in ``order``
+    (:func:`configured_order`; ``None``: ``name_order``, the module's)."""
     first_state, first_names = parts[0]
+    key = group_order_key(order, name_order, len(first_state["param_groups"]))
     groups, state, all_names = [], {}, []
     for g, group in enumerate(first_state["param_groups"]):
-        names = sorted({n for _, names in parts for n in names[g]}, key=lambda n: rank.get(n, len(rank)))
+        names = sorted({n for _, names in parts for n in names[g]}, key=lambda n: key(g, n))
         indices = []
         for name in names:
             holders = [s for s, (_, per_group) in enumerate(parts) if name in per_group[g]]
@@ -110,7 +140,8 @@ def merge_optimizer_states(
 
 
 def slice_optimizer_state(
-    merged: Mapping[str, Any], local_names: list[list[str]], full_order: Sequence[str]
+    merged: Mapping[str, Any], local_names: list[list[str]], full_order: Sequence[str],
+    order: Sequence[Sequence[str]] | None = None,
 ) -> dict[str, Any]:
     """This stage's optimizer state_dict out of a merged (or one-device) one.
 
@@ -118,11 +149,13 @@ def slice_optimizer_state(
         merged: the checkpoint's optimizer state.
         local_names: parameter names of each param group of this stage's optimizer.
         full_order: the module's parameter names, used when the checkpoint has no names (it was
-            written by a one-device run whose optimizer was built from ``self.parameters()``).
+            written by a one-device run) and ``order`` does not fit it.
+        order: the whole module's optimizer's names per param group (:func:`configured_order`): a one-device
+            checkpoint's positions, when its groups have as many parameters.
     """
     names = merged.get(NAMES_KEY)
     if names is None:
-        names = _one_device_names(merged, local_names, full_order)
+        names = _one_device_names(merged, local_names, full_order, order)
     index_of = {name: i for i, name in enumerate(names)}
     flat = [i for g in merged["param_groups"] for i in g["params"]]
     groups, state, next_index = [], {}, 0
@@ -140,14 +173,16 @@ def slice_optimizer_state(
     return {"state": state, "param_groups": groups}
 
 
-def _one_device_names(merged: Mapping[str, Any], local_names: list[list[str]], full_order: Sequence[str]) -> list[str]:
+def _one_device_names(merged: Mapping[str, Any], local_names: list[list[str]], full_order: Sequence[str],
+                      order: Sequence[Sequence[str]] | None = None) -> list[str]:
     """The parameter names of a one-device optimizer state, which has none: where this optimizer holds as many
     parameters in each param group (one process holding every stage: the same ``configure_optimizers`` built both),
-    its own names position by position, whatever order its groups list them in; otherwise ``self.parameters()``'s
-    order, which :func:`check_state_shapes` then verifies."""
+    its own names position by position, whatever order its groups list them in; likewise the whole module's
+    optimizer (``order``); otherwise ``self.parameters()``'s order, which :func:`check_state_shapes` then verifies."""
     sizes = [len(g["params"]) for g in merged["param_groups"]]
-    if sizes == [len(group) for group in local_names]:
-        return [name for group in local_names for name in group]
+    for names in (local_names, order or []):
+        if sizes == [len(group) for group in names]:
+            return [name for group in names for name in group]
     if sum(sizes) != len(full_order):
         raise CheckpointMismatchError(
             f"the checkpoint's optimizer has {sum(sizes)} parameters but the module has {len(full_order)}; "
@@ -158,8 +193,9 @@ def _one_device_names(merged: Mapping[str, Any], local_names: list[list[str]], f
 
 def check_state_shapes(local: Mapping[str, Any], optimizer: torch.optim.Optimizer, names: list[list[str]]) -> None:
     """Refuse per-parameter optimizer state whose tensors do not have their parameter's shape: a one-device
-    checkpoint whose param groups list the parameters in another order than ``self.parameters()`` (groups chosen by
-    name) was matched to the wrong parameters, which the optimizer's step would fail on, or silently use."""
+    checkpoint whose param groups list the parameters in another order than the one assumed (:func:`configured_order`
+    could not ask ``configure_optimizers``, so ``self.parameters()``'s) was matched to the wrong parameters, which the
+    optimizer's step would fail on, or silently use."""
     state, index = local["state"], 0
     for group, names_in_group in zip(optimizer.param_groups, names):
         for p, name in zip(group["params"], names_in_group):
@@ -167,10 +203,10 @@ def check_state_shapes(local: Mapping[str, Any], optimizer: torch.optim.Optimize
                 if isinstance(value, torch.Tensor) and value.ndim > 0 and value.shape != p.shape:
                     raise CheckpointMismatchError(
                         f"the checkpoint's optimizer state {field!r} for {name} has shape {tuple(value.shape)}, not the "
-                        f"parameter's {tuple(p.shape)}: a one-device checkpoint whose param groups list the parameters in "
-                        "another order than self.parameters() can be resumed by one process (an emulated pipeline, "
-                        "devices=1) but not matched by name across processes; resume it emulated once and save, or load "
-                        "only its weights (model.load_state_dict(torch.load(path)['state_dict']))."
+                        f"parameter's {tuple(p.shape)}: the file's param groups list the parameters in another order than "
+                        "this run's optimizer (configure_optimizers as asked at setup, or self.parameters() where it could "
+                        "not be asked); resume with the configure_optimizers that wrote the file, runnable before fit "
+                        "starts, or load only its weights (model.load_state_dict(torch.load(path)['state_dict']))."
                     )
             index += 1
 
@@ -248,10 +284,12 @@ def optimizer_state(pipeline: StagePipeline, runtime: Runtime | None, optimizer:
     """One torch-format optimizer state for the whole module, on rank 0 (``{}`` elsewhere; collective)."""
     own = runtime.optimizer_parts() if runtime is not None else None
     if own is not None:  # an emulated pipeline holds every stage's optimizer share
-        return merge_optimizer_states(_cpu(own), pipeline.param_order, {})
+        return merge_optimizer_states(_cpu(own), pipeline.param_order, {}, pipeline.optimizer_order)
     names = local_param_names(pipeline.module, runtime, optimizer)
     parts = pipeline.gather_in_first_pipeline((_cpu(optimizer.state_dict()), names))
-    return merge_optimizer_states(parts, pipeline.param_order, pipeline.outside.owner()) if parts else {}
+    if not parts:
+        return {}
+    return merge_optimizer_states(parts, pipeline.param_order, pipeline.outside.owner(), pipeline.optimizer_order)
 
 
 def read(io: CheckpointIO, path: Any, weights_only: bool | None = None) -> dict[str, Any]:
@@ -299,7 +337,7 @@ def load_optimizer_state(
 ) -> None:
     """Load this rank's slice of a merged (or one-device) optimizer state into ``optimizer``."""
     names = local_param_names(pipeline.module, runtime, optimizer)
-    local = slice_optimizer_state(state, names, pipeline.param_order)
+    local = slice_optimizer_state(state, names, pipeline.param_order, pipeline.optimizer_order)
     check_state_shapes(local, optimizer, names)
     if pipeline.absent:  # a stand-in is never stepped: no state (it would be allocated at its full size)
         flat = [name for group in names for name in group]

@@ -25,6 +25,7 @@ from lightning_pipe.engine.recorder import ActionRecorder
 from lightning_pipe.engine.sharding import ShardedLayers, shard_optimizer_state
 from lightning_pipe.engine.stand_ins import is_absent, release, replace_outside, runs_outside_code
 from lightning_pipe.errors import PipeConfigError
+from lightning_pipe.lightning.checkpointing import configured_order
 from lightning_pipe.lightning.hook_logs import StageHookLogs
 from lightning_pipe.lightning.log_replay import LogCapture, combine, read_back_values, replay
 from lightning_pipe.lightning.logger_calls import LoggerCall, LoggerCalls, make_calls
@@ -95,6 +96,9 @@ class StagePipeline:
         self.released: list[tuple[str, torch.nn.Parameter]] = []  # absent since the first step
         self.key_order = key_order
         self.param_order = param_order
+        #: the whole module's optimizer's parameter names per param group, as configure_optimizers lists them
+        #: (checkpointing.configured_order, asked before the cut; None: unknown, the module's order stands in)
+        self.optimizer_order: list[list[str]] | None = None
         self.executor: Executor | LocalPipeline | None = None
         self.seen_batch = False  # a short batch is an error only before the first one
         self.batch_fingerprint: int | None = None  # of the batch this rank loaded for the step (engine.stage.batch_fingerprint)
@@ -114,11 +118,13 @@ class StagePipeline:
         layers = [Layer(type(layer).__name__, sum(p.numel() for p in layer.parameters())) for layer in trunk]  # before the cut
         key_order = list(module.state_dict().keys())
         param_order = [n for n, _ in module.named_parameters()]
+        optimizer_order = configured_order(module)
         if len(counts) > 1:
             check_tied_outside(module, name)
         partition = PartitionedTrunk(trunk, name, stage_bounds(counts), local, options.checkpoint_activations)
         outside = OutsideParameters(module, name, topology)
         pipeline = cls(context, module, partition, outside, list(counts), layers, key_order, param_order)
+        pipeline.optimizer_order = optimizer_order
         virtual = context.num_stages * options.chunks_per_stage
         if not context.emulating and not runs_outside_code(local, virtual, partition.looped):
             # a Sequential's middle stage: never reads the embedding, head, ... (docs/large-models.md)

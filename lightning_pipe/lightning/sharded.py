@@ -33,7 +33,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from lightning_pipe.engine import sharding
 from lightning_pipe.errors import CheckpointMismatchError
 from lightning_pipe.lightning import sharded_policy
-from lightning_pipe.lightning.checkpointing import NAMES_KEY, local_param_names
+from lightning_pipe.lightning.checkpointing import NAMES_KEY, group_order_key, local_param_names
 
 if TYPE_CHECKING:
     from lightning_pipe.lightning.pipeline import StagePipeline
@@ -130,7 +130,8 @@ def save(pipeline: StagePipeline, checkpoint: dict[str, Any], path: str | os.Pat
         groups = [[[n for stage in names for n in stage[i][g]] for g in range(len(o["param_groups"]))]
                   for i, o in enumerate(optimizers)]
         checkpoint["optimizer_groups"] = [o["param_groups"] for o in optimizers]
-        checkpoint[SHARDED_KEY] = {"key_order": pipeline.key_order, "param_order": pipeline.param_order, "groups": groups}
+        checkpoint[SHARDED_KEY] = {"key_order": pipeline.key_order, "param_order": pipeline.param_order, "groups": groups,
+                                   "optimizer_order": pipeline.optimizer_order}
         if policy is not None:
             checkpoint[SHARDED_KEY]["policy"] = (policy[0], sharded_policy.merge_skeletons([s for _, s in gathered]))
         torch.save(checkpoint, partial / META)
@@ -244,14 +245,15 @@ def consolidate_checkpoint(directory: str | os.PathLike[str], output: str | os.P
     if names.get("policy") is not None:  # the weight policy's state, merged as the single-file format has it
         key, skeleton = names["policy"]
         checkpoint[key] = sharded_policy.join(skeleton, tensors.get(sharded_policy.PREFIX, {}))
-    rank = {name: i for i, name in enumerate(names["param_order"])}
     states = []
     for i, groups in enumerate(checkpoint.pop("optimizer_groups", [])):
         stored = tensors["optim"].get(str(i), {})
+        # each group as configure_optimizers listed it for the whole module: a one-device optimizer's positions
+        key = group_order_key(names.get("optimizer_order") if i == 0 else None, names["param_order"], len(groups))
         state, out_groups, all_names = {}, [], []
-        for group, members in zip(groups, names["groups"][i]):
+        for g, (group, members) in enumerate(zip(groups, names["groups"][i])):
             indices = []
-            for name in sorted(set(members), key=lambda n: rank.get(n, len(rank))):
+            for name in sorted(set(members), key=lambda n: key(g, n)):
                 if name in stored:
                     state[len(all_names)] = stored[name]
                 indices.append(len(all_names))
