@@ -165,19 +165,17 @@ _UNUSED_IN_GRAPH = "appears to not have been used in the graph"
 
 
 def merge_outputs(outputs: Sequence[Any], sizes: Sequence[int]) -> Any:
-    """Concatenate batched tensors, average scalar tensors by micro-batch size, recurse into
-    dicts, lists and tuples; join lists of one entry per sample (ids, texts: :func:`_per_sample`); anything else
-    comes back as the list of per-micro-batch values."""
+    """What the step would have returned for the whole batch, from what it returned for each micro-batch of
+    ``sizes`` samples: tensors by :func:`_merge_tensors`; dicts, lists and tuples entry by entry; lists of one entry
+    per sample (ids, texts: :func:`_per_sample`) joined; anything else comes back as the list of per-micro-batch
+    values."""
     if len(outputs) == 1:
         return outputs[0]
     first = outputs[0]
     if first is None:
         return None
     if isinstance(first, Tensor):
-        if first.dim() == 0:
-            total = sum(sizes)
-            return sum(o.float() * (s / total) for o, s in zip(outputs, sizes)).to(first.dtype)
-        return torch.cat(list(outputs))
+        return _merge_tensors(outputs, sizes)
     if isinstance(first, Mapping):
         return type(first)({k: merge_outputs([o[k] for o in outputs], sizes) for k in first})
     if isinstance(first, list) and _per_sample(outputs, sizes):
@@ -185,6 +183,29 @@ def merge_outputs(outputs: Sequence[Any], sizes: Sequence[int]) -> Any:
     if isinstance(first, (list, tuple)) and not hasattr(first, "_fields"):
         return type(first)(merge_outputs(parts, sizes) for parts in zip(*outputs))
     return list(outputs)
+
+
+def _merge_tensors(outputs: Sequence[Tensor], sizes: Sequence[int]) -> Tensor:
+    """Rows per sample (each micro-batch's leading dimension a whole multiple ``k >= 1`` of its samples, the same
+    ``k`` for all: predictions, or tokens flattened) are concatenated. Any other tensor of one shape for every
+    micro-batch is a value of the batch, combined as one device computes it over the batch: a floating-point one
+    (a loss, an accuracy, a class-mean vector) as the size-weighted mean, an integer one (a count of correct
+    predictions) as the sum, a boolean one (``isnan().any()``) as the any. Tensors of other shapes are concatenated."""
+    first = outputs[0]
+    if first.dim() > 0:
+        multiples = {o.shape[0] // n if n > 0 and o.shape[0] % n == 0 else 0 for o, n in zip(outputs, sizes)}
+        rows_per_sample = len(multiples) == 1 and 0 not in multiples
+        if rows_per_sample or any(o.shape != first.shape for o in outputs):
+            return torch.cat(list(outputs))
+    stacked = torch.stack(list(outputs))
+    if first.dtype == torch.bool:
+        return stacked.any(0)
+    if not (first.is_floating_point() or first.is_complex()):
+        return stacked.sum(0)
+    weights = torch.tensor(sizes, dtype=torch.float64) / sum(sizes)
+    total = torch.promote_types(first.dtype, torch.float32)  # bf16/fp16 summed in float32, float64 kept
+    weights = weights.to(total).view(-1, *([1] * first.dim()))
+    return (stacked.to(total) * weights.to(stacked.device)).sum(0).to(first.dtype)
 
 
 def _per_sample(outputs: Sequence[Any], sizes: Sequence[int]) -> bool:

@@ -33,6 +33,24 @@ def test_lists_of_one_entry_per_sample_are_joined_and_fixed_structures_merged_by
     assert merge_outputs([2, 3], sizes) == [2, 3]  # a number of unknown meaning: per micro-batch
 
 
+def test_a_tensor_of_the_batch_is_combined_as_one_device_computes_it():
+    """Only rows per sample are concatenated; a count, a flag and a per-batch vector are the batch's (before, a
+    count was averaged and truncated to 0, and a class-mean vector came back once per micro-batch)."""
+    sizes = [4, 4, 2]
+    counts = [torch.tensor(3), torch.tensor(1), torch.tensor(2)]
+    assert merge_outputs(counts, sizes).item() == 6 and merge_outputs(counts, sizes).dtype == torch.int64
+    assert merge_outputs([torch.tensor(False), torch.tensor(True), torch.tensor(False)], sizes).item() is True
+    means = [torch.tensor([0.5, 0.5, 0.0]), torch.tensor([0.0, 0.5, 0.5]), torch.tensor([1.0, 0.0, 0.0])]
+    torch.testing.assert_close(merge_outputs(means, sizes), torch.tensor([0.4, 0.4, 0.2]))
+    exact = merge_outputs([torch.tensor(1 / 3, dtype=torch.float64), torch.tensor(0.1, dtype=torch.float64),
+                           torch.tensor(0.7, dtype=torch.float64)], sizes)
+    assert exact.dtype == torch.float64 and exact.item() == (1 / 3 * 4 + 0.1 * 4 + 0.7 * 2) / 10  # not rounded to float32
+    tokens = [torch.zeros(4 * 5), torch.zeros(4 * 5), torch.zeros(2 * 5)]  # 5 tokens per sample, flattened
+    assert merge_outputs(tokens, sizes).shape == (50,)
+    ragged = [torch.zeros(7), torch.zeros(9), torch.zeros(3)]  # tokens of unpadded sequences
+    assert merge_outputs(ragged, sizes).shape == (19,)
+
+
 class Predicting(L.LightningModule):
     def __init__(self) -> None:
         super().__init__()
@@ -44,7 +62,8 @@ class Predicting(L.LightningModule):
 
     def predict_step(self, batch, batch_idx):
         x, ids = batch
-        return {"ids": [f"sample{int(i)}" for i in ids], "out": self.trunk(x)}
+        out = self.trunk(x)
+        return {"ids": [f"sample{int(i)}" for i in ids], "out": out, "positive": (out > 0).sum(), "mean": out[:, :3].mean(0)}
 
 
 def test_predict_returns_one_devices_ids_and_outputs():
@@ -59,7 +78,8 @@ def test_predict_returns_one_devices_ids_and_outputs():
     assert [o["ids"] for o in got] == [o["ids"] for o in want] == [[f"sample{i}" for i in range(4)],
                                                                     [f"sample{i}" for i in range(4, 8)]]
     for g, w in zip(got, want):
-        torch.testing.assert_close(g["out"], w["out"])
+        for key in ("out", "positive", "mean"):
+            torch.testing.assert_close(g[key], w[key])
 
 
 def test_a_list_of_one_plain_value_per_sample_is_split_with_its_samples():
