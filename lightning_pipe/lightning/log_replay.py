@@ -182,11 +182,18 @@ def replay(module: LightningModule, records: list[LoggedValue], owner: bool, one
             continue
         value = record.value
         if isinstance(value, Tensor) and value.device == module.device:  # combined in this process
-            value = value.to(torch.float32)
+            value = value.to(logged_dtype())
         else:  # a fill, not a copy from host memory, which would wait for the device's queue
-            value = torch.full((), float(value), dtype=torch.float32, device=module.device)
+            value = torch.full((), float(value), dtype=logged_dtype(), device=module.device)
         options = {**record.options, "sync_dist": True} if one_pipeline else record.options
         module.log(record.name, value, batch_size=record.batch_size, **options)
+
+
+def logged_dtype() -> torch.dtype:
+    """The dtype a value logged in a step has on one device: the default dtype of the step's precision context
+    (float64 under "64-true"), no lower than float32, as Lightning keeps it."""
+    dtype = torch.get_default_dtype()
+    return dtype if dtype in (torch.float32, torch.float64) else torch.float32
 
 
 def _to_cpu(value: Any) -> Any:

@@ -326,8 +326,15 @@ class StagePipeline:
         one transfer per step (the other stages get host values) and every other rank fills its copy
         on its device.
         """
+        # the step's precision context, as around one device's training_step: "64-true" makes float64 the default
+        # dtype there, which the loss and the logged values keep
+        with self.context.precision_plugin.train_step_context():
+            return self._replayed_loss(ran)
+
+    def _replayed_loss(self, ran: Ran) -> Tensor:
         module = self.module
         loss: Tensor | float = 0.0
+        dtype = ran.outputs[0].dtype if ran.outputs else torch.get_default_dtype()  # the step's own loss dtype
         if ran.outputs:  # micro-batch weights as Python scalars: no host-to-device copy
             loss = torch.stack([l.detach().reshape(()).double() * (s / ran.size) for l, s in zip(ran.outputs, ran.sizes)]).sum()
         records, calls = combine(ran.capture.records, module, read_back=False), ran.logger_calls
@@ -338,8 +345,8 @@ class StagePipeline:
         replay(module, records, owner=self.holds_last_stage, one_pipeline=self.context.num_pipelines == 1)
         self._make_logger_calls(calls)
         if isinstance(loss, Tensor):
-            return loss.to(self.context.root_device, torch.get_default_dtype())
-        return torch.full((), loss, device=self.context.root_device)
+            return loss.to(self.context.root_device, dtype)
+        return torch.full((), loss, dtype=dtype, device=self.context.root_device)
 
     def _make_logger_calls(self, calls: list[LoggerCall]) -> None:
         """The step's calls to the loggers, made where the loggers write (:mod:`.logger_calls`)."""

@@ -81,3 +81,45 @@ def test_in_one_process_the_step_reads_nothing_back_to_the_host(monkeypatch):
     want = train({"devices": 1, "max_steps": 3, "epochs": 1, "batch_size": 16})
     assert [m["train_loss"] for m in got["metrics"]] == pytest.approx([m["train_loss"] for m in want["metrics"]], rel=1e-6)
     assert [m["seen"] for m in got["metrics"]] == [m["seen"] for m in want["metrics"]]
+
+
+@pytest.mark.parametrize("precision, dtype", [("64-true", torch.float64), ("32-true", torch.float32)])
+def test_the_step_s_loss_and_logged_values_keep_one_device_s_dtype(precision, dtype):
+    """Under "64-true" one device returns and logs the loss in float64; the pipeline rounded both to float32."""
+    import torch.nn.functional as F
+    from torch import nn
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from lightning_pipe import PipeStrategy
+
+    class Net(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.trunk = nn.Sequential(*[nn.Sequential(nn.Linear(6, 6), nn.Tanh()) for _ in range(4)])
+
+        def training_step(self, batch, batch_idx):
+            loss = F.mse_loss(self.trunk(batch[0]), batch[1])
+            self.log("train_loss", loss)
+            return loss
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    class Seen(L.Callback):
+        def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+            self.loss, self.logged = outputs["loss"], trainer.callback_metrics["train_loss"]
+
+    def fit(strategy: PipeStrategy | None) -> Seen:
+        seen, g = Seen(), torch.Generator().manual_seed(0)
+        data = TensorDataset(torch.randn(8, 6, generator=g), torch.randn(8, 6, generator=g))
+        trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=2, precision=precision, logger=False,
+                            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                            callbacks=[seen], **({"strategy": strategy} if strategy else {}))
+        trainer.fit(Net(), DataLoader(data, batch_size=8))
+        return seen
+
+    want, got = fit(None), fit(PipeStrategy(schedule="1f1b", stages=2, micro_batches=4))
+    for one_device, pipelined in ((want.loss, got.loss), (want.logged, got.logged)):
+        assert one_device.dtype == pipelined.dtype == dtype
+        torch.testing.assert_close(pipelined, one_device, rtol=1e-12 if dtype == torch.float64 else 1e-6, atol=0)
