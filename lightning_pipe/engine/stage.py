@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import itertools
+import warnings
 import zlib
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
@@ -62,12 +63,21 @@ def split_micro_batches(batch: Any, micro_batches: int) -> list[Any]:
     as the batch has samples, none a tensor) into the same parts.
 
     Other leaves are shared by all parts: plain values, 0-d tensors and tensors of another length (a collate's
-    class-weight vector). Parts differ in size by at most one sample, like ``torch.tensor_split``.
+    class-weight vector). Parts differ in size by at most one sample, like ``torch.tensor_split``. A tensor longer
+    than the first is shared too, with a warning: it may be the one with a row per sample, out of place.
     """
     try:
         samples = batch_size(batch)
     except ValueError:
         samples = -1
+    longer = sorted({leaf.shape[0] for leaf in batch_leaves(batch) if isinstance(leaf, Tensor) and leaf.dim() and leaf.shape[0] > samples})
+    if samples >= 0 and longer:
+        warnings.warn(
+            f"lightning_pipe: the batch's first tensor has {samples} row(s), so the batch is split as {samples} sample(s); "
+            f"it also holds tensors of {', '.join(map(str, longer))} rows, which every micro-batch receives whole. If one "
+            "of those holds a row per sample, put it first in the batch: the first tensor sets the batch size.",
+            stacklevel=2,
+        )
     sizes = [samples // micro_batches + (i < samples % micro_batches) for i in range(micro_batches)] if samples >= 0 else []
     starts = list(itertools.accumulate([0, *sizes]))
 

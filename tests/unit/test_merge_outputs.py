@@ -217,3 +217,13 @@ def test_a_step_that_returns_none_to_skip_a_batch_is_told_why_it_cannot():
         step_loss(None, "training_step")
     with pytest.raises(TypeError, match=r"returned dict; .* for every batch\.$"):
         step_loss({"logits": loss}, "training_step")
+
+
+def test_a_tensor_longer_than_the_first_is_named_in_a_warning(recwarn):
+    """The first tensor sets the batch size; a collate that puts a class prior before the inputs had the inputs shared
+    whole by every micro-batch and the step fail on shapes, with nothing said about why."""
+    with pytest.warns(UserWarning, match=r"first tensor has 3 row\(s\).*tensors of 16 rows.*put it first in the batch"):
+        split_micro_batches((torch.ones(3), torch.zeros(16, 2), torch.zeros(16)), 2)
+    recwarn.clear()
+    split_micro_batches((torch.zeros(16, 2), torch.ones(3), torch.zeros(16)), 2)  # the documented place of a prior
+    assert not [w for w in recwarn if "first tensor" in str(w.message)]
