@@ -163,11 +163,14 @@ def materialize(root: nn.Module, construction: MetaConstruction, initialiser: In
     if uninitialised:
         names = {id(m): n or "the LightningModule itself" for n, m in root.named_modules()}
         listing = ", ".join(f"{names.get(id(m), '?')} ({type(m).__name__})" for m in uninitialised[:8])
+        itself = any(m is root for m in uninitialised)
         raise PipeConfigError(
-            f"configure_model built modules on the meta device that have no reset_parameters(), so their weights "
-            f"cannot be created on this stage: {listing}. Give them a reset_parameters() method, or define "
-            f"{INIT_HOOK}(self, module) on your LightningModule (for a Hugging Face model: "
-            "self.model._init_weights(module)); docs/large-models.md."
+            f"the module was built on the meta device (in configure_model or under trainer.init_module()), and these of "
+            f"its modules hold tensors but have no reset_parameters(), so this stage cannot create their values: {listing}. "
+            f"Give them a reset_parameters() method, or define {INIT_HOOK}(self, module) on your LightningModule (for a "
+            "Hugging Face model: self.model._init_weights(module))"
+            + (f"; the LightningModule's own tensors (registered in its __init__) reach {INIT_HOOK} as module=self"
+               if itself else "") + "; docs/large-models.md."
         )
     for module in root.modules():  # every kept meta tensor, wherever it is referenced (tied weights too)
         for store in (module._parameters, module._buffers):

@@ -62,6 +62,21 @@ def test_a_module_without_an_initialiser_is_named_with_the_hook_to_supply():
     assert torch.equal(root.scale.gain, torch.ones(4))
 
 
+def test_the_modules_own_tensors_are_named_with_how_the_hook_reaches_them():
+    """A buffer the LightningModule registers itself (under trainer.init_module()) reaches the hook as module=self."""
+    class Root(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.register_buffer("scale", torch.full((3,), 2.0))
+
+    with MetaConstruction() as construction:
+        root = Root()
+    with pytest.raises(PipeConfigError, match=r"trainer.init_module\(\).*the LightningModule itself \(Root\).*as module=self"):
+        materialize(root, construction)
+    materialize(root, construction, lambda module: module.scale.fill_(2.0) if module is root else None)
+    assert torch.equal(root.scale, torch.full((3,), 2.0))
+
+
 @pytest.mark.parametrize("schedule", ["1f1b", "zb_h1"])
 def test_configure_model_on_four_emulated_stages_equals_one_device(schedule):
     common = {"max_steps": 4, "batch_size": 16, "model": {"optimizer": "adam", "configure": True}}
