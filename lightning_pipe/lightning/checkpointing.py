@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import re
+import warnings
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -93,7 +94,9 @@ def configured_order(module: nn.Module) -> list[list[str]] | None:
     every stage's layers are still in the module (parameters on the meta device are fine: nothing is allocated);
     ``None`` where the hook cannot run then or builds several optimizers (the Trainer's own call reports those)."""
     try:
-        optimizers = _compat.module_optimizers(module)
+        with warnings.catch_warnings():  # what Lightning says of the hook's result, it says at its own call
+            warnings.simplefilter("ignore")
+            optimizers = _compat.module_optimizers(module)
         return group_names(optimizers[0], module) if len(optimizers) == 1 else None
     except Exception:  # e.g. a hook that reads self.trainer.estimated_stepping_batches outside fit
         return None
