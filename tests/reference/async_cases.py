@@ -93,7 +93,8 @@ def reference(schedule: str, stages: int, micro: int, clip: float | None, interv
 def emulated(schedule: str, stages: int, micro: int, **config) -> dict:
     """The strategy's one-device emulation of ``stages`` stages, trained by the harness (``config`` as
     :func:`~tests.harness.lightning_run.train` reads it, ``accelerator`` included)."""
-    strategy = {"schedule": schedule, "micro_batches": micro, "stages": stages, **OPTIONS, **config.pop("strategy", {})}
+    groups = {name: value for name, value in OPTIONS.items() if name == schedule}  # a group the schedule reads
+    strategy = {"schedule": schedule, "micro_batches": micro, "stages": stages, **groups, **config.pop("strategy", {})}
     return train({"devices": 1, "epochs": EPOCHS, "batch_size": BATCH, "strategy": strategy,
                   "trainer": {"log_every_n_steps": 1, **config.pop("trainer", {})}, **config})
 
