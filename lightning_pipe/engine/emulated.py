@@ -84,3 +84,10 @@ class EmulatedAsyncSegments(AsyncSegments):
         policy = self.policies[stage]
         masters = {id(m): n for n, m in getattr(policy, "masters", {}).items()}
         return group_names(self.optimizers[stage], policy.root, masters)
+
+    def optimizer_parts(self) -> list[tuple[dict[str, Any], list[list[str]]]]:
+        """Every stage's optimizer state and :meth:`param_names`, as each process would save its own: with what
+        Lightning changed in its optimizer since the last window (an lr scheduler stepped at the epoch's end)
+        handed over first, as each process's own scheduler has already applied it."""
+        self._follow_original()
+        return [(optimizer.state_dict(), self.param_names(s)) for s, optimizer in enumerate(self.optimizers)]

@@ -96,3 +96,11 @@ class EmulatedAvgPipeRounds(AvgPipeRounds):
         """Parameter names of every param group of ``stage``'s optimizer (frozen parameters, which the policy leaves
         alone, too)."""
         return group_names(self.optimizers[stage], self.policies[stage].root)
+
+    def optimizer_parts(self) -> list[tuple[dict[str, Any], list[list[str]]]]:
+        """Every stage's optimizer state (holding replica 0's, as each process's optimizer does) and
+        :meth:`param_names`, with what Lightning changed in its optimizer since the last round handed over first
+        (an lr scheduler stepped after it), as each process's own scheduler has already applied it."""
+        if self._mirror is not None:
+            self._mirror.follow()
+        return [(optimizer.state_dict(), self.param_names(s)) for s, optimizer in enumerate(self.optimizers)]

@@ -198,6 +198,19 @@ def test_resume_continues_like_an_uninterrupted_run(schedule, options, tmp_path)
     plain.load_state_dict({k: v for k, v in saved["optimizer_states"][0].items() if k != "pipe_param_names"})
 
 
+@pytest.mark.parametrize("schedule", ["pipemare", "avgpipe"])
+def test_a_checkpoint_saved_just_after_an_epoch_scheduler_changed_the_lr_resumes_exactly(schedule, tmp_path):
+    """Lightning's epoch-interval StepLR halves the lr at the end of epoch 2; the stages' optimizers take it at the next
+    window, so the checkpoint saved in between held the old lr (resumed at 0.1 where the uninterrupted run had 0.05)."""
+    whole = emulated(schedule, 2, 2, model={"scheduler": True}, epochs=3)
+    ckpt = str(tmp_path / "epoch2.ckpt")
+    emulated(schedule, 2, 2, model={"scheduler": True}, epochs=2, ckpt_out=ckpt)
+    assert [g["lr"] for g in torch.load(ckpt, weights_only=False)["optimizer_states"][0]["param_groups"]] == [0.05]
+    resumed = emulated(schedule, 2, 2, model={"scheduler": True}, epochs=3, ckpt_path=ckpt)
+    for key, value in whole["state"].items():
+        assert torch.equal(resumed["state"][key], value), key
+
+
 @pytest.mark.parametrize("schedule", ["pipedream", "pipedream_2bw", "pipemare", "xpipe"])
 def test_a_stage_with_nothing_to_train_equals_the_reference(schedule):
     """Fine-tuning with the first stage frozen (its input layer and trunk layers): that stage's policy has no weights

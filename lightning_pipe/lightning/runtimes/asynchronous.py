@@ -233,7 +233,7 @@ class AsyncRuntime(BaseRuntime):
     def optimizer_parts(self) -> list[tuple[dict[str, Any], list[list[str]]]] | None:
         if not isinstance(self.segments, EmulatedAsyncSegments) or not self.segments.policies:
             return None
-        return [(o.state_dict(), self.segments.param_names(s)) for s, o in enumerate(self.segments.optimizers)]
+        return self.segments.optimizer_parts()
 
     def parameter_names(self) -> dict[int, str]:
         names: dict[int, str] = {}

@@ -115,7 +115,7 @@ class AvgPipeRuntime(BaseRuntime):
         rounds = self.rounds
         if not isinstance(rounds, EmulatedAvgPipeRounds) or not rounds.policies:
             return None
-        return [(optimizer.state_dict(), rounds.param_names(s)) for s, optimizer in enumerate(rounds.optimizers)]
+        return rounds.optimizer_parts()
 
     def restore(self, checkpoint: dict[str, Any]) -> None:
         state = checkpoint.get(AVGPIPE_STATE_KEY)
