@@ -12,7 +12,7 @@ import math
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal, TypeVar, get_args
 
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
@@ -24,6 +24,7 @@ from lightning_pipe.engine.policies import (
     PipeMareOptions,
     XPipeOptions,
 )
+from lightning_pipe.engine.policies.options import DecayRule, Prediction
 from lightning_pipe.errors import PipeConfigError
 from lightning_pipe.planning.auto_balance import AutoBalanceOptions
 from lightning_pipe.registry import DEFAULT, SCHEDULES, ScheduleSpec, names, spec
@@ -241,6 +242,36 @@ def check(options: PipeOptions) -> None:
         stale = ", ".join(map(repr, names("asynchronous")))
         raise PipeConfigError(f"grad_cosine_every={o.grad_cosine_every} measures how stale gradients turn, which only the "
                               f"schedules {stale} have; leave it at 0 for {o.schedule!r}.")
+    if not isinstance(o.quality_warning, bool):
+        raise PipeConfigError(f"quality_warning={o.quality_warning!r} must be True or False.")
+    _check_policy_groups(o)
+    _check_data_parallel(o)
+    _check_avgpipe(o)
+    _check_trace(o.trace_dir, o.trace_steps)
+    if o.shape_headers not in ("on_change", "always"):
+        raise PipeConfigError(f"shape_headers={o.shape_headers!r} is not known; use 'on_change' (send an activation's "
+                              "shapes only when its micro-batch's differ from the previous one's) or 'always'.")
+    if o.transport not in ("auto", "shared_memory", "process_group"):
+        raise PipeConfigError(f"transport={o.transport!r} is not known; use 'auto' (shared memory between CPU processes "
+                              "of one host where it works), 'shared_memory' or 'process_group' (torch.distributed).")
+
+
+def _check_policy_groups(o: PipeOptions) -> None:
+    """The asynchronous schedules' option groups: each value's type and range, so a typo fails here, not at the
+    first step (or never: ``correction="no"`` is truthy)."""
+    _check_flag("pipemare lr_reschedule", o.pipemare.lr_reschedule)
+    _check_flag("pipemare correction", o.pipemare.correction)
+    warmup = o.pipemare.lr_warmup_steps
+    if not isinstance(warmup, int) or isinstance(warmup, bool) or warmup < 1:
+        raise PipeConfigError(f"pipemare lr_warmup_steps={warmup!r} must be a whole number of optimizer steps, at least 1; "
+                              "to start every stage at the full learning rate, set lr_reschedule=False.")
+    gamma = o.pipemare.correction_decay
+    if not (isinstance(gamma, (int, float)) and not isinstance(gamma, bool) and 0 <= gamma < 1):
+        raise PipeConfigError(f"pipemare correction_decay={gamma!r} must be in [0, 1) (the average of recent updates keeps "
+                              "that share each STEP; 0.9, the default); to turn the correction off, set correction=False.")
+    if o.pipemare.correction_decay_rule not in get_args(DecayRule):
+        raise PipeConfigError(f"pipemare correction_decay_rule={o.pipemare.correction_decay_rule!r} is not known; use 'fixed' "
+                              "(every stage decays by correction_decay) or 'per_stage' (correction_decay ** (1 / delay)).")
     lookahead = o.pipedream_2bw.lookahead
     if not (isinstance(lookahead, (int, float)) and math.isfinite(lookahead) and lookahead >= 0):
         raise PipeConfigError(f"pipedream_2bw lookahead={lookahead!r} must be a number >= 0 (0: the paper's rule, "
@@ -254,25 +285,18 @@ def check(options: PipeOptions) -> None:
     if o.xpipe.distances not in ("paper", "exact"):
         raise PipeConfigError(f"xpipe distances={o.xpipe.distances!r} is not known; use 'paper' (XPipe's formulas) or "
                               "'exact' (predict the version each mini-batch's STEP updates).")
-    if not isinstance(o.quality_warning, bool):
-        raise PipeConfigError(f"quality_warning={o.quality_warning!r} must be True or False.")
-    if not isinstance(o.pipedream.vertical_sync, bool):
-        raise PipeConfigError(f"pipedream vertical_sync={o.pipedream.vertical_sync!r} must be True or False.")
-    if o.pipemare.correction_decay_rule not in ("fixed", "per_stage"):
-        raise PipeConfigError(f"pipemare correction_decay_rule={o.pipemare.correction_decay_rule!r} is not known; use 'fixed' "
-                              "(every stage decays by correction_decay) or 'per_stage' (correction_decay ** (1 / delay)).")
+    _check_flag("pipedream vertical_sync", o.pipedream.vertical_sync)
     if o.xpipe.momentum_direction not in ("buffer", "spectrain"):
         raise PipeConfigError(f"xpipe momentum_direction={o.xpipe.momentum_direction!r} is not known; use 'buffer' (SGD's "
                               "momentum buffer) or 'spectrain' (momentum * buffer + the last gradient).")
-    _check_data_parallel(o)
-    _check_avgpipe(o)
-    _check_trace(o.trace_dir, o.trace_steps)
-    if o.shape_headers not in ("on_change", "always"):
-        raise PipeConfigError(f"shape_headers={o.shape_headers!r} is not known; use 'on_change' (send an activation's "
-                              "shapes only when its micro-batch's differ from the previous one's) or 'always'.")
-    if o.transport not in ("auto", "shared_memory", "process_group"):
-        raise PipeConfigError(f"transport={o.transport!r} is not known; use 'auto' (shared memory between CPU processes "
-                              "of one host where it works), 'shared_memory' or 'process_group' (torch.distributed).")
+    if o.xpipe.prediction not in get_args(Prediction):
+        raise PipeConfigError(f"xpipe prediction={o.xpipe.prediction!r} is not known; use one of "
+                              f"{', '.join(map(repr, get_args(Prediction)))} ('auto': by the optimizer's type).")
+
+
+def _check_flag(name: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise PipeConfigError(f"{name}={value!r} must be True or False.")
 
 
 #: The schedules ``data_parallel="fsdp"`` runs (issue 33): synchronous ones whose backward is one autograd
@@ -310,7 +334,12 @@ def _check_data_parallel(o: PipeOptions) -> None:
 
 def _check_avgpipe(o: PipeOptions) -> None:
     a = o.avgpipe
-    for name, value in (("parallel_pipelines", a.parallel_pipelines), ("advance_forward", a.advance_forward)):
+    for name, value in (("parallel_pipelines", a.parallel_pipelines), ("advance_forward", a.advance_forward),
+                        ("period", a.period), ("trials", a.trials)):
+        whole = isinstance(value, int) and not isinstance(value, bool)
+        if not whole and not (value == "auto" and name in ("parallel_pipelines", "advance_forward")):
+            tuned = " or 'auto'" if name in ("parallel_pipelines", "advance_forward") else ""
+            raise PipeConfigError(f"avgpipe {name}={value!r} must be a whole number{tuned}.")
         if value == "auto" and o.spec.family != "averaging":
             raise PipeConfigError(f"avgpipe {name}='auto' needs schedule='avgpipe' (its tuner); {o.schedule!r} does not use it.")
     if a.parallel_pipelines != "auto" and a.parallel_pipelines < 1:

@@ -102,6 +102,13 @@ def test_bad_configuration(make, kwargs, match):
         ({"xpipe": {"momentum_direction": "nesterov"}}, "xpipe momentum_direction='nesterov' is not known; use 'buffer'"),
         ({"pipemare": {"correction_decay_rule": "adaptive"}}, "pipemare correction_decay_rule='adaptive' is not known; use 'fixed'"),
         ({"pipedream": {"vertical_sync": "yes"}}, "pipedream vertical_sync='yes' must be True or False"),
+        ({"xpipe": {"prediction": "adamw"}}, "xpipe prediction='adamw' is not known; use one of 'auto', 'adam'"),
+        ({"pipemare": {"correction": "no"}}, "pipemare correction='no' must be True or False"),  # a truthy string
+        ({"pipemare": {"lr_reschedule": "off"}}, "pipemare lr_reschedule='off' must be True or False"),
+        ({"pipemare": {"correction_decay": 1.5}}, r"pipemare correction_decay=1.5 must be in \[0, 1\).*correction=False"),
+        ({"pipemare": {"lr_warmup_steps": 0}}, "pipemare lr_warmup_steps=0 must be .* at least 1; .* lr_reschedule=False"),
+        ({"avgpipe": {"parallel_pipelines": "4"}}, "avgpipe parallel_pipelines='4' must be a whole number or 'auto'"),
+        ({"avgpipe": {"period": 1.5}}, "avgpipe period=1.5 must be a whole number"),
         ({"schedule": "pipedream", "delay_warmup_steps": -5}, "delay_warmup_steps=-5 must be a whole number, at least 0"),
         ({"schedule": "gpipe", "delay_warmup_steps": 50}, "delay_warmup_steps=50 warms up stages whose gradients are stale, "
                                                           "which only the schedules 'pipedream', .* have; leave it at 0 for 'gpipe'"),

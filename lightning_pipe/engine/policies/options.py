@@ -40,10 +40,10 @@ class PipeMareOptions:
     Args:
         lr_reschedule: T1: stage ``s`` starts at ``lr / tau_s`` and reaches ``lr`` geometrically over
             ``lr_warmup_steps`` of its optimizer steps (the last stage is unaffected).
-        lr_warmup_steps: length ``K`` of T1, in optimizer steps.
+        lr_warmup_steps: length ``K`` of T1, in optimizer steps (at least 1; ``lr_reschedule=False`` turns T1 off).
         correction: T2: backwards run with weights corrected by ``-tau * delta``, an exponential average
             of recent updates (one extra weight copy).
-        correction_decay: decay ``gamma`` of T2's average.
+        correction_decay: decay ``gamma`` of T2's average, in ``[0, 1)``.
         correction_decay_rule: ``"per_stage"`` (the default): stage ``s`` decays by
             ``correction_decay ** (1 / tau_hat_s)``, ``tau_hat_s`` its delay in STEPs (the form recorded
             for the paper, not verified against its text; docs/fidelity.md M6), so that a stage whose
