@@ -8,6 +8,7 @@ Every rank ends a step holding what the last stage logged and returned (:mod:`.l
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -36,6 +37,8 @@ from lightning_pipe.partition.split import PartitionedTrunk, check_tied_outside
 from lightning_pipe.planning.planner import Plan, format_bytes
 from lightning_pipe.registry import build_schedule
 from lightning_pipe.schedules.ir import locate_virtual_stage, virtual_stage_of
+
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from lightning_pipe.lightning.context import PipeContext
@@ -408,8 +411,12 @@ class StagePipeline:
                 "rank=trainer.global_rank // trainer.strategy.num_stages, world_size=trainer.strategy.num_pipelines "
                 "(docs/faq.md)."
             )
-        if stop:
-            trainer.should_stop = True
+        if bool(stop) != trainer.should_stop:  # the last stage's value decides, or the stages part ways and hang
+            if trainer.should_stop:
+                log.warning(f"stage {self.topology.stage} set trainer.should_stop = True in code the last stage does not "
+                            "run, so the pipeline goes on: every stage stops where the last stage's value says. Set it in "
+                            "the step's code after the trunk (the loss, the logged values), which the last stage runs.")
+            trainer.should_stop = bool(stop)
         return payload
 
     def gather_in_first_pipeline(self, obj: Any) -> list[Any] | None:

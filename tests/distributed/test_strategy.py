@@ -187,6 +187,19 @@ def test_should_stop_set_in_a_step_stops_every_stage_where_one_device_stops(sche
     assert [r["global_step"] for r in records] == [reference["global_step"]] * 2
 
 
+def test_should_stop_set_by_the_first_stage_alone_is_named_not_a_hang():
+    """Set in code before the trunk on rank 0 only, it used to stop that rank alone while the last stage went on to
+    the next step: both waited for each other until process_group_timeout (an hour). The last stage's value decides,
+    as the docs say, and the first stage says why its request did not stop the run."""
+    config = {"epochs": 1, "model": {"stop_at_step": 2, "stop_rank": 0}}
+    reference = train({"epochs": 1})
+    code, output, records = launch({**config, "devices": 2, "strategy": {"schedule": "1f1b", "micro_batches": 4, "timeout": 60}},
+                                   timeout=120)
+    assert code == 0, output[-3000:]
+    assert [r["global_step"] for r in records] == [reference["global_step"]] * 2
+    assert "stage 0 set trainer.should_stop = True in code the last stage does not run" in output
+
+
 @pytest.mark.parametrize("devices, pipelines", [(2, 1), (4, 2)])
 def test_all_gather_in_a_step_gathers_over_the_pipelines(devices, pipelines):
     """``self.all_gather`` in ``validation_step`` runs on the last stages only: it gathers over the pipelines

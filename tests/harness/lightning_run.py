@@ -45,7 +45,7 @@ class TrunkModel(L.LightningModule):
     def __init__(self, width: int = 16, depth: int = 6, classes: int = 4, optimizer: str = "sgd", fail_at: int = -1,
                  fail_rank: int = -1, tie: bool = False, scheduler: bool | str = False, fail_hook: str | None = None,
                  fault: dict | None = None, configure: bool = False, overflow: dict | None = None, late_use: int = -1,
-                 frozen: int = 0, stop_at_step: int = -1, stop_in_validation: bool = False,
+                 frozen: int = 0, stop_at_step: int = -1, stop_in_validation: bool = False, stop_rank: int = -1,
                  gather: bool = False, log_grad_norms: bool | str = False, logger_calls: bool = False,
                  mixup: bool = False, norms: bool = False):
         super().__init__()
@@ -63,6 +63,7 @@ class TrunkModel(L.LightningModule):
         self.overflow = overflow  # {"param": name, "step": s[, "rank": r]}: that parameter's gradient is inf at step s
         self.late_use = late_use  # from this step on, the head's code also trains the input layer's bias (-1: never)
         self.stop_at_step = stop_at_step  # from this step on, training_step's code after the trunk sets trainer.should_stop
+        self.stop_rank = stop_rank  # with stop_at_step: only this rank sets it, in code before the trunk (-1: after it)
         self.stop_in_validation = stop_in_validation  # validation_step sets trainer.should_stop (after the sanity check)
         self.gather = gather  # validation_step logs the mean and the size of self.all_gather(its loss)
         self.log_grad_norms = log_grad_norms  # on_before_optimizer_step ("after_backward": on_after_backward) logs grad_norm(self, 2)
@@ -176,6 +177,8 @@ class TrunkModel(L.LightningModule):
         if batch_idx == self.fail_at and self.global_rank == self.fail_rank:
             print(f"injecting raise on rank {self.global_rank} at step {batch_idx} at {time.time()}", flush=True)
             raise ZeroDivisionError(f"deliberate failure at batch {batch_idx}")
+        if 0 <= self.stop_at_step <= self.global_step and self.global_rank == self.stop_rank:
+            self.trainer.should_stop = True
         x, y = batch
         if self.mixup:  # the first stage mixes the inputs with these draws, the last stage the labels
             lam, order = float(np.random.beta(0.4, 0.4)), torch.randperm(len(x))
@@ -188,7 +191,7 @@ class TrunkModel(L.LightningModule):
         self.log("train_loss", loss, prog_bar=True)
         self.log("train_acc", (logits.argmax(1) == y).float().mean())
         self.log("seen", float(len(y)), reduce_fx="sum")
-        if 0 <= self.stop_at_step <= self.global_step:
+        if 0 <= self.stop_at_step <= self.global_step and self.stop_rank < 0:
             self.trainer.should_stop = True
         if self.logger_calls:  # the batch's first logit, straight to the CSV logger and to TensorBoard's writer
             first = float(logits[0, 0])
