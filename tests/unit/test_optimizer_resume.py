@@ -37,10 +37,11 @@ class Grouped(L.LightningModule):
                                   {"params": [p for n, p in named if n.endswith("bias")], "weight_decay": 0.0}], lr=1e-2)
 
 
-def fit(epochs: int, strategy: PipeStrategy | None = None, ckpt_in: str | None = None, ckpt_out: str | None = None) -> dict:
+def fit(epochs: int, strategy: PipeStrategy | None = None, ckpt_in: str | None = None, ckpt_out: str | None = None,
+        module: type[L.LightningModule] = Grouped) -> dict:
     g = torch.Generator().manual_seed(0)
     data = TensorDataset(torch.randn(32, 6, generator=g), torch.randint(0, 3, (32,), generator=g))
-    model = Grouped()
+    model = module()
     trainer = L.Trainer(accelerator="cpu", devices=1, max_epochs=epochs, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,
                         **({"strategy": strategy} if strategy else {}))
@@ -86,28 +87,14 @@ class Reordered(Grouped):
                                 lr=1e-2)
 
 
-def fit_reordered(epochs: int, strategy: PipeStrategy | None = None, ckpt_in: str | None = None,
-                  ckpt_out: str | None = None) -> dict:
-    g = torch.Generator().manual_seed(0)
-    data = TensorDataset(torch.randn(32, 6, generator=g), torch.randint(0, 3, (32,), generator=g))
-    model = Reordered()
-    trainer = L.Trainer(accelerator="cpu", devices=1, max_epochs=epochs, logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,
-                        **({"strategy": strategy} if strategy else {}))
-    trainer.fit(model, DataLoader(data, batch_size=8), ckpt_path=ckpt_in)
-    if ckpt_out:
-        trainer.save_checkpoint(ckpt_out)
-    return model.state_dict()
-
-
 def test_a_pipeline_checkpoint_resumes_on_one_device_whatever_order_the_param_groups_list(tmp_path):
     """Plain Lightning reads optimizer state by position: a pipeline's checkpoint lists each group as the whole
     module's configure_optimizers does, so the resumed run equals the uninterrupted one (before, each parameter got
     another one's Adam moments)."""
     ckpt = str(tmp_path / "pipeline.ckpt")
-    fit_reordered(1, PipeStrategy(schedule="1f1b", stages=2, micro_batches=2), ckpt_out=ckpt)
-    want = fit_reordered(2)
-    got = fit_reordered(2, ckpt_in=ckpt)
+    fit(1, PipeStrategy(schedule="1f1b", stages=2, micro_batches=2), ckpt_out=ckpt, module=Reordered)
+    want = fit(2, module=Reordered)
+    got = fit(2, ckpt_in=ckpt, module=Reordered)
     for key, value in want.items():
         torch.testing.assert_close(got[key], value, rtol=1e-5, atol=1e-6, msg=key)
 
@@ -116,8 +103,8 @@ def test_a_pipeline_checkpoint_resumes_on_one_device_whatever_order_the_param_gr
 def test_the_merged_optimizer_state_lists_each_group_as_configure_optimizers_does(tmp_path, schedule, sharded):
     """In the single file, and in a sharded directory consolidated into one."""
     ckpt = str(tmp_path / "pipeline.ckpt")
-    fit_reordered(1, PipeStrategy(schedule=schedule, stages=4, micro_batches=2, save_distributed_checkpoint=sharded),
-                  ckpt_out=ckpt)
+    fit(1, PipeStrategy(schedule=schedule, stages=4, micro_batches=2, save_distributed_checkpoint=sharded), ckpt_out=ckpt,
+        module=Reordered)
     if sharded:
         consolidate_checkpoint(ckpt, tmp_path / "one.ckpt")
         ckpt = str(tmp_path / "one.ckpt")
