@@ -79,10 +79,15 @@ class EmulatedAvgPipeRounds(AvgPipeRounds):
         self._mirror = HyperparameterMirror(optimizer, self.optimizers)
         return self.policies
 
-    def run_round(self, micro_batches: Sequence[Any], weights: Sequence[float], count: int) -> list[Any]:
-        """One round of every replica on every stage (arguments as :meth:`AvgPipeRounds.run_round`)."""
+    def _follow_original(self) -> None:
+        """Hyperparameters Lightning changed in its optimizer since the last look go to every stage's optimizer,
+        as each process's scheduler would change its own."""
         if self._mirror is not None:
             self._mirror.follow()
+
+    def run_round(self, micro_batches: Sequence[Any], weights: Sequence[float], count: int) -> list[Any]:
+        """One round of every replica on every stage (arguments as :meth:`AvgPipeRounds.run_round`)."""
+        self._follow_original()
         executors = self.pipeline.executors
         for executor, policy in zip(executors, self.policies):
             executor.policy = policy
@@ -101,6 +106,5 @@ class EmulatedAvgPipeRounds(AvgPipeRounds):
         """Every stage's optimizer state (holding replica 0's, as each process's optimizer does) and
         :meth:`param_names`, with what Lightning changed in its optimizer since the last round handed over first
         (an lr scheduler stepped after it), as each process's own scheduler has already applied it."""
-        if self._mirror is not None:
-            self._mirror.follow()
+        self._follow_original()
         return [(optimizer.state_dict(), self.param_names(s)) for s, optimizer in enumerate(self.optimizers)]

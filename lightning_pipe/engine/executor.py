@@ -292,7 +292,6 @@ class Executor:
         self._schedule = schedule
         self._micro_batches = micro_batches
         self._options = options
-        self._first = options.first_micro_batch
         if not carry_over:  # a flushed run: every link starts empty on both sides
             self._shapes.reset()
         count = max(len(micro_batches) // schedule.replicas, 1)  # each replica's gradient is its mini-batch mean
@@ -300,11 +299,11 @@ class Executor:
         # the last backward that accumulates weight gradients (a W, in a split one)
         backwards = [i for i, a in enumerate(schedule.actions[self.device_index])
                      if a.kind in (Kind.BACKWARD, Kind.BACKWARD_WEIGHT)]
-        last_backward, chunk_last_backward, chunk_early_forward = (
-            options.last_backward, options.chunk_last_backward, options.chunk_early_forward)
+        last_backward = options.last_backward
         self._last_backward = (backwards[-1], last_backward) if backwards and last_backward is not None else None
         actions = schedule.actions[self.device_index]
         last_of_chunk = {actions[i].chunk: i for i in backwards}
+        chunk_last_backward, chunk_early_forward = options.chunk_last_backward, options.chunk_early_forward
         self._chunk_last_backward = (set(last_of_chunk.values()), chunk_last_backward) if chunk_last_backward else None
         self._chunk_early_forward = None
         if chunk_early_forward is not None:
@@ -464,7 +463,7 @@ class Executor:
 
     def _slot(self, action: Action) -> int:
         """Index of the action's micro-batch in this run's ``micro_batches`` and ``loss_weights``."""
-        return action.replica * self._schedule.micro_batches + action.micro_batch - self._first
+        return action.replica * self._schedule.micro_batches + action.micro_batch - self._options.first_micro_batch
 
     def _forward(self, action: Action) -> None:
         chunk, mb = action.chunk, action.micro_batch
